@@ -1,0 +1,34 @@
+# Two entry points, both self-installing on a fresh Linux machine with Python >= 3.10:
+#   make demo   conversion report on the built-in demo model
+#   make test   the test suite (kernels through Triton's interpreter when there is no GPU)
+PYTHON ?= python3
+VENV ?= .venv
+# CPU build by default; override for a CUDA machine, e.g. `make test TORCH_SPEC=torch`.
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[hf]"
+	touch $@
+
+$(VENV)/.dev-installed: $(VENV)/.installed
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(BIN)/twell report
+
+test: $(VENV)/.dev-installed
+	$(BIN)/python -m pytest -q
+
+lint: $(VENV)/.dev-installed
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,157 @@
+"""The TwELL / hybrid layout: the executable spec every kernel is tested against.
+
+A hidden matrix h [M, N] is cut into column tiles of ``tile_n`` columns (the last one may be partial).
+Inside each (row, tile) the entries that survive the threshold are packed, in column order, to the
+front of ``slots = tile_n // compression`` slots holding the value and the tile-local column index,
+and the true count is kept per (row, tile). A row whose count exceeds ``slots`` in any tile overflows:
+the hybrid form routes it *whole* into a dense backup matrix, with its row id, so no value is dropped.
+
+Layout (chosen for the kernels, see twell/kernels):
+    values   [M, n_tiles, slots]  dtype of h; slots past the count hold 0
+    indices  [M, n_tiles, slots]  int16, column inside the tile (global column = tile * tile_n + index);
+                                  tile-local indices lift the 16-bit global-index limit of the reference
+                                  code: any N works, tile_n <= 32768
+    counts   [M, n_tiles]         int32, true number of kept entries (may exceed slots)
+    overflow_rows [R]             int64, ascending: rows with some count > slots
+    dense    [R, N]               dtype of h, the thresholded overflow rows
+
+For overflow rows the ELL part holds the first ``slots`` entries of each tile but consumers must ignore
+it: the dense backup is authoritative. "Kept" means ``not (h <= threshold)``: ReLU semantics, NaN kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_TILE_N = 256
+DEFAULT_COMPRESSION = 8
+MAX_TILE_N = 32768  # tile-local indices are int16
+
+
+def check_layout(tile_n: int, compression: int) -> int:
+    """Validate a (tile_n, compression) pair and return the number of slots per tile."""
+    for name, value in (("tile_n", tile_n), ("compression", compression)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if tile_n > MAX_TILE_N:
+        raise ValueError(f"tile_n must be <= {MAX_TILE_N} (int16 tile-local indices), got {tile_n}")
+    if tile_n % compression:
+        raise ValueError(
+            f"tile_n must be divisible by compression, got tile_n={tile_n}, compression={compression}"
+        )
+    return tile_n // compression
+
+
+def kept_mask(h: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Entries that survive the activation: not (h <= threshold). NaN survives, as in torch.relu."""
+    return ~(h <= threshold)
+
+
+@dataclass
+class TwELL:
+    """Hybrid TwELL matrix. See the module docstring for the layout."""
+
+    values: torch.Tensor
+    indices: torch.Tensor
+    counts: torch.Tensor
+    overflow_rows: torch.Tensor
+    dense: torch.Tensor
+    shape: tuple[int, int]
+    tile_n: int
+    threshold: float = 0.0
+
+    @property
+    def slots(self) -> int:
+        return self.values.shape[-1]
+
+    @property
+    def n_tiles(self) -> int:
+        return self.counts.shape[-1]
+
+    @property
+    def compression(self) -> int:
+        return self.tile_n // self.slots
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all arrays together (what storing this activation costs)."""
+        arrays = (self.values, self.indices, self.counts, self.overflow_rows, self.dense)
+        return sum(a.numel() * a.element_size() for a in arrays)
+
+    def nnz_per_row(self) -> torch.Tensor:
+        """[M] int64: number of kept entries in each row (exact, overflow rows included)."""
+        return self.counts.sum(dim=1, dtype=torch.int64)
+
+    def stats(self) -> dict:
+        """Nonzeros per row (mean, max), max per tile, overflow rows and the storage size."""
+        m, n = self.shape
+        nnz = self.nnz_per_row()
+        return {
+            "rows": m,
+            "cols": n,
+            "tile_n": self.tile_n,
+            "slots": self.slots,
+            "nnz_per_row_mean": nnz.double().mean().item() if m else 0.0,
+            "nnz_per_row_max": int(nnz.max().item()) if m else 0,
+            "max_per_tile": int(self.counts.max().item()) if self.counts.numel() else 0,
+            "overflow_rows": int(self.overflow_rows.numel()),
+            "density": nnz.double().sum().item() / max(m * n, 1),
+            "nbytes": self.nbytes,
+        }
+
+
+def pack(
+    h: torch.Tensor,
+    *,
+    tile_n: int = DEFAULT_TILE_N,
+    compression: int = DEFAULT_COMPRESSION,
+    threshold: float = 0.0,
+) -> TwELL:
+    """Pack h [M, N] into hybrid TwELL, keeping entries > threshold (threshold 0 is ReLU)."""
+    if not isinstance(h, torch.Tensor):
+        raise TypeError(f"h must be a torch.Tensor, got {type(h).__name__}")
+    if h.dim() != 2:
+        raise ValueError(f"h must have shape [M, N] (2 dims), got {h.dim()} dims: {tuple(h.shape)}")
+    if not h.is_floating_point():
+        raise TypeError(f"h must be a floating-point tensor (fp32, fp16, bf16), got {h.dtype}")
+    slots = check_layout(tile_n, compression)
+    m, n = h.shape
+    n_tiles = -(-n // tile_n)
+    keep = kept_mask(h, threshold)
+    pad = n_tiles * tile_n - n
+    hp = torch.nn.functional.pad(h, (0, pad)).view(m, n_tiles, tile_n)
+    keepp = torch.nn.functional.pad(keep, (0, pad), value=False).view(m, n_tiles, tile_n)
+
+    counts = keepp.sum(dim=-1, dtype=torch.int32)
+    # A stable sort on "not kept" moves the kept columns to the front, in column order.
+    order = torch.argsort((~keepp).to(torch.int8), dim=-1, stable=True)[..., :slots]
+    valid = torch.arange(slots, device=h.device) < counts.unsqueeze(-1)
+    values = torch.where(valid, torch.gather(hp, -1, order), torch.zeros((), dtype=h.dtype, device=h.device))
+    indices = torch.where(valid, order, 0).to(torch.int16)
+
+    overflow_rows = torch.nonzero((counts > slots).any(dim=1)).flatten()
+    dense = torch.where(keep[overflow_rows], h[overflow_rows], torch.zeros((), dtype=h.dtype, device=h.device))
+    return TwELL(values, indices, counts, overflow_rows, dense, (m, n), tile_n, float(threshold))
+
+
+def unpack(t: TwELL) -> torch.Tensor:
+    """Dense [M, N] matrix of a TwELL: the thresholded input of pack(), bit for bit."""
+    if not isinstance(t, TwELL):
+        raise TypeError(f"unpack expects a TwELL, got {type(t).__name__}")
+    m, n = t.shape
+    slots, n_tiles = t.slots, t.n_tiles
+    out = torch.zeros(m, n_tiles * t.tile_n, dtype=t.values.dtype, device=t.values.device)
+    valid = torch.arange(slots, device=out.device) < t.counts.unsqueeze(-1)
+    tile_base = (torch.arange(n_tiles, device=out.device) * t.tile_n).view(1, n_tiles, 1)
+    cols = (t.indices.long() + tile_base).masked_fill(~valid, 0)
+    # Padding slots add an exact 0 to column 0 of their tile; every kept column receives one value.
+    out.scatter_add_(1, cols.view(m, -1), torch.where(valid, t.values, 0).view(m, -1))
+    out = out[:, :n]
+    if t.overflow_rows.numel():
+        out[t.overflow_rows] = t.dense
+    return out
+
+
+__all__ = ["TwELL", "pack", "unpack", "check_layout", "kept_mask", "DEFAULT_TILE_N", "DEFAULT_COMPRESSION"]

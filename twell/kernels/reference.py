@@ -1,0 +1,52 @@
+"""Plain PyTorch forms of the FFNs twell serves: the CPU implementation of the ops, the dense fallback
+of the CUDA path and, upcast to float64, the reference every kernel is tested against.
+
+Activation with threshold t (FATReLU; t = 0 is ReLU): keep v where not (v <= t), else 0. NaN is kept,
+as torch.relu keeps it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def thresholded_relu(v: torch.Tensor, threshold: float) -> torch.Tensor:
+    if threshold == 0.0:
+        return torch.relu(v)
+    return torch.where(v <= threshold, torch.zeros((), dtype=v.dtype, device=v.device), v)
+
+
+def gated_ffn(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    gate_bias: torch.Tensor | None = None,
+    up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    threshold: float = 0.0,
+    drelu: bool = False,
+) -> torch.Tensor:
+    """y = down(act(gate(x)) * up(x)); with drelu, ReLU on up(x) too. nn.Linear weight layouts."""
+    hidden = thresholded_relu(F.linear(x, gate_weight, gate_bias), threshold)
+    up = F.linear(x, up_weight, up_bias)
+    if drelu:
+        up = torch.relu(up)
+    return F.linear(hidden * up, down_weight, down_bias)
+
+
+def ffn(
+    x: torch.Tensor,
+    up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    threshold: float = 0.0,
+    squared: bool = False,
+) -> torch.Tensor:
+    """y = down(act(up(x))); with squared, act is relu² (Primer / Nemotron)."""
+    hidden = thresholded_relu(F.linear(x, up_weight, up_bias), threshold)
+    if squared:
+        hidden = hidden * hidden
+    return F.linear(hidden, down_weight, down_bias)
