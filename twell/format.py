@@ -38,9 +38,7 @@ def check_layout(tile_n: int, compression: int) -> int:
     if tile_n > MAX_TILE_N:
         raise ValueError(f"tile_n must be <= {MAX_TILE_N} (int16 tile-local indices), got {tile_n}")
     if tile_n % compression:
-        raise ValueError(
-            f"tile_n must be divisible by compression, got tile_n={tile_n}, compression={compression}"
-        )
+        raise ValueError(f"tile_n must be divisible by compression, got tile_n={tile_n}, compression={compression}")
     return tile_n // compression
 
 

@@ -143,8 +143,10 @@ def _dense_backward(reference_fn, n_tensors: int):
 
     def backward(ctx, grad):
         saved = ctx.saved_tensors
-        leaves = [t.detach().requires_grad_(need) if t is not None else None
-                  for t, need in zip(saved, ctx.needs_input_grad[:n_tensors])]
+        leaves = [
+            t.detach().requires_grad_(need) if t is not None else None
+            for t, need in zip(saved, ctx.needs_input_grad[:n_tensors], strict=True)
+        ]
         with torch.enable_grad():
             out = reference_fn(*leaves, *ctx.scalars)
         wanted = [t for t in leaves if t is not None and t.requires_grad]
