@@ -60,6 +60,17 @@ def _neuron_rates(n: int, density: float, dead_fraction: float, gen: torch.Gener
     return (rates * density * n / rates.sum()).clamp(max=0.5)
 
 
+def _ffn_inputs(model, mlp, tokens) -> torch.Tensor:
+    """[tokens, hidden]: what `mlp` receives when the model runs on `tokens`."""
+    captured = []
+    handle = mlp.register_forward_pre_hook(lambda _module, args: captured.append(args[0]))
+    try:
+        model(tokens)
+    finally:
+        handle.remove()
+    return captured[0].reshape(-1, captured[0].shape[-1])
+
+
 @torch.no_grad()
 def build_demo_model():
     """The demo LlamaForCausalLM (float32, eval mode), deterministic for a given torch version."""
@@ -73,7 +84,7 @@ def build_demo_model():
     embed[:, 0] = BIAS_CHANNEL_VALUE
     tokens = torch.randint(0, embed.shape[0], CALIBRATION_TOKENS, generator=gen)
 
-    for layer, density, dead_fraction in zip(model.model.layers, LAYER_DENSITIES, DEAD_FRACTIONS):
+    for layer, density, dead_fraction in zip(model.model.layers, LAYER_DENSITIES, DEAD_FRACTIONS, strict=True):
         layer.self_attn.o_proj.weight[0].zero_()
         mlp = layer.mlp
         mlp.down_proj.weight[0].zero_()
@@ -82,11 +93,7 @@ def build_demo_model():
         gate.normal_(0.0, k**-0.5, generator=gen)
         gate[:, 0] = 0.0
 
-        captured = []
-        handle = mlp.register_forward_pre_hook(lambda _m, args: captured.append(args[0].reshape(-1, k)))
-        model(tokens)
-        handle.remove()
-        x = captured[0].double()
+        x = _ffn_inputs(model, mlp, tokens).double()
         # Pre-activation per unit of the bias channel: the neuron fires where z > -bias * x0.
         z = (x @ gate.double().t()) / x[:, :1]
         rates = _neuron_rates(n, density, dead_fraction, gen)

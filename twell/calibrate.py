@@ -1,0 +1,782 @@
+"""Calibration: measure each FFN's activation sparsity, decide where twell pays, and save the decisions.
+
+    candidates = twell.passes.find_ffns(model)
+    decisions = twell.calibrate.calibrate(model, candidates, batches)   # {Candidate.path: Decision}
+    save_plan(decisions, candidates, "plan.json"); load_plan("plan.json", candidates)
+
+Measurement: forward hooks on each candidate's ``gate_module`` (the linear whose output, the
+pre-activation, is thresholded) count, per call, the entries that survive ``not (h <= threshold)``:
+nonzeros per row, per (row, tile) for each candidate tile width, per neuron. Prefill-shaped calls
+(many tokens per sequence) and decode-shaped calls (one token per sequence, from a few greedy cached
+decode steps after each batch) are kept apart. A second, hook-free run of a few batches times each
+FFN module against the whole model to get the FFN share of model time.
+
+Decision, per layer: the TwELL layout (tile width, compression) with the fewest slots whose overflow
+rows stay under ``max_overflow``; then the cost model's predicted FFN speedup at the measured density;
+rewrite when it reaches ``min_speedup``. Cost models:
+
+- ``AnalyticCostModel`` (CPU, or no GPU): a documented density threshold. The twell/dense time ratio is
+  ``a + b * density``, fitted to the reference TwELL kernel's H200 measurements in PAPER.md (K=2048,
+  N=5632: 1.65x at 0.50%, 1.19x at 0.99%, 0.74x at 2.04% density; the fit reproduces all three within
+  1%). Break-even is at 1.3% density; with the default ``min_speedup`` of 1.05, layers at or under
+  1.2% are rewritten. On the CPU twell runs plain PyTorch, so this predicts GPU behaviour, not CPU time.
+- ``BenchmarkCostModel`` (CUDA): times dense PyTorch against ``torch.ops.twell.*`` at the layer's shape
+  and measured density (synthetic inputs: a gate threshold at the normal quantile that keeps that
+  density), cached on disk per GPU name / dtype / shape / density bucket. The timer is injectable, so
+  the model is testable without a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from twell.format import DEFAULT_TILE_N, check_layout, kept_mask
+
+PLAN_FORMAT = "twell-plan"
+PLAN_VERSION = 1
+PHASES = ("prefill", "decode")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Configuration
+
+
+@dataclass
+class CalibrationConfig:
+    """Options of calibrate(); pass an instance, a dict of the same fields, or None for the defaults.
+
+    tile_widths, compressions: TwELL layouts considered (each pair must satisfy format.check_layout).
+    max_overflow: largest tolerated fraction of rows that overflow a tile's slots (they run dense).
+    min_speedup: rewrite a layer only if its predicted FFN speedup reaches this.
+    decode_steps: greedy cached decode steps after each batch (Hugging Face-style models only), so that
+        decode-shaped (one token) calls are measured too; 0 disables.
+    timing_batches: batches of the hook-free run that measures the FFN share of model time; 0 disables.
+    cost_model: "auto" (benchmark on CUDA, analytic elsewhere), "analytic", "benchmark", or an object
+        with ``name`` and ``time_ratio(...)`` (see CostModel).
+    cache_dir: where the benchmark cost model keeps its timings (default: $TWELL_CACHE_DIR, else
+        $XDG_CACHE_HOME/twell, else ~/.cache/twell).
+    progress: show a rich progress bar over batches.
+    """
+
+    tile_widths: tuple[int, ...] = (64, 128, 256, 512)
+    compressions: tuple[int, ...] = (2, 4, 8)
+    max_overflow: float = 0.01
+    min_speedup: float = 1.05
+    decode_steps: int = 4
+    timing_batches: int = 2
+    cost_model: Any = "auto"
+    cache_dir: str | os.PathLike | None = None
+    progress: bool = True
+
+    @classmethod
+    def coerce(cls, config: CalibrationConfig | Mapping | None) -> CalibrationConfig:
+        if config is None:
+            return cls()
+        if isinstance(config, cls):
+            cfg = config
+        elif isinstance(config, Mapping):
+            known = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(config) - known)
+            if unknown:
+                raise ValueError(f"unknown calibration option(s) {unknown}; known: {sorted(known)}")
+            cfg = cls(**config)
+        else:
+            raise TypeError(f"config must be a CalibrationConfig, a dict or None, got {type(config).__name__}")
+        cfg.layouts()
+        if not 0.0 <= cfg.max_overflow < 1.0:
+            raise ValueError(f"max_overflow must be in [0, 1), got {cfg.max_overflow}")
+        for name in ("decode_steps", "timing_batches"):
+            if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {getattr(cfg, name)!r}")
+        return cfg
+
+    def layouts(self) -> list[tuple[int, int]]:
+        """Valid (tile_n, compression) pairs, in order of preference: most compression first (fewest
+        slots to scan), then the tile width nearest the kernels' default."""
+        pairs = []
+        for tile_n in self.tile_widths:
+            for compression in self.compressions:
+                check_layout(tile_n, compression)
+                pairs.append((tile_n, compression))
+        if not pairs:
+            raise ValueError("tile_widths and compressions must not be empty")
+        return sorted(pairs, key=lambda p: (-p[1], abs(math.log2(p[0] / DEFAULT_TILE_N)), -p[0]))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per-layer statistics
+
+
+def _percentile(hist: torch.Tensor, q: float) -> int:
+    """Nearest-rank percentile of the values whose histogram (counts of 0, 1, 2, ...) is `hist`."""
+    total = int(hist.sum())
+    if total == 0:
+        return 0
+    rank = max(1, math.ceil(q * total))
+    return int(torch.searchsorted(hist.cumsum(0), torch.tensor(rank)).item())
+
+
+class _PhaseCounter:
+    """Running counts for one (layer, phase): histograms, so percentiles are exact at any data size."""
+
+    def __init__(self, n: int, tile_widths: Iterable[int], device: torch.device):
+        self.n = n
+        self.calls = 0
+        self.rows_per_call: list[int] = []
+        self.nnz_hist = torch.zeros(n + 1, dtype=torch.int64, device=device)
+        self.tile_max_hist = {t: torch.zeros(min(t, n) + 1, dtype=torch.int64, device=device) for t in tile_widths}
+        self.neuron_counts = torch.zeros(n, dtype=torch.int64, device=device)
+
+    def add(self, keep: torch.Tensor) -> None:
+        """keep: [M, N] bool, the surviving entries of one call."""
+        m, n = keep.shape
+        self.calls += 1
+        self.rows_per_call.append(m)
+        self.nnz_hist += torch.bincount(keep.sum(dim=1), minlength=n + 1)
+        self.neuron_counts += keep.sum(dim=0)
+        for tile_n, hist in self.tile_max_hist.items():
+            n_tiles = -(-n // tile_n)
+            padded = torch.nn.functional.pad(keep, (0, n_tiles * tile_n - n))
+            per_tile = padded.view(m, n_tiles, tile_n).sum(dim=-1)
+            hist += torch.bincount(per_tile.max(dim=1).values, minlength=hist.numel())
+
+    @property
+    def rows(self) -> int:
+        return int(self.nnz_hist.sum())
+
+    def overflow_fraction(self, tile_n: int, compression: int) -> float:
+        """Fraction of rows with more kept entries than slots (tile_n // compression) in some tile."""
+        hist = self.tile_max_hist[tile_n]
+        slots = tile_n // compression
+        return float(hist[slots + 1 :].sum()) / max(self.rows, 1)
+
+    def summary(self, layouts: list[tuple[int, int]]) -> dict:
+        rows = self.rows
+        values = torch.arange(self.n + 1, device=self.nnz_hist.device)
+        nnz_total = int((self.nnz_hist * values).sum())
+        overflow: dict[str, dict[str, float]] = {}
+        for tile_n, compression in sorted(layouts):
+            overflow.setdefault(str(tile_n), {})[str(compression)] = self.overflow_fraction(tile_n, compression)
+        return {
+            "calls": self.calls,
+            "rows": rows,
+            "rows_per_call_median": int(statistics.median(self.rows_per_call)),
+            "density": nnz_total / max(rows * self.n, 1),
+            "nnz_per_row": {
+                "mean": nnz_total / max(rows, 1),
+                "p50": _percentile(self.nnz_hist, 0.5),
+                "p99": _percentile(self.nnz_hist, 0.99),
+                "max": int(torch.nonzero(self.nnz_hist).max()) if rows else 0,
+            },
+            "max_nnz_per_tile": {
+                str(t): int(torch.nonzero(h).max()) if rows else 0 for t, h in self.tile_max_hist.items()
+            },
+            "overflow_rows": overflow,
+        }
+
+
+class _LayerRecorder:
+    """Forward hook on a candidate's gate linear: slices the gate part, thresholds, counts per phase."""
+
+    def __init__(self, candidate, cfg: CalibrationConfig):
+        self.candidate = candidate
+        self.n = int(candidate.hidden_size)
+        self.tile_widths = cfg.tile_widths
+        self.phases: dict[str, _PhaseCounter] = {}
+
+    def __call__(self, module, args, output) -> None:
+        h = output
+        if self.candidate.gate_slice is not None:
+            h = h[..., self.candidate.gate_slice]
+        if h.shape[-1] != self.n:
+            raise ValueError(
+                f"{self.candidate.path}: the gate output has {h.shape[-1]} features, the candidate says "
+                f"hidden_size={self.n}"
+            )
+        # A call is decode-shaped when each sequence contributes one token: [B, 1, N], or [1, N].
+        tokens_per_sequence = h.shape[-2] if h.dim() >= 3 else (h.shape[0] if h.dim() == 2 else 1)
+        phase = "decode" if tokens_per_sequence == 1 else "prefill"
+        counter = self.phases.get(phase)
+        if counter is None:
+            counter = self.phases[phase] = _PhaseCounter(self.n, self.tile_widths, h.device)
+        counter.add(kept_mask(h.detach().reshape(-1, self.n), float(self.candidate.threshold)))
+
+    def dead_neurons(self) -> int:
+        counts = sum(c.neuron_counts for c in self.phases.values())
+        return int((counts == 0).sum())
+
+    def overflow_fraction(self, tile_n: int, compression: int) -> float:
+        rows = sum(c.rows for c in self.phases.values())
+        over = sum(c.overflow_fraction(tile_n, compression) * c.rows for c in self.phases.values())
+        return over / max(rows, 1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Cost models
+
+
+class CostModel(Protocol):
+    """Predicts twell's FFN time relative to dense (below 1: twell is faster)."""
+
+    name: str
+
+    def time_ratio(self, *, kind: str, m: int, k: int, n: int, density: float, dtype: torch.dtype) -> float:
+        """twell time / dense time for one FFN call: x [m, k], hidden width n, `density` kept."""
+
+
+@dataclass
+class AnalyticCostModel:
+    """time ratio = intercept + slope * density: the reference TwELL kernel on an H200 (see module doc).
+
+    The intercept is the dense gate GEMM plus fixed overheads (0.364 of the dense FFN), the slope the
+    sparse up/down stage per unit density. Fitted on prefill-sized calls; applied to decode too.
+    """
+
+    intercept: float = 0.364
+    slope: float = 48.3
+    name: str = "analytic (density threshold, reference kernel on H200)"
+
+    def time_ratio(self, *, kind: str, m: int, k: int, n: int, density: float, dtype: torch.dtype) -> float:
+        return self.intercept + self.slope * density
+
+    def break_even_density(self, speedup: float = 1.0) -> float:
+        """Largest density at which the predicted speedup is at least `speedup`."""
+        return (1.0 / speedup - self.intercept) / self.slope
+
+
+def _default_cache_dir() -> Path:
+    if os.environ.get("TWELL_CACHE_DIR"):
+        return Path(os.environ["TWELL_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "twell"
+
+
+def cuda_median_time(fn: Callable[[], Any], warmup: int = 3, reps: int = 15) -> float:
+    """Median seconds of fn() on the current CUDA stream (CUDA events), after warm-up (autotuning)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+class BenchmarkCostModel:
+    """Micro-benchmark of dense vs twell at a layer's shape and density, cached on disk.
+
+    Cache key: GPU name, twell version, kind, dtype, M bucketed to the next power of two, K, N, and the
+    density bucketed to quarter octaves (the benchmark runs at the bucket's centre), so a model's layers
+    share timings and reruns are free. Inputs are synthetic: x ~ N(0, 1), gate weights ~ N(0, 1/K), and
+    the gate threshold at the normal quantile keeping `density` (uniform, not a real model's skewed
+    neurons: a conservative estimate).
+
+    timer: fn -> seconds (default: cuda_median_time); device_name: the cache's GPU name (default: the
+    CUDA device's). Both injectable, so the model is testable on the CPU.
+    """
+
+    def __init__(
+        self,
+        *,
+        device: str | torch.device = "cuda",
+        timer: Callable[[Callable[[], Any]], float] | None = None,
+        device_name: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+    ):
+        self.device = torch.device(device)
+        self.timer = timer or cuda_median_time
+        if device_name is None:
+            if self.device.type != "cuda":
+                raise ValueError("BenchmarkCostModel needs a CUDA device, or an explicit device_name and timer")
+            device_name = torch.cuda.get_device_name(self.device)
+        self.device_name = device_name
+        self.cache_path = Path(cache_dir or _default_cache_dir()) / "costs.json"
+        self.name = f"benchmark on {device_name}"
+        self._cache = self._read_cache()
+
+    def _read_cache(self) -> dict:
+        try:
+            data = json.loads(self.cache_path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def _write_cache(self) -> None:
+        self.cache_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.cache_path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self._cache, indent=1, sort_keys=True))
+        os.replace(tmp, self.cache_path)
+
+    @staticmethod
+    def density_bucket(density: float) -> float:
+        """Quarter-octave bucket centre of a density in [1e-4, 1]."""
+        density = min(max(density, 1e-4), 1.0)
+        return min(2.0 ** (round(math.log2(density) * 4) / 4), 1.0)
+
+    @staticmethod
+    def tokens_bucket(m: int) -> int:
+        return 1 << max(0, int(m) - 1).bit_length()
+
+    def cache_key(self, *, kind: str, m: int, k: int, n: int, density: float, dtype: torch.dtype) -> str:
+        import twell
+
+        dtype_name = str(dtype).removeprefix("torch.")
+        bucket_m, bucket_d = self.tokens_bucket(m), self.density_bucket(density)
+        return f"{self.device_name}|twell {twell.__version__}|{kind}|{dtype_name}|M{bucket_m}|K{k}|N{n}|d{bucket_d:.6g}"
+
+    def timings(self, *, kind: str, m: int, k: int, n: int, density: float, dtype: torch.dtype) -> dict:
+        """{"dense_s", "twell_s"} for the bucketed case, measured once then read from the cache."""
+        key = self.cache_key(kind=kind, m=m, k=k, n=n, density=density, dtype=dtype)
+        if key not in self._cache:
+            dense_fn, twell_fn = self._cases(kind, self.tokens_bucket(m), k, n, self.density_bucket(density), dtype)
+            self._cache[key] = {"dense_s": float(self.timer(dense_fn)), "twell_s": float(self.timer(twell_fn))}
+            self._write_cache()
+        return self._cache[key]
+
+    def time_ratio(self, *, kind: str, m: int, k: int, n: int, density: float, dtype: torch.dtype) -> float:
+        t = self.timings(kind=kind, m=m, k=k, n=n, density=density, dtype=dtype)
+        return t["twell_s"] / t["dense_s"]
+
+    def _cases(self, kind: str, m: int, k: int, n: int, density: float, dtype: torch.dtype):
+        import torch.nn.functional as F
+
+        import twell.ops  # noqa: F401  (registers torch.ops.twell.*)
+
+        gen = torch.Generator(device=self.device).manual_seed(0)
+
+        def randn(*shape, scale=1.0):
+            return torch.randn(*shape, generator=gen, device=self.device, dtype=torch.float32).mul_(scale).to(dtype)
+
+        x = randn(m, k)
+        w_gate, w_up, w_down = randn(n, k, scale=k**-0.5), randn(n, k, scale=k**-0.5), randn(k, n, scale=n**-0.5)
+        # Pre-activations are ~N(0, 1): keeping those above the (1 - density) normal quantile keeps `density`.
+        threshold = (
+            float(torch.special.ndtri(torch.tensor(1.0 - density, dtype=torch.float64))) if density < 1 else -1e9
+        )
+        if kind == "gated":
+            dense = lambda: F.linear(torch.relu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+            sparse = lambda: torch.ops.twell.gated_ffn(x, w_gate, w_up, w_down, None, None, None, threshold, False)
+        else:
+            dense = lambda: F.linear(torch.relu(F.linear(x, w_gate)), w_down)
+            sparse = lambda: torch.ops.twell.ffn(x, w_gate, w_down, None, None, threshold, False)
+        return dense, sparse
+
+
+def resolve_cost_model(spec: Any, device: torch.device, cache_dir=None) -> CostModel:
+    """The cost model named by CalibrationConfig.cost_model, for a model that lives on `device`."""
+    if spec == "auto":
+        spec = "benchmark" if device.type == "cuda" else "analytic"
+    if spec == "analytic":
+        return AnalyticCostModel()
+    if spec == "benchmark":
+        return BenchmarkCostModel(device=device, cache_dir=cache_dir)
+    if isinstance(spec, str) or not callable(getattr(spec, "time_ratio", None)):
+        raise ValueError(f"cost_model must be 'auto', 'analytic', 'benchmark' or a CostModel, got {spec!r}")
+    return spec
+
+
+# ---------------------------------------------------------------------------------------------------
+# Decisions
+
+
+@dataclass
+class Decision:
+    """What calibration decided for one FFN, and the measurements behind it.
+
+    rewrite / reason: the decision and why. tile_n / compression: the TwELL layout (None when not
+    rewritten for lack of a layout). density: mean kept fraction over all calls. stats: per phase
+    ("prefill", "decode") the counts of _PhaseCounter.summary. predicted_speedup: FFN time dense / twell,
+    per phase. time_share: fraction of model time spent in this FFN, per phase (dense).
+    """
+
+    path: str
+    rewrite: bool
+    reason: str
+    kind: str = "gated"
+    hidden_size: int = 0
+    model_size: int = 0
+    threshold: float = 0.0
+    tile_n: int | None = None
+    compression: int | None = None
+    density: float | None = None
+    dead_neurons: int | None = None
+    overflow_rows: float | None = None
+    predicted_speedup: dict[str, float] = field(default_factory=dict)
+    time_share: dict[str, float] = field(default_factory=dict)
+    stats: dict[str, dict] = field(default_factory=dict)
+    cost_model: str | None = None
+
+    def to_dict(self) -> dict:
+        """JSON-serialisable dict (round-trips through from_dict)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> Decision:
+        known = {f.name for f in dataclasses.fields(cls)}
+        missing = {"path", "rewrite", "reason"} - set(data)
+        if missing:
+            raise ValueError(f"decision is missing {sorted(missing)}")
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def _decide(candidate, recorder: _LayerRecorder, cfg: CalibrationConfig, cost: CostModel, shares, dtype) -> Decision:
+    decision = Decision(
+        path=candidate.path,
+        rewrite=False,
+        reason="",
+        kind=candidate.kind,
+        hidden_size=int(candidate.hidden_size),
+        model_size=int(candidate.model_size),
+        threshold=float(candidate.threshold),
+        time_share={p: s for p, s in shares.items() if s is not None},
+        cost_model=cost.name,
+    )
+    layouts = cfg.layouts()
+    if not recorder.phases:
+        decision.reason = "never called during calibration"
+        return decision
+    decision.stats = {p: c.summary(layouts) for p, c in recorder.phases.items()}
+    rows = sum(c.rows for c in recorder.phases.values())
+    kept = sum(s["density"] * s["rows"] for s in decision.stats.values())
+    decision.density = kept / max(rows, 1)
+    decision.dead_neurons = recorder.dead_neurons()
+
+    fitting = [(t, c) for t, c in layouts if recorder.overflow_fraction(t, c) <= cfg.max_overflow]
+    if not fitting:
+        t, c = max(layouts, key=lambda p: p[0] // p[1])
+        decision.overflow_rows = recorder.overflow_fraction(t, c)
+        decision.reason = (
+            f"too dense for TwELL: {decision.overflow_rows:.1%} of rows overflow even at tile {t} / compression "
+            f"{c} (limit {cfg.max_overflow:.1%})"
+        )
+        return decision
+    decision.tile_n, decision.compression = fitting[0]
+    decision.overflow_rows = recorder.overflow_fraction(*fitting[0])
+    for phase, counter in recorder.phases.items():
+        stats = decision.stats[phase]
+        ratio = cost.time_ratio(
+            kind=candidate.kind,
+            m=stats["rows_per_call_median"],
+            k=decision.model_size,
+            n=decision.hidden_size,
+            density=stats["density"],
+            dtype=dtype,
+        )
+        # Overflow rows run dense inside the hybrid format.
+        overflow = counter.overflow_fraction(decision.tile_n, decision.compression)
+        decision.predicted_speedup[phase] = 1.0 / ((1.0 - overflow) * ratio + overflow)
+    main_phase = "prefill" if "prefill" in decision.predicted_speedup else "decode"
+    speedup = decision.predicted_speedup[main_phase]
+    decision.rewrite = speedup >= cfg.min_speedup
+    verdict = "pays" if decision.rewrite else "does not pay"
+    decision.reason = (
+        f"{verdict}: {decision.stats[main_phase]['density']:.2%} dense ({main_phase}), predicted "
+        f"{speedup:.2f}x (rewrite from {cfg.min_speedup:.2f}x)"
+    )
+    return decision
+
+
+def predicted_model_speedup(decisions: Mapping[str, Decision], phase: str = "prefill") -> dict:
+    """Amdahl over the rewritten FFNs: {"ffn_time_share", "rewritten_time_share", "speedup"} for `phase`.
+
+    Uses each decision's measured time share; layers without one (not timed) count as no time.
+    """
+    share = rewritten_share = 0.0
+    saved = 0.0
+    for d in decisions.values():
+        s = d.time_share.get(phase)
+        if s is None:
+            continue
+        share += s
+        if d.rewrite and phase in d.predicted_speedup:
+            rewritten_share += s
+            saved += s * (1.0 - 1.0 / d.predicted_speedup[phase])
+    return {"ffn_time_share": share, "rewritten_time_share": rewritten_share, "speedup": 1.0 / (1.0 - saved)}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Running the model
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _model_dtype(model: torch.nn.Module) -> torch.dtype:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def _as_kwargs(batch, device: torch.device) -> dict:
+    if isinstance(batch, torch.Tensor):
+        if batch.dtype not in (torch.int64, torch.int32) or batch.dim() not in (1, 2):
+            raise ValueError(
+                f"a tensor batch must hold token ids [batch, seq] or [seq], got {batch.dtype} {list(batch.shape)}"
+            )
+        batch = {"input_ids": batch if batch.dim() == 2 else batch.unsqueeze(0)}
+    if not isinstance(batch, Mapping):
+        raise TypeError(
+            f"calibration batches must be token-id tensors or dicts of forward kwargs, got {type(batch).__name__}"
+        )
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def _cache_argument(model: torch.nn.Module) -> str | None:
+    """Name of the KV-cache argument of a Hugging Face causal LM (transformers renamed it in 5.x), or
+    None for models without one (or without a config that enables caching): those get no decode steps."""
+    if getattr(getattr(model, "config", None), "use_cache", None) is None:
+        return None
+    parameters = inspect.signature(model.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in parameters:
+            return name
+    return None
+
+
+def _run_batch(model, kwargs: dict, decode_steps: int, on_phase: Callable[[str], None] = lambda phase: None) -> None:
+    """One prefill call, then `decode_steps` greedy one-token calls on the KV cache where supported."""
+    on_phase("prefill")
+    cache_argument = _cache_argument(model) if decode_steps and "input_ids" in kwargs else None
+    if cache_argument is None:
+        model(**kwargs)
+        return
+    out = model(**{**kwargs, "use_cache": True})
+    mask = kwargs.get("attention_mask")
+    on_phase("decode")
+    for _ in range(decode_steps):
+        cache = out.get(cache_argument) if isinstance(out, Mapping) else None
+        if cache is None or out.get("logits") is None:
+            return
+        token = out["logits"][:, -1:].argmax(dim=-1)
+        step = {"input_ids": token, cache_argument: cache, "use_cache": True}
+        if mask is not None:
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            step["attention_mask"] = mask
+        out = model(**step)
+
+
+def _progress(items: list, enabled: bool, description: str):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, transient=True, disable=not enabled) as progress:
+        yield from progress.track(items, description=description)
+
+
+def _time_shares(model, batches: list[dict], modules: Mapping[str, torch.nn.Module], cfg) -> dict[str, dict]:
+    """Per path and phase: time in the FFN module / time in the whole model (no statistics hooks)."""
+    sync = torch.cuda.synchronize if _model_device(model).type == "cuda" else (lambda: None)
+    spent = {phase: dict.fromkeys(modules, 0.0) for phase in PHASES}
+    total = dict.fromkeys(PHASES, 0.0)
+    started: dict[str, float] = {}
+    state = {"phase": "prefill", "since": 0.0}
+
+    def pre(path):
+        def hook(module, args):
+            sync()
+            started[path] = time.perf_counter()
+
+        return hook
+
+    def post(path):
+        def hook(module, args, output):
+            sync()
+            spent[state["phase"]][path] += time.perf_counter() - started[path]
+
+        return hook
+
+    def on_phase(phase):
+        sync()
+        now = time.perf_counter()
+        if state["since"]:
+            total[state["phase"]] += now - state["since"]
+        state["phase"], state["since"] = phase, now
+
+    _run_batch(model, batches[0], cfg.decode_steps)  # warm-up: allocator, kernels, autotuning
+    handles = [m.register_forward_pre_hook(pre(p)) for p, m in modules.items()]
+    handles += [m.register_forward_hook(post(p)) for p, m in modules.items()]
+    try:
+        for kwargs in batches[: cfg.timing_batches]:
+            state["since"] = 0.0
+            _run_batch(model, kwargs, cfg.decode_steps, on_phase)
+            on_phase(state["phase"])
+    finally:
+        for h in handles:
+            h.remove()
+    return {path: {p: (spent[p][path] / total[p] if total[p] else None) for p in PHASES} for path in modules}
+
+
+@torch.no_grad()
+def calibrate(model: torch.nn.Module, candidates, data, *, config=None) -> dict[str, Decision]:
+    """Measure each candidate FFN over `data` and decide whether rewriting it to twell pays.
+
+    model: the model to run (left unchanged; eval mode during calibration, its mode restored after).
+    candidates: twell.passes.find_ffns(model) records (path, kind, rewritable, reason, gate_module,
+        gate_slice, threshold, hidden_size, model_size).
+    data: an iterable of batches: token-id tensors [batch, seq] or dicts of forward kwargs.
+    config: CalibrationConfig, a dict of its fields, or None.
+    Returns {candidate.path: Decision}, one per candidate; candidates that are not rewritable get
+    rewrite=False with their own reason and no measurements.
+    """
+    cfg = CalibrationConfig.coerce(config)
+    candidates = list(candidates)
+    device, dtype = _model_device(model), _model_dtype(model)
+    batches = [_as_kwargs(b, device) for b in data]
+    if not batches:
+        raise ValueError("calibration data is empty: give at least one batch")
+
+    measured = [c for c in candidates if c.rewritable]
+    recorders = {c.path: _LayerRecorder(c, cfg) for c in measured}
+    was_training = model.training
+    model.eval()
+    try:
+        modules = {}
+        for c in measured:
+            try:
+                modules[c.path] = model.get_submodule(c.path)
+            except AttributeError:
+                continue  # an FFN inlined in a larger module has no module of its own to time
+        shares = _time_shares(model, batches, modules, cfg) if cfg.timing_batches and modules else {}
+
+        handles = [c.gate_module.register_forward_hook(recorders[c.path]) for c in measured]
+        try:
+            for kwargs in _progress(batches, cfg.progress, "calibrating"):
+                _run_batch(model, kwargs, cfg.decode_steps)
+        finally:
+            for h in handles:
+                h.remove()
+    finally:
+        model.train(was_training)
+
+    cost = resolve_cost_model(cfg.cost_model, device, cfg.cache_dir) if measured else AnalyticCostModel()
+    decisions = {}
+    for c in candidates:
+        if c.rewritable:
+            decisions[c.path] = _decide(c, recorders[c.path], cfg, cost, shares.get(c.path, {}), dtype)
+        else:
+            decisions[c.path] = Decision(
+                path=c.path,
+                rewrite=False,
+                reason=c.reason,
+                kind=c.kind,
+                hidden_size=int(c.hidden_size),
+                model_size=int(c.model_size),
+                threshold=float(c.threshold),
+            )
+    return decisions
+
+
+# ---------------------------------------------------------------------------------------------------
+# Plans
+
+
+def _fingerprint(candidate) -> dict:
+    return {
+        "path": candidate.path,
+        "kind": candidate.kind,
+        "activation": candidate.activation,
+        "hidden_size": int(candidate.hidden_size),
+        "model_size": int(candidate.model_size),
+    }
+
+
+def save_plan(decisions: Mapping[str, Decision], candidates, path: str | os.PathLike) -> None:
+    """Write decisions as a JSON plan, with the model's FFNs (from candidates) to check it against later."""
+    import twell
+
+    candidates = list(candidates)
+    unknown = sorted(set(decisions) - {c.path for c in candidates})
+    if unknown:
+        raise ValueError(f"decisions for FFNs that are not among the candidates: {unknown}")
+    plan = {
+        "format": PLAN_FORMAT,
+        "version": PLAN_VERSION,
+        "twell_version": twell.__version__,
+        "ffns": [_fingerprint(c) for c in candidates],
+        "decisions": {p: d.to_dict() for p, d in decisions.items()},
+    }
+    Path(path).write_text(json.dumps(plan, indent=1) + "\n")
+
+
+def load_plan(path: str | os.PathLike, candidates) -> dict[str, Decision]:
+    """Read a plan written by save_plan and check it fits the model whose FFNs are `candidates`.
+
+    Raises ValueError with the reason when the file is not a twell plan, has another format version,
+    or was made for a different model (other FFN paths, kinds, activations or shapes), or when it
+    rewrites an FFN that is not rewritable in this model.
+    """
+    try:
+        plan = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"cannot read plan {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise ValueError(f"plan {path} is not valid JSON: {e}") from None
+    if not isinstance(plan, dict) or plan.get("format") != PLAN_FORMAT:
+        raise ValueError(f'{path} is not a twell plan (no "format": "{PLAN_FORMAT}")')
+    if plan.get("version") != PLAN_VERSION:
+        raise ValueError(
+            f"plan {path} has format version {plan.get('version')!r}; this twell reads version {PLAN_VERSION}: "
+            "calibrate again"
+        )
+    candidates = list(candidates)
+    planned = {f["path"]: f for f in plan.get("ffns", [])}
+    present = {c.path: _fingerprint(c) for c in candidates}
+    missing, extra = sorted(set(planned) - set(present)), sorted(set(present) - set(planned))
+    if missing or extra:
+        parts = [f"plan has {len(planned)} FFNs, the model {len(present)}"]
+        if missing:
+            parts.append(f"not in the model: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
+        if extra:
+            parts.append(f"not in the plan: {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}")
+        raise ValueError(f"plan {path} was made for a different model: {'; '.join(parts)}")
+    for p, fingerprint in present.items():
+        for key, value in fingerprint.items():
+            if planned[p].get(key) != value:
+                raise ValueError(
+                    f"plan {path} was made for a different model: {p} has {key}={value!r}, "
+                    f"the plan {planned[p].get(key)!r}"
+                )
+    decisions = {p: Decision.from_dict(d) for p, d in plan.get("decisions", {}).items()}
+    by_path = {c.path: c for c in candidates}
+    for p, d in decisions.items():
+        if p not in by_path:
+            raise ValueError(f"plan {path} has a decision for {p}, which is not an FFN of its own list")
+        if d.rewrite and not by_path[p].rewritable:
+            raise ValueError(f"plan {path} rewrites {p}, which is not rewritable in this model: {by_path[p].reason}")
+    return decisions
+
+
+__all__ = [
+    "CalibrationConfig",
+    "CostModel",
+    "AnalyticCostModel",
+    "BenchmarkCostModel",
+    "Decision",
+    "calibrate",
+    "cuda_median_time",
+    "load_plan",
+    "predicted_model_speedup",
+    "resolve_cost_model",
+    "save_plan",
+]
