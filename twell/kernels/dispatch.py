@@ -1,13 +1,106 @@
-"""Per-call choice of path on CUDA: Triton TwELL kernels where sparsity pays, dense otherwise."""
+"""Per-call choice of path on CUDA: decode kernel, TwELL prefill kernels, or dense.
+
+- M <= DECODE_MAX_M tokens: dense gate + decode kernel (reads only active rows of W_u / W_d; no host
+  synchronisation, so CUDA graphs can capture it).
+- Larger M: gate GEMM with TwELL epilogue, then the fused up+down kernel. Rows that overflow a tile's
+  slots or hold more than ENTRIES_MAX entries are recomputed densely (the hybrid safety valve): exact
+  at any sparsity.
+- A layer whose last prefill call was denser than DENSE_ABOVE runs dense for the next DENSE_RETRY
+  calls, then probes again: a rewrite must not make a dense layer slower.
+"""
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
+import triton
+
 from twell.kernels import reference
+from twell.kernels.decode import decode_up_down
+from twell.kernels.gate import gate_twell
+from twell.kernels.updown import twell_up_down
+
+TILE_N = 256
+SLOTS = 32  # compression 8, as the reference code
+DECODE_MAX_M = 256
+ENTRIES_MAX = 256
+DENSE_ABOVE = 0.02  # mean density above which sparse loses to dense (benchmarks/NOTES.md)
+DENSE_RETRY = 64
+
+# layer key -> calls left to run dense
+_dense_calls_left: dict[tuple, int] = {}
+
+
+def _layer_key(weight: torch.Tensor, m: int) -> tuple:
+    return (weight.data_ptr(), tuple(weight.shape), triton.next_power_of_2(m))
+
+
+def _down_rows(down_weight: torch.Tensor) -> torch.Tensor:
+    """down_weight^T [N, K] with unit stride on K (a copy unless down_weight is stored transposed)."""
+    wd_t = down_weight.t()
+    return wd_t if wd_t.stride(1) == 1 else wd_t.contiguous()
+
+
+def _run(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, threshold, drelu, square, dense_fn):
+    """Shared flow of the gated (up_weight given) and non-gated FFNs; dense_fn(x2d) is the exact fallback."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    m = x2.shape[0]
+    key = _layer_key(gate_weight, m)
+    if m == 0 or _dense_calls_left.get(key, 0) > 0:
+        if m:
+            _dense_calls_left[key] -= 1
+        return dense_fn(x2).reshape(shape)
+    wd_t = _down_rows(down_weight)
+
+    if m <= DECODE_MAX_M:
+        hidden = reference.thresholded_relu(F.linear(x2, gate_weight, gate_bias), threshold)
+        if square:
+            hidden = hidden * hidden
+        y = decode_up_down(x2, hidden, up_weight, up_bias, wd_t, drelu=drelu)
+        if down_bias is not None:
+            y += down_bias
+        return y.to(x.dtype).reshape(shape)
+
+    n = gate_weight.shape[0]
+    values, indices, counts = gate_twell(x2, gate_weight, gate_bias, threshold, TILE_N, SLOTS, square=square)
+    per_row = counts.sum(1)
+    skip = (counts > SLOTS).any(1) | (per_row > ENTRIES_MAX)
+    n_skip, max_entries, total = torch.stack([skip.sum(), torch.where(skip, 0, per_row).max(), per_row.sum()]).tolist()
+    if total > DENSE_ABOVE * m * n:
+        _dense_calls_left[key] = DENSE_RETRY
+    entries = max(16, triton.next_power_of_2(max_entries))
+    y = twell_up_down(
+        x2,
+        values,
+        indices,
+        counts,
+        skip.to(torch.int8),
+        up_weight,
+        up_bias,
+        wd_t,
+        down_bias,
+        tile_n=TILE_N,
+        entries=entries,
+        drelu=drelu,
+    )
+    if n_skip:
+        rows = torch.nonzero(skip).flatten()
+        y[rows] = dense_fn(x2[rows])
+    return y.reshape(shape)
 
 
 def gated_ffn(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu):
-    return reference.gated_ffn(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu)
+    def dense(x2):
+        return reference.gated_ffn(
+            x2, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu
+        )
+
+    return _run(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, threshold, drelu, False, dense)
 
 
 def ffn(x, up_weight, down_weight, up_bias, down_bias, threshold, squared):
-    return reference.ffn(x, up_weight, down_weight, up_bias, down_bias, threshold, squared)
+    def dense(x2):
+        return reference.ffn(x2, up_weight, down_weight, up_bias, down_bias, threshold, squared)
+
+    return _run(x, up_weight, up_bias, None, None, down_weight, down_bias, threshold, False, squared, dense)

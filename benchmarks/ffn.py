@@ -1,0 +1,243 @@
+"""FFN block benchmark: dense PyTorch (eager and torch.compile, the faster counts) against twell.
+
+Run on a GPU:  PYTHONPATH=. python benchmarks/ffn.py [--shapes 2048x5632,4096x14336] [--quick]
+Checks correctness at every measured point (relative error of twell against a float64 reference on a
+row sample) and writes JSON to benchmarks/results/ (or --out).
+
+Inputs (issue 3): x ~ N(0, 1) rows scaled by exp(0.12 z), z ~ N(0, 1); the gate bias shifts each
+neuron so that it fires with probability p_n on an unscaled row. "uniform": p_n = density for all n;
+"skewed": 30% of neurons never fire, the rest have log-normal rates (sigma 1.5) with the same mean.
+Floors: gate GEMM alone (cuBLAS), and bytes over the measured copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+import twell
+from twell.kernels import dispatch, reference
+from twell.kernels.gate import gate_twell
+from twell.kernels.updown import twell_up_down
+
+MS = [1, 16, 128, 8192, 32768, 131072]
+DENSITIES = [0.005, 0.01, 0.02, 0.05]
+GRAPH_MAX_M = 256  # decode-sized calls are timed as CUDA-graph replays, as serving stacks run them
+
+
+def make_inputs(m, k, n, density, pattern, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, device="cuda", generator=g)
+    x *= torch.exp(0.12 * torch.randn(m, 1, device="cuda", generator=g))
+    w_gate = torch.randn(n, k, device="cuda", generator=g) / math.sqrt(k)
+    w_up = torch.randn(n, k, device="cuda", generator=g) / math.sqrt(k)
+    w_down = torch.randn(k, n, device="cuda", generator=g) / math.sqrt(n)
+    if pattern == "uniform":
+        rates = torch.full((n,), density, device="cuda")
+    else:
+        rates = torch.exp(1.5 * torch.randn(n, device="cuda", generator=g))
+        rates[torch.rand(n, device="cuda", generator=g) < 0.3] = 0.0
+        rates = (rates * density * n / rates.sum()).clamp(max=0.5)
+    normal = torch.distributions.Normal(0.0, 1.0)
+    sigma = w_gate.norm(dim=1)
+    shift = -sigma * normal.icdf((1 - rates).clamp(1e-7, 1 - 1e-7))
+    shift[rates == 0] = -50.0 * sigma[rates == 0]
+    # store down_weight transposed (a [K, N] view of an [N, K] buffer): the layout twell's rewrite keeps
+    w_down_t = w_down.t().contiguous()
+    return {
+        "x": x.to(dtype),
+        "gate_weight": w_gate.to(dtype),
+        "up_weight": w_up.to(dtype),
+        "down_weight": w_down_t.to(dtype).t(),
+        "gate_bias": shift.to(dtype),
+    }
+
+
+def dense_ffn(x, gate_weight, up_weight, down_weight, gate_bias):
+    return F.linear(F.relu(F.linear(x, gate_weight, gate_bias)) * F.linear(x, up_weight), down_weight)
+
+
+def twell_ffn(x, gate_weight, up_weight, down_weight, gate_bias):
+    return twell.ops.gated_ffn(x, gate_weight, up_weight, down_weight, gate_bias=gate_bias)
+
+
+def timed(fn, graph: bool) -> float:
+    """Median ms; decode-sized calls captured in a CUDA graph and timed as replays."""
+    if not graph:
+        return do_bench(fn, warmup=25, rep=120, return_mode="median")
+    fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph_obj = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph_obj):
+        fn()
+    return do_bench(graph_obj.replay, warmup=25, rep=120, return_mode="median")
+
+
+def peak_mb(fn) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def rel_err_sample(out, inp, rows=1024):
+    idx = torch.linspace(0, out.shape[0] - 1, min(rows, out.shape[0]), device="cuda").long()
+    c = {name: t.double() for name, t in inp.items()}
+    ref = reference.gated_ffn(c["x"][idx], c["gate_weight"], c["up_weight"], c["down_weight"], c["gate_bias"])
+    return ((out[idx].double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def ceilings() -> dict:
+    a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    copy_ms = do_bench(lambda: b.copy_(a), return_mode="median")
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    gemm_ms = do_bench(lambda: x @ x, return_mode="median")
+    return {"copy_tb_s": 2 * 2**30 / copy_ms / 1e9, "gemm_tflop_s": 2 * 8192**3 / gemm_ms / 1e9}
+
+
+def bench_point(k, n, m, density, pattern, compiled) -> dict:
+    inp = make_inputs(m, k, n, density, pattern, seed=m + n)
+    dispatch._dense_calls_left.clear()
+    graph = m <= GRAPH_MAX_M
+    out = twell_ffn(**inp)
+    err = rel_err_sample(out, inp)
+    dense_ms = timed(lambda: dense_ffn(**inp), graph)
+    compiled_ms = timed(lambda: compiled(**inp), graph)
+    dispatch._dense_calls_left.clear()
+    twell_ms = timed(lambda: twell_ffn(**inp), graph)
+    gate = F.relu(F.linear(inp["x"], inp["gate_weight"], inp["gate_bias"]))
+    nnz = (gate != 0).sum(1).float()
+    row = {
+        "K": k,
+        "N": n,
+        "M": m,
+        "density": density,
+        "pattern": pattern,
+        "nnz_mean": nnz.mean().item(),
+        "nnz_max": nnz.max().item(),
+        "dense_eager_ms": dense_ms,
+        "dense_compiled_ms": compiled_ms,
+        "twell_ms": twell_ms,
+        "speedup": min(dense_ms, compiled_ms) / twell_ms,
+        "rel_err": err,
+        "dense_peak_mb": peak_mb(lambda: dense_ffn(**inp)),
+        "twell_peak_mb": peak_mb(lambda: twell_ffn(**inp)),
+        "path": "decode" if m <= dispatch.DECODE_MAX_M else "prefill",
+        "dense_after": bool(dispatch._dense_calls_left),
+    }
+    if m > dispatch.DECODE_MAX_M:  # stage breakdown of the prefill path
+        x, wg, bg = inp["x"], inp["gate_weight"], inp["gate_bias"]
+        row["cublas_gate_ms"] = do_bench(lambda: F.linear(x, wg, bg), return_mode="median")
+        slots = dispatch.SLOTS
+        row["twell_gate_ms"] = do_bench(
+            lambda: gate_twell(x, wg, bg, 0.0, dispatch.TILE_N, slots), return_mode="median"
+        )
+        values, indices, counts = gate_twell(x, wg, bg, 0.0, dispatch.TILE_N, slots)
+        per_row = counts.sum(1)
+        skip = ((counts > slots).any(1) | (per_row > dispatch.ENTRIES_MAX)).to(torch.int8)
+        entries = max(16, triton.next_power_of_2(int(torch.where(skip.bool(), 0, per_row).max())))
+        wd_t = inp["down_weight"].t()
+        row["updown_ms"] = do_bench(
+            lambda: twell_up_down(
+                x,
+                values,
+                indices,
+                counts,
+                skip,
+                inp["up_weight"],
+                None,
+                wd_t,
+                None,
+                tile_n=dispatch.TILE_N,
+                entries=entries,
+            ),
+            return_mode="median",
+        )
+        row["overflow_rows"] = int(skip.sum())
+        row["entries"] = entries
+    return row
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default="2048x5632,4096x14336")
+    parser.add_argument("--ms", default=",".join(map(str, MS)))
+    parser.add_argument("--densities", default=",".join(map(str, DENSITIES)))
+    parser.add_argument("--patterns", default="uniform,skewed")
+    parser.add_argument("--skewed-densities", default="0.005,0.01")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    compiled = torch.compile(dense_ffn, dynamic=True)
+    result = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "commit": git_commit(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "ceilings": ceilings(),
+        "points": [],
+    }
+    print(json.dumps(result["ceilings"]))
+    header = (
+        f"{'K':>5} {'N':>6} {'M':>7} {'dens':>6} {'pat':>7} {'nnz':>6} {'max':>5} {'dense':>8} {'twell':>8} "
+        f"{'x':>5} {'err':>8} {'gateT':>6} {'gateC':>6} {'updn':>6} {'ovf':>5} {'memD':>7} {'memT':>7}"
+    )
+    lines = [header]
+    print(header, flush=True)
+    for shape in args.shapes.split(","):
+        k, n = map(int, shape.split("x"))
+        for m in map(int, args.ms.split(",")):
+            for pattern in args.patterns.split(","):
+                dens = args.densities if pattern == "uniform" else args.skewed_densities
+                for density in map(float, dens.split(",")):
+                    row = bench_point(k, n, m, density, pattern, compiled)
+                    torch.cuda.empty_cache()
+                    result["points"].append(row)
+                    line = (
+                        f"{k:>5} {n:>6} {m:>7} {density:>6.3f} {pattern:>7} {row['nnz_mean']:>6.1f} "
+                        f"{row['nnz_max']:>5.0f} {min(row['dense_eager_ms'], row['dense_compiled_ms']):>8.3f} "
+                        f"{row['twell_ms']:>8.3f} {row['speedup']:>5.2f} {row['rel_err']:>8.1e} "
+                        f"{row.get('twell_gate_ms', 0):>6.2f} {row.get('cublas_gate_ms', 0):>6.2f} "
+                        f"{row.get('updown_ms', 0):>6.2f} {row.get('overflow_rows', 0):>5} "
+                        f"{row['dense_peak_mb']:>7.0f} {row['twell_peak_mb']:>7.0f}"
+                    )
+                    lines.append(line)
+                    print(line, flush=True)
+    out_dir = Path(os.environ.get("OUT", args.out)) if "OUT" in os.environ else Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"ffn-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print("\n".join(lines[-40:]))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

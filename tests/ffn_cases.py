@@ -1,0 +1,69 @@
+"""Random FFN problems with controlled per-row density, and their float64 references."""
+
+from __future__ import annotations
+
+import torch
+
+from twell.kernels import reference
+
+
+def make_ffn(m, k, n, densities, dtype, device="cpu", seed=0, biases=False, gated=True):
+    """Inputs of an FFN whose gate fires on about densities[i % len] of the N neurons in row i.
+
+    The last input feature carries a per-row offset (its gate weights are all one), chosen from the
+    row's pre-activation quantile: density 0 gives an empty row, 1 a fully dense one.
+    """
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g, dtype=torch.float64)
+    w_gate = torch.randn(n, k, generator=g, dtype=torch.float64) / k**0.5
+    w_gate[:, -1] = 1.0
+    x[:, -1] = 0.0
+    pre = x @ w_gate.T
+    for i in range(m):
+        d = densities[i % len(densities)]
+        if d <= 0:
+            x[i, -1] = -pre[i].max() - 1.0
+        elif d >= 1:
+            x[i, -1] = -pre[i].min() + 0.5
+        else:
+            x[i, -1] = -torch.quantile(pre[i], 1.0 - d) + 1e-3
+    w_up = torch.randn(n, k, generator=g, dtype=torch.float64) / k**0.5
+    w_down = torch.randn(k, n, generator=g, dtype=torch.float64) / n**0.5
+    b = (lambda size: torch.randn(size, generator=g, dtype=torch.float64) * 0.1) if biases else (lambda size: None)
+    case = {
+        "x": x,
+        "gate_weight": w_gate,
+        "up_weight": w_up,
+        "down_weight": w_down,
+        "gate_bias": b(n),
+        "up_bias": b(n),
+        "down_bias": b(k),
+    }
+    if biases:  # keep the gate bias from shifting the controlled densities much
+        case["gate_bias"] = case["gate_bias"] * 0.01
+    if not gated:
+        case["up_weight"], case["up_bias"] = case.pop("gate_weight"), case.pop("gate_bias")
+    return {name: (t.to(dtype=dtype, device=device) if t is not None else None) for name, t in case.items()}
+
+
+def gated_ref(case, threshold=0.0, drelu=False):
+    c = {name: (t.double() if t is not None else None) for name, t in case.items()}
+    return reference.gated_ffn(
+        c["x"],
+        c["gate_weight"],
+        c["up_weight"],
+        c["down_weight"],
+        c["gate_bias"],
+        c["up_bias"],
+        c["down_bias"],
+        threshold,
+        drelu,
+    )
+
+
+def plain_ref(case, threshold=0.0, squared=False):
+    c = {name: (t.double() if t is not None else None) for name, t in case.items()}
+    return reference.ffn(c["x"], c["up_weight"], c["down_weight"], c["up_bias"], c["down_bias"], threshold, squared)
+
+
+TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}

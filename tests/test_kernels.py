@@ -1,0 +1,163 @@
+"""Triton kernels against float64 references (CPU: Triton's interpreter, fp32/fp16; GPU: bf16 too)."""
+
+import pytest
+import torch
+from conftest import DEVICE, HAS_CUDA, rel_err
+from ffn_cases import TOL, gated_ref, make_ffn, plain_ref
+
+import twell
+from twell.format import TwELL
+from twell.kernels import dispatch
+from twell.kernels.decode import decode_up_down
+from twell.kernels.gate import gate_twell, pack_dense
+from twell.kernels.updown import twell_up_down
+
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
+# empty rows, fully dense rows (overflow), typical sparse rows
+MIXED = [0.0, 0.03, 1.0, 0.1, 0.02, 0.5]
+
+
+def _twell(values, indices, counts, shape, tile_n):
+    """Kernel arrays as a TwELL (without dense backup: only valid on rows that do not overflow)."""
+    empty = torch.empty(0, dtype=torch.int64, device=values.device)
+    return TwELL(values, indices, counts, empty, values.new_empty(0, shape[1]), shape, tile_n)
+
+
+@pytest.mark.parametrize("square", [False, True], ids=["relu", "relu2"])
+@pytest.mark.parametrize(
+    "m,n,tile_n,slots", [(1, 40, 16, 4), (37, 300, 64, 8), (130, 256, 256, 32)], ids=["m1-n40", "m37-n300", "m130-n256"]
+)
+def test_pack_dense_matches_the_spec(m, n, tile_n, slots, square):
+    g = torch.Generator().manual_seed(m * n)
+    h = torch.randn(m, n, generator=g)
+    h[::3] -= 3.0  # mostly-empty rows
+    h[1::5] += 5.0  # fully dense rows: overflow
+    values, indices, counts = pack_dense(h.to(DEVICE), 0.1, tile_n, slots, square=square)
+    spec = twell.pack(
+        torch.where(h > 0.1, h * h, 0.0) if square else h,
+        tile_n=tile_n,
+        compression=tile_n // slots,
+        threshold=0.1 if not square else 0.0,
+    )
+    assert torch.equal(counts.cpu(), spec.counts)
+    assert torch.equal(indices.cpu(), spec.indices)
+    assert torch.equal(values.cpu(), spec.values)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("m,k,n", [(1, 16, 64), (33, 40, 300), (257, 24, 96)], ids=["m1", "m33", "m257"])
+def test_gate_twell_packs_the_gate(m, k, n, dtype, bias):
+    case = make_ffn(m, k, n, [0.0, 0.05, 0.1, 0.01], dtype, DEVICE, seed=m + n, biases=bias)
+    threshold = 0.05
+    values, indices, counts = gate_twell(case["x"], case["gate_weight"], case["gate_bias"], threshold, 64, 16)
+    got = twell.unpack(_twell(values, indices, counts, (m, n), 64)).double()
+    c = {k_: (t.double() if t is not None else None) for k_, t in case.items()}
+    ref = torch.nn.functional.linear(c["x"], c["gate_weight"], c["gate_bias"])
+    ref = torch.where(ref > threshold, ref, 0.0)
+    assert not (counts > 16).any(), "case was built not to overflow"
+    assert rel_err(got, ref) <= TOL[dtype]
+    assert torch.equal(counts.sum(1).cpu(), (got != 0).sum(1).cpu())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("variant", ["gated", "gated-bias", "drelu", "plain"])
+@pytest.mark.parametrize("m,k,n", [(1, 16, 64), (40, 72, 200), (257, 33, 130)], ids=["m1", "m40", "m257"])
+def test_up_down_matches_reference(m, k, n, dtype, variant):
+    gated = variant != "plain"
+    case = make_ffn(m, k, n, MIXED, dtype, DEVICE, seed=k * n, biases=variant == "gated-bias", gated=gated)
+    tile_n, slots = 32, 8
+    gate_w, gate_b = (case["gate_weight"], case["gate_bias"]) if gated else (case["up_weight"], case["up_bias"])
+    values, indices, counts = gate_twell(case["x"], gate_w, gate_b, 0.0, tile_n, slots)
+    skip = (counts > slots).any(1)
+    entries = max(16, 1 << int(torch.where(skip, 0, counts.sum(1)).max().item()).bit_length())
+    out = torch.full_like(case["x"], float("nan"))
+    twell_up_down(
+        case["x"],
+        values,
+        indices,
+        counts,
+        skip.to(torch.int8),
+        case["up_weight"] if gated else None,
+        case["up_bias"] if gated else None,
+        case["down_weight"].t().contiguous(),
+        case["down_bias"],
+        tile_n=tile_n,
+        entries=entries,
+        drelu=variant == "drelu",
+        out=out,
+    )
+    ref = gated_ref(case, drelu=variant == "drelu") if gated else plain_ref(case)
+    kept = ~skip
+    if m > 1:
+        assert skip.any() and kept.any(), "case must mix overflow rows and sparse rows"
+    assert out[skip].isnan().all(), "skipped rows are the dense path's: the kernel must not write them"
+    assert rel_err(out[kept], ref[kept]) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("variant", ["gated", "drelu", "plain"])
+@pytest.mark.parametrize("m,k,n", [(1, 16, 64), (16, 40, 200), (70, 130, 100)], ids=["m1", "m16", "m70"])
+def test_decode_matches_reference(m, k, n, dtype, variant):
+    gated = variant != "plain"
+    case = make_ffn(m, k, n, MIXED, dtype, DEVICE, seed=m * k, biases=True, gated=gated)
+    c = {k_: (t.double() if t is not None else None) for k_, t in case.items()}
+    gate_w, gate_b = ("gate_weight", "gate_bias") if gated else ("up_weight", "up_bias")
+    hidden = torch.relu(torch.nn.functional.linear(case["x"], case[gate_w], case[gate_b]))
+    y = decode_up_down(
+        case["x"],
+        hidden,
+        case["up_weight"] if gated else None,
+        case["up_bias"] if gated else None,
+        case["down_weight"].t().contiguous(),
+        drelu=variant == "drelu",
+    )
+    y = y + c["down_bias"]
+    ref = gated_ref(case, drelu=variant == "drelu") if gated else plain_ref(case)
+    assert rel_err(y, ref) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", [1, 16, 257, 300], ids=lambda m: f"m{m}")
+@pytest.mark.parametrize("variant", ["gated", "fatrelu-bias", "drelu", "plain", "relu2"])
+def test_dispatch_is_exact_on_every_path(m, dtype, variant):
+    """Decode (M <= 256) and prefill paths, with empty, dense (overflowing) and sparse rows."""
+    k, n = 40, 300
+    gated = variant in ("gated", "fatrelu-bias", "drelu")
+    case = make_ffn(m, k, n, MIXED, dtype, DEVICE, seed=m, biases=variant == "fatrelu-bias", gated=gated)
+    threshold = 0.02 if variant == "fatrelu-bias" else 0.0
+    x = case["x"].reshape(1, m, k)
+    dispatch._dense_calls_left.clear()
+    if gated:
+        y = dispatch.gated_ffn(
+            x,
+            case["gate_weight"],
+            case["up_weight"],
+            case["down_weight"],
+            case["gate_bias"],
+            case["up_bias"],
+            case["down_bias"],
+            threshold,
+            variant == "drelu",
+        )
+        ref = gated_ref(case, threshold, variant == "drelu")
+    else:
+        y = dispatch.ffn(
+            x, case["up_weight"], case["down_weight"], case["up_bias"], case["down_bias"], threshold, variant == "relu2"
+        )
+        ref = plain_ref(case, threshold, variant == "relu2")
+    assert y.shape == x.shape and y.dtype == dtype
+    assert rel_err(y.reshape(m, k), ref) <= TOL[dtype] * (4 if variant == "relu2" else 1)
+
+
+def test_dense_layers_fall_back_to_dense():
+    """After a prefill call denser than DENSE_ABOVE, the layer runs dense (still exact) for a while."""
+    case = make_ffn(300, 24, 64, [0.5], torch.float32, DEVICE, seed=3)
+    dispatch._dense_calls_left.clear()
+    args = (case["gate_weight"], case["up_weight"], case["down_weight"], None, None, None, 0.0, False)
+    first = dispatch.gated_ffn(case["x"], *args)
+    assert list(dispatch._dense_calls_left.values()) == [dispatch.DENSE_RETRY]
+    second = dispatch.gated_ffn(case["x"], *args)
+    assert list(dispatch._dense_calls_left.values()) == [dispatch.DENSE_RETRY - 1]
+    ref = gated_ref(case)
+    assert rel_err(first, ref) <= 1e-5 and rel_err(second, ref) <= 1e-5

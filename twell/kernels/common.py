@@ -1,0 +1,46 @@
+"""Helpers shared by the kernel launchers."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+
+def interpreting() -> bool:
+    """True under Triton's CPU interpreter (CI), where autotuning would only cost time."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def autotune_configs(table, to_meta, warps_stages: bool = True) -> list[triton.Config]:
+    """triton.Config list from rows (..., num_warps, num_stages); the first row alone when interpreting."""
+    rows = table[:1] if interpreting() else table
+    configs = []
+    for row in rows:
+        meta = to_meta(*row)
+        if warps_stages:
+            configs.append(triton.Config(meta, num_warps=row[-2], num_stages=row[-1]))
+        else:
+            configs.append(triton.Config(meta))
+    return configs
+
+
+def m_bucket(m: int) -> int:
+    """Autotune key for the token count: next power of two, so new batch sizes do not re-tune."""
+    return triton.next_power_of_2(max(m, 1))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get IEEE dots (fp32 results within 1e-5); tf32 would give ~3e-4."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_tile(tile_n: int, slots: int) -> None:
+    for name, value in (("tile_n", tile_n), ("slots", slots)):
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"the Triton kernels need a power-of-two {name}, got {value}")
+    if not 16 <= tile_n <= 256:
+        raise ValueError(f"the Triton kernels need 16 <= tile_n <= 256, got {tile_n}")
+    if slots > tile_n:
+        raise ValueError(f"slots must be <= tile_n, got slots={slots}, tile_n={tile_n}")

@@ -1,0 +1,175 @@
+"""Fused sparse up + down projection from TwELL (Algorithm 2 of the paper).
+
+One program per token row m. It turns the row's per-tile counts into one flat list of its R active
+entries (prefix sum over tiles, done in registers), gathers their gate values g and neuron ids n, then
+    u_j = x_m . W_u[n_j]            (only for active neurons; skipped for non-gated FFNs)
+    y_m = sum_j (g_j * u_j) W_d[n_j]
+with fp32 accumulation. The hidden state never reaches global memory. Rows flagged in `skip`
+(overflowing a tile, or more than ENTRIES entries) are left to the dense path of the dispatcher.
+W_d is read as rows of down_weight^T ([N, K]): pass down_weight.t() with unit stride on K for
+coalesced loads.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from twell.kernels.common import autotune_configs
+
+UPDOWN_CONFIGS = [
+    # (BLOCK_K, num_warps, num_stages)
+    (64, 4, 2),
+    (128, 4, 2),
+    (64, 2, 3),
+    (256, 8, 2),
+    (128, 8, 3),
+]
+
+
+@triton.autotune(
+    configs=autotune_configs(UPDOWN_CONFIGS, lambda bk, w, s: {"BLOCK_K": bk}),
+    key=["K", "ENTRIES", "TILE_N", "SLOTS"],
+)
+@triton.jit
+def _twell_up_down_kernel(
+    x_ptr,
+    vals_ptr,
+    idx_ptr,
+    cnt_ptr,
+    skip_ptr,
+    wu_ptr,
+    bu_ptr,
+    wd_ptr,
+    bd_ptr,
+    y_ptr,
+    K,
+    n_tiles,
+    stride_xm,
+    stride_xk,
+    stride_un,
+    stride_uk,
+    stride_dn,
+    stride_dk,
+    stride_ym,
+    stride_yk,
+    HAS_UP: tl.constexpr,
+    HAS_UP_BIAS: tl.constexpr,
+    HAS_DOWN_BIAS: tl.constexpr,
+    DRELU: tl.constexpr,
+    TILE_N: tl.constexpr,
+    SLOTS: tl.constexpr,
+    TILES_PAD: tl.constexpr,
+    ENTRIES: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    m = tl.program_id(0).to(tl.int64)
+    if tl.load(skip_ptr + m) != 0:
+        return
+    offs_t = tl.arange(0, TILES_PAD)
+    cnt = tl.load(cnt_ptr + m * n_tiles + offs_t, mask=offs_t < n_tiles, other=0)
+    incl = tl.cumsum(cnt, axis=0)
+    total = tl.sum(cnt, axis=0)
+    # entry e lies in the first tile whose inclusive count exceeds e
+    e = tl.arange(0, ENTRIES)
+    valid = e < total
+    tile = tl.sum((incl[None, :] <= e[:, None]).to(tl.int32), axis=1)
+    start = tl.sum(tl.where(offs_t[None, :] == tile[:, None], (incl - cnt)[None, :], 0), axis=1)
+    slot_off = (m * n_tiles + tile) * SLOTS + (e - start)
+    g = tl.load(vals_ptr + slot_off, mask=valid, other=0.0).to(tl.float32)
+    neuron = (tile * TILE_N + tl.load(idx_ptr + slot_off, mask=valid, other=0).to(tl.int32)).to(tl.int64)
+
+    if HAS_UP:
+        partial = tl.zeros([ENTRIES, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            xv = tl.load(x_ptr + m * stride_xm + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(
+                wu_ptr + neuron[:, None] * stride_un + offs_k[None, :] * stride_uk,
+                mask=valid[:, None] & k_ok[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            partial += w * xv[None, :]
+        u = tl.sum(partial, axis=1)
+        if HAS_UP_BIAS:
+            u += tl.load(bu_ptr + neuron, mask=valid, other=0.0).to(tl.float32)
+        if DRELU:
+            u = tl.where(u <= 0.0, 0.0, u)
+        h = g * u
+    else:
+        h = g
+    h = tl.where(valid, h, 0.0)
+
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        w = tl.load(
+            wd_ptr + neuron[:, None] * stride_dn + offs_k[None, :] * stride_dk,
+            mask=valid[:, None] & k_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        y = tl.sum(w * h[:, None], axis=0)
+        if HAS_DOWN_BIAS:
+            y += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + m * stride_ym + offs_k * stride_yk, y.to(y_ptr.dtype.element_ty), mask=k_ok)
+
+
+def twell_up_down(
+    x: torch.Tensor,
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    counts: torch.Tensor,
+    skip: torch.Tensor,
+    up_weight: torch.Tensor | None,
+    up_bias: torch.Tensor | None,
+    down_weight_t: torch.Tensor,
+    down_bias: torch.Tensor | None,
+    *,
+    tile_n: int,
+    entries: int,
+    drelu: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y [M, K] from x [M, K] and TwELL arrays; rows with skip[m] != 0 are not written.
+
+    up_weight: [N, K] or None (non-gated: h = gate values); down_weight_t: [N, K] (= down_weight.t()).
+    entries: power of two >= the largest row count among rows not skipped.
+    """
+    m, k = x.shape
+    n_tiles, slots = values.shape[1], values.shape[2]
+    if entries & (entries - 1) or entries < 16:
+        raise ValueError(f"entries must be a power of two >= 16, got {entries}")
+    y = torch.empty_like(x) if out is None else out
+    dummy = x
+    _twell_up_down_kernel[(m,)](
+        x,
+        values,
+        indices,
+        counts,
+        skip,
+        up_weight if up_weight is not None else dummy,
+        up_bias if up_bias is not None else dummy,
+        down_weight_t,
+        down_bias if down_bias is not None else dummy,
+        y,
+        k,
+        n_tiles,
+        x.stride(0),
+        x.stride(1),
+        *(up_weight.stride() if up_weight is not None else (0, 0)),
+        down_weight_t.stride(0),
+        down_weight_t.stride(1),
+        y.stride(0),
+        y.stride(1),
+        HAS_UP=up_weight is not None,
+        HAS_UP_BIAS=up_bias is not None,
+        HAS_DOWN_BIAS=down_bias is not None,
+        DRELU=drelu,
+        TILE_N=tile_n,
+        SLOTS=slots,
+        TILES_PAD=max(triton.next_power_of_2(n_tiles), 2),
+        ENTRIES=entries,
+    )
+    return y
