@@ -1,28 +1,275 @@
-"""The `twell` command line."""
+"""The `twell` command line: conversion reports and plans for local checkpoints.
+
+    twell report [MODEL] [--data FILE] [--samples N] [--seq-len L] [--json OUT]
+    twell convert MODEL --out PLAN.json [same options]
+
+MODEL is a local Hugging Face checkpoint directory, a hub id already in the local cache, or the
+built-in demo model (the default). Nothing is downloaded. The work is done by the Python API
+(twell.loading, twell.passes.find_ffns, twell.calibrate); this module parses, renders and turns every
+failure into a one-line error with a non-zero exit status.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+import warnings
+from dataclasses import dataclass
 
 import twell
 
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """Bad command-line arguments (exit status 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    # argparse prints the usage block and exits; a one-line error is easier to read and to test.
+    def error(self, message: str):
+        raise UsageError(message)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="twell", description="Activation-sparse FFNs: conversion reports.")
+    from twell.loading import DEMO_MODEL
+
+    parser = _Parser(prog="twell", description="Activation-sparse FFNs: conversion reports and plans.")
     parser.add_argument("--version", action="version", version=f"twell {twell.__version__}")
-    sub = parser.add_subparsers(dest="command")
-    sub.add_parser("report", help="conversion report for a model (the built-in demo model by default)")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+
+    common = _Parser(add_help=False)
+    common.add_argument("--data", metavar="FILE", help="calibration text: a text file or JSONL of texts")
+    common.add_argument("--samples", type=_positive_int, default=16, metavar="N", help="sequences (default 16)")
+    common.add_argument("--seq-len", type=_positive_int, default=128, metavar="L", help="tokens each (default 128)")
+    common.add_argument("--batch-size", type=_positive_int, default=4, metavar="B", help="sequences per batch (4)")
+    common.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where to run (auto)")
+    common.add_argument("--json", metavar="OUT", help="also write the report as JSON to OUT ('-': stdout only)")
+
+    report = sub.add_parser("report", parents=[common], help="measure a model's FFN sparsity and predict the gain")
+    report.add_argument("model", nargs="?", metavar="MODEL", help=f"checkpoint directory (default: {DEMO_MODEL})")
+    convert = sub.add_parser("convert", parents=[common], help="calibrate a model and write its plan")
+    convert.add_argument("model", metavar="MODEL", help=f"checkpoint directory, or {DEMO_MODEL}")
+    convert.add_argument("--out", required=True, metavar="PLAN.json", help="where to write the plan")
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command is None:
-        build_parser().print_help()
-        return 0
-    print(f"twell {twell.__version__}: the conversion report arrives with the calibration issue.")
+@dataclass
+class Analysis:
+    """Everything a report shows: the loaded model, its FFN candidates and the calibration decisions."""
+
+    loaded: object
+    candidates: list
+    decisions: dict
+    data_note: str
+    cost_model: str | None
+
+
+def analyse(args: argparse.Namespace) -> Analysis:
+    import torch
+
+    from twell.calibrate import calibrate
+    from twell.loading import LoadError, calibration_batches, load_model
+    from twell.passes import find_ffns
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise LoadError("--device cuda: no CUDA GPU is available")
+    loaded = load_model(args.model, device=device)
+    batches, note = calibration_batches(
+        loaded, data=args.data, samples=args.samples, seq_len=args.seq_len, batch_size=args.batch_size
+    )
+    candidates = find_ffns(loaded.model)
+    decisions = calibrate(loaded.model, candidates, batches, config={"progress": sys.stderr.isatty()})
+    cost = next((d.cost_model for d in decisions.values() if d.cost_model), None)
+    return Analysis(loaded, candidates, decisions, note, cost)
+
+
+def report_dict(analysis: Analysis) -> dict:
+    """The report as JSON-serialisable data (what --json writes)."""
+    from twell.calibrate import predicted_model_speedup
+
+    loaded = analysis.loaded
+    return {
+        "twell_version": twell.__version__,
+        "model": {"name": loaded.name, "path": str(loaded.path), "class": type(loaded.model).__name__},
+        "data": analysis.data_note,
+        "cost_model": analysis.cost_model,
+        "summary": {
+            "ffns": len(analysis.candidates),
+            "rewritable": sum(bool(c.rewritable) for c in analysis.candidates),
+            "rewritten": sum(d.rewrite for d in analysis.decisions.values()),
+            **{phase: predicted_model_speedup(analysis.decisions, phase) for phase in ("prefill", "decode")},
+        },
+        "ffns": [
+            {"activation": c.activation, "rewritable": bool(c.rewritable), **analysis.decisions[c.path].to_dict()}
+            for c in analysis.candidates
+        ],
+    }
+
+
+def _pct(value: float | None, digits: int = 2) -> str:
+    return "—" if value is None else f"{value:.{digits}%}"
+
+
+def render(console, analysis: Analysis, plan_path: str | None = None) -> None:
+    """Per-FFN table and summary panel (rich)."""
+    from rich.panel import Panel
+    from rich.table import Table
+
+    data = report_dict(analysis)
+    title = f"twell report: {data['model']['name']} ({data['model']['class']})"
+    table = Table(title=title, title_justify="left", header_style="bold", show_lines=False)
+    for name, justify in (
+        ("FFN", "left"),
+        ("act", "left"),
+        ("N×K", "right"),
+        ("density\nprefill", "right"),
+        ("density\ndecode", "right"),
+        ("nnz/row\nmean p50 p99 max", "right"),
+        ("dead", "right"),
+        ("tile/C", "right"),
+        ("overflow\nrows", "right"),
+        ("time\nshare", "right"),
+        ("speedup\nprefill", "right"),
+        ("speedup\ndecode", "right"),
+        ("decision", "left"),
+    ):
+        table.add_column(name, justify=justify, overflow="fold")
+    for ffn in data["ffns"]:
+        stats = ffn["stats"]
+        main = stats.get("prefill") or stats.get("decode")
+        nnz = main["nnz_per_row"] if main else None
+        layout = "—" if ffn["tile_n"] is None else f"{ffn['tile_n']}/{ffn['compression']}"
+        dead = "—"
+        if ffn["dead_neurons"] is not None:
+            dead = f"{ffn['dead_neurons']} ({ffn['dead_neurons'] / ffn['hidden_size']:.0%})"
+        speedups = ffn["predicted_speedup"]
+        # The speedup columns already say why a measured layer is or is not rewritten.
+        if ffn["rewrite"]:
+            decision = "[green]rewrite[/green]"
+        elif speedups:
+            decision = "[yellow]keep dense[/yellow]"
+        elif ffn["rewritable"]:
+            decision = f"[yellow]keep dense[/yellow]: {ffn['reason']}"
+        else:
+            decision = f"[red]not rewritable[/red]: {ffn['reason']}"
+        table.add_row(
+            ffn["path"],
+            ffn["activation"],
+            f"{ffn['hidden_size']}×{ffn['model_size']}",
+            _pct(stats.get("prefill", {}).get("density")),
+            _pct(stats.get("decode", {}).get("density")),
+            "—" if nnz is None else f"{nnz['mean']:.1f} {nnz['p50']} {nnz['p99']} {nnz['max']}",
+            dead,
+            layout,
+            _pct(ffn["overflow_rows"], 1),
+            _pct(ffn["time_share"].get("prefill"), 0),
+            f"{speedups['prefill']:.2f}x" if "prefill" in speedups else "—",
+            f"{speedups['decode']:.2f}x" if "decode" in speedups else "—",
+            decision,
+        )
+    if data["ffns"]:
+        console.print(table)
+    else:
+        console.print(f"[bold]{title}[/bold]: no feed-forward blocks found")
+
+    summary = data["summary"]
+    lines = [
+        f"data          {data['data']}",
+        f"cost model    {data['cost_model'] or '—'}",
+        f"FFNs          {summary['ffns']} found, {summary['rewritable']} rewritable, {summary['rewritten']} rewritten",
+    ]
+    for phase in ("prefill", "decode"):
+        s = summary[phase]
+        lines.append(
+            f"{phase:<14}FFNs take {s['ffn_time_share']:.0%} of model time (rewritten: "
+            f"{s['rewritten_time_share']:.0%}); predicted model speedup [bold]{s['speedup']:.2f}x[/bold]"
+        )
+    if plan_path:
+        lines.append(f"plan          written to {plan_path}: twell.sparsify(model, plan={plan_path!r})")
+    console.print(Panel("\n".join(lines), title="summary", title_align="left", expand=False))
+
+
+def _run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from twell.calibrate import save_plan
+
+    analysis = analyse(args)
+    plan_path = None
+    if args.command == "convert":
+        save_plan(analysis.decisions, analysis.candidates, args.out)
+        plan_path = args.out
+    if args.json:
+        text = json.dumps(report_dict(analysis), indent=1)
+        if args.json == "-":
+            print(text)
+            return 0
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+    render(console, analysis, plan_path)
     return 0
+
+
+def _quiet_libraries() -> None:
+    """Offline, and no library chatter: the report is the output. Only ever called by main()."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return text or type(error).__name__
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `twell` script; returns the exit status."""
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 0
+        _quiet_libraries()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _run(args)
+    except UsageError as e:
+        print(f"twell: error: {_one_line(e)} (see twell --help)", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("twell: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, TypeError, OSError) as e:
+        print(f"twell: error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_ERROR
+    except Exception as e:  # a bug or an unexpected library failure: still one line, with its type
+        print(f"twell: error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":
