@@ -1,0 +1,20 @@
+"""Graph passes: find feed-forward blocks, check them, rewrite them to torch.ops.twell.*.
+
+Contract with twell.calibrate (issue 5):
+
+    find_ffns(model) -> list[Candidate]   every FFN found, rewritable or not, in module order
+
+Candidate fields: path, kind ("gated" | "plain"), activation, rewritable, reason, gate_module (the
+nn.Linear whose output, [..., N] pre-activation, is thresholded; a plain FFN's up linear), gate_slice
+(for a fused gate_up linear, the slice of its last dim that is the gate), threshold, hidden_size (N),
+model_size (K). Inline FFNs (written in a bigger module's forward, like OPT's fc1/fc2) have the path
+"<module path>[<up>,<down>]" (gated: "[<gate>,<up>,<down>]"). Further fields (owner, spec, inline,
+activation_children) are the rewrite's own.
+
+Modules: match (the graph matcher shared by every entry point), candidates (per-module tracing),
+modules (what sparsify swaps in), rewrite (swapping), backend (torch.compile backend and Inductor pass).
+"""
+
+from twell.passes.candidates import Candidate, Unmatched, find_ffns, scan
+
+__all__ = ["Candidate", "Unmatched", "find_ffns", "scan"]

@@ -1,0 +1,272 @@
+"""Finding FFNs in an eager model: trace candidate modules one by one with torch.fx and match.
+
+Whole-model FX tracing of transformers v5 models is not supported, so each module that holds an
+FFN-shaped pair of nn.Linear children (one maps K -> N or K -> 2N, another N -> K) is traced on its own,
+with its forward's first argument as the only input (the others keep their defaults). Children with
+parameters or buffers, and torch.nn modules, stay opaque (`call_module`); parameter-free custom
+modules (transformers' activation classes) are traced through, so every spelling of an activation
+reaches the matcher as the same graph.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+
+from twell.passes.match import Dialect, FFNMatch, find_matches, skip_identities
+from twell.passes.modules import TWELL_MODULES, FFNSpec
+
+
+@dataclass
+class Candidate:
+    """One FFN found in a model (whether or not it can be rewritten).
+
+    path: module path of the FFN module; for an FFN written inline in a bigger module's forward (OPT's
+    decoder layer), that module's path followed by the linears' names in brackets, e.g.
+    "model.decoder.layers.0[fc1,fc2]" (plain) or "layers.0[w1,w3,w2]" (gated: gate, up, down).
+    gate_module: the nn.Linear whose output (pre-activation, [..., N]) is thresholded; for plain FFNs
+    the up linear. gate_slice: for a fused gate_up linear, the slice of its last dim that is the gate.
+    hidden_size: N; model_size: K.
+    """
+
+    path: str
+    kind: str  # "gated" or "plain"
+    activation: str  # relu, fatrelu, drelu, relu2, or a non-sparse function's name (silu, gelu, ...)
+    rewritable: bool
+    reason: str  # why not rewritable, or ""
+    gate_module: nn.Module | None
+    gate_slice: slice | None
+    threshold: float
+    hidden_size: int
+    model_size: int
+    # How to rewrite it (None when not rewritable): the module that owns the FFN and the op's spec.
+    owner: nn.Module | None = field(default=None, repr=False, compare=False)
+    spec: FFNSpec | None = field(default=None, repr=False, compare=False)
+    inline: bool = field(default=False, repr=False, compare=False)
+    activation_children: tuple[str, ...] = field(default=(), repr=False, compare=False)
+
+
+@dataclass
+class Unmatched:
+    """A module that may hold an FFN but could not be analysed (e.g. its forward does not trace)."""
+
+    path: str
+    reason: str
+
+
+class _Tracer(fx.Tracer):
+    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+        if isinstance(module, (nn.Linear, *TWELL_MODULES)):
+            return True
+        if module.__module__.startswith("torch.nn") and not isinstance(module, nn.Sequential):
+            return True
+        return any(True for _ in itertools.chain(module.parameters(), module.buffers()))
+
+
+class TraceFailure(Exception):
+    pass
+
+
+def _input_name(module: nn.Module) -> str:
+    forward = inspect.unwrap(type(module).forward)
+    parameters = list(inspect.signature(forward).parameters.values())[1:]
+    if not parameters or parameters[0].kind not in (
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    ):
+        raise TraceFailure("forward has no positional input")
+    required = [
+        p.name
+        for p in parameters[1:]
+        if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    if required:
+        raise TraceFailure(f"forward needs arguments besides its input: {', '.join(required)}")
+    return parameters[0].name
+
+
+def trace_module(module: nn.Module) -> fx.Graph:
+    """FX graph of module.forward(x) with every other argument at its default.
+
+    Traced on a throwaway subclass instance sharing the module's state, through a method that calls
+    the undecorated forward with x alone: transformers wraps layer forwards in (*args, **kwargs)
+    decorators that FX cannot trace. Neither the module nor its class is modified.
+    """
+    _input_name(module)
+    forward = inspect.unwrap(type(module).forward)
+
+    def _twell_traced(self, x):
+        return forward(self, x)
+
+    cls = type(type(module).__name__, (type(module),), {"_twell_traced": _twell_traced})
+    shim = object.__new__(cls)
+    shim.__dict__.update(module.__dict__)
+    for key in ("_modules", "_parameters", "_buffers"):
+        shim.__dict__[key] = dict(module.__dict__[key])
+    tracer = _Tracer()
+    tracer.traced_func_name = "_twell_traced"
+    try:
+        return tracer.trace(shim)
+    except Exception as error:  # any failure of user code under tracing means: cannot analyse
+        first_line = (str(error).strip().splitlines() or [""])[0][:200]
+        raise TraceFailure(f"{type(error).__name__}: {first_line}") from error
+
+
+def _ffn_shaped(module: nn.Module) -> tuple[bool, bool]:
+    """(has an up/down pair of direct nn.Linear children, and one that expands: N > K)."""
+    linears = [m for m in module.children() if isinstance(m, nn.Linear)]
+    pair = expanding = False
+    for up, down in itertools.permutations(linears, 2):
+        n = down.in_features
+        if down.out_features == up.in_features and up.out_features in (n, 2 * n):
+            pair = True
+            expanding = expanding or n > up.in_features
+    return pair, expanding
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _child_name(node: fx.Node) -> str | None:
+    """The direct child a call_module node calls (None for deeper targets)."""
+    return node.target if node.op == "call_module" and "." not in node.target else None
+
+
+def _whole_module(graph: fx.Graph, match: FFNMatch, dialect: Dialect) -> tuple[bool, bool]:
+    """(the graph is x -> this FFN -> output with only identities after down, there are dropouts after down)."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    (output,) = [n for n in graph.nodes if n.op == "output"]
+    source, trailing, dropouts = skip_identities(output.args[0], dialect)
+    if source is not match.down.node or placeholders != [match.x]:
+        return False, False
+    body = set(graph.nodes) - {match.x, output}
+    return body == match.nodes | {match.down.node} | set(trailing), bool(dropouts)
+
+
+def _inline_children(graph: fx.Graph, match: FFNMatch) -> tuple[tuple[str, ...], str]:
+    """Names of the activation children to swap for an inline FFN, or ((), reason it cannot be)."""
+    linears = [match.gate.linear, match.down] + ([match.up.linear] if match.up is not None else [])
+    if any(p.rows is not None for p in (match.gate, match.up) if p is not None):
+        return (), "fused gate_up projection inside a bigger forward cannot be swapped module by module"
+    if match.dropout:
+        return (), "dropout inside an inline FFN would act on the layer's input in training mode"
+    names = [_child_name(linear.node) for linear in linears]
+    if None in names:
+        return (), "inline FFN projections are not direct children of the module"
+    calls: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op == "call_module":
+            calls[node.target] = calls.get(node.target, 0) + 1
+    activation_children = []
+    for act in (match.activation, match.up_activation):
+        if act is None:
+            continue
+        owners = set()
+        for node in act.nodes:
+            stack = node.meta.get("nn_module_stack") or {}
+            owner = next(iter(stack.values()))[0] if stack else _child_name(node)
+            owners.add(owner)
+        if len(owners) != 1 or None in owners or "." in next(iter(owners)):
+            return (), "the activation is written inline in the forward, not an activation module that can be swapped"
+        (owner,) = owners
+        others = [n for n in graph.nodes if n not in act.nodes and _stack_root(n) == owner]
+        if others or calls.get(owner, 0) > 1:
+            return (), f"activation module {owner} is used more than once"
+        activation_children.append(owner)
+    for name in names:
+        if calls.get(name, 0) != 1:
+            return (), f"linear {name} is called more than once"
+    return tuple(activation_children), ""
+
+
+def _stack_root(node: fx.Node) -> str | None:
+    stack = node.meta.get("nn_module_stack") or {}
+    if stack:
+        return next(iter(stack.values()))[0]
+    return _child_name(node)
+
+
+def _candidate(path: str, module: nn.Module, graph: fx.Graph, match: FFNMatch, input_name: str) -> Candidate:
+    problems = list(match.problems)
+    gate_name = match.gate.linear.node.target
+    up_name = match.up.linear.node.target if match.up is not None else None
+    down_name = match.down.node.target
+    dialect = Dialect(module)
+    whole, trailing_dropout = _whole_module(graph, match, dialect)
+    activation_children: tuple[str, ...] = ()
+    if whole and not path:
+        problems.append("the model itself is the FFN; sparsify a module that contains it")
+    if not whole and not problems:
+        activation_children, reason = _inline_children(graph, match)
+        if reason:
+            problems.append(reason)
+    if whole:
+        ffn_path = path
+    else:
+        names = [gate_name, up_name, down_name] if match.kind == "gated" else [gate_name, down_name]
+        ffn_path = f"{path}[{','.join(names)}]"
+    spec = None
+    if not problems:
+        spec = FFNSpec(
+            kind=match.kind,
+            gate=gate_name,
+            up=up_name,
+            down=down_name,
+            gate_rows=match.gate.rows,
+            up_rows=match.up.rows if match.up is not None else None,
+            threshold=match.threshold,
+            drelu=match.drelu,
+            squared=match.squared,
+            dropout=bool(match.dropout) or trailing_dropout,
+            input_name=input_name,
+        )
+    return Candidate(
+        path=ffn_path,
+        kind=match.kind,
+        activation=match.activation_name,
+        rewritable=not problems,
+        reason="; ".join(problems),
+        gate_module=module.get_submodule(gate_name),
+        gate_slice=match.gate.rows,
+        threshold=match.threshold,
+        hidden_size=match.hidden_size,
+        model_size=match.model_size,
+        owner=module,
+        spec=spec,
+        inline=not whole,
+        activation_children=activation_children,
+    )
+
+
+def scan(model: nn.Module) -> tuple[list[Candidate], list[Unmatched]]:
+    """Every FFN of `model` (module order), and the modules that could not be analysed."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    candidates: list[Candidate] = []
+    unmatched: list[Unmatched] = []
+    for path, module in model.named_modules():
+        if isinstance(module, TWELL_MODULES) or isinstance(module, nn.Linear):
+            continue
+        pair, expanding = _ffn_shaped(module)
+        if not pair:
+            continue
+        try:
+            input_name = _input_name(module)
+            graph = trace_module(module)
+        except TraceFailure as failure:
+            if expanding:
+                unmatched.append(Unmatched(path, f"could not trace {type(module).__name__}: {failure}"))
+            continue
+        for match in find_matches(graph, Dialect(module)):
+            candidates.append(_candidate(path, module, graph, match, input_name))
+    return candidates, unmatched
+
+
+def find_ffns(model: torch.nn.Module) -> list[Candidate]:
+    """Every FFN of `model`, rewritable or not (see Candidate), in module order."""
+    return scan(model)[0]

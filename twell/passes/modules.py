@@ -1,0 +1,174 @@
+"""The modules sparsify() swaps in. They call twell.ops (never kernels) and own no new tensors: each
+registers the very Parameter and buffer objects of what it replaces under the same names, so the model's
+state_dict keeps its keys, shapes and storage, and restore() puts the originals back.
+
+Two ways to stand in for an FFN:
+- SparseFFN replaces a module whose forward is exactly the FFN (LlamaMLP, Phi3MLP, GPTNeoXMLP, a
+  hand-written nn.Sequential ...).
+- For an FFN written inline in a bigger forward (OPT's decoder layer: fc1 -> activation_fn -> fc2),
+  the layer keeps its own forward and its children are swapped: the gate linear by GatePassthrough
+  (returns x), the activation module(s) by nn.Identity, a gated FFN's up linear by UpUnit (returns 1,
+  so act(gate) * up is x again) and the down linear by InlineFFN, which computes the whole FFN from x.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from twell import ops
+
+
+@dataclass(frozen=True)
+class FFNSpec:
+    """How to call the op: which children hold the projections, and the activation's parameters.
+
+    gate / up / down: child names of the linears (gate of a plain FFN: its up linear);
+    gate_rows / up_rows: output-feature rows of a fused gate_up linear; dropout: eval-only steps
+    inside the FFN (in training mode SparseFFN runs the original forward); input_name: name of the
+    original forward's input (for callers passing it by keyword).
+    """
+
+    kind: str
+    gate: str
+    up: str | None
+    down: str
+    gate_rows: slice | None = None
+    up_rows: slice | None = None
+    threshold: float = 0.0
+    drelu: bool = False
+    squared: bool = False
+    dropout: bool = False
+    input_name: str = "x"
+
+
+def _rows(linear: nn.Module, rows: slice | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    weight, bias = linear.weight, linear.bias
+    if rows is None:
+        return weight, bias
+    # Row slices of a [2N, K] weight are contiguous views: no copy of the fused weight.
+    return weight[rows], None if bias is None else bias[rows]
+
+
+def run_ffn(spec: FFNSpec, gate: nn.Module, up: nn.Module | None, down: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The FFN of `spec` on x [..., K] through twell.ops; gate/up/down hold weight [N, K] / [K, N] and bias."""
+    gate_weight, gate_bias = _rows(gate, spec.gate_rows)
+    if spec.kind == "plain":
+        return ops.ffn(
+            x,
+            gate_weight,
+            down.weight,
+            up_bias=gate_bias,
+            down_bias=down.bias,
+            threshold=spec.threshold,
+            squared=spec.squared,
+        )
+    up_weight, up_bias = _rows(up, spec.up_rows)
+    return ops.gated_ffn(
+        x,
+        gate_weight,
+        up_weight,
+        down.weight,
+        gate_bias=gate_bias,
+        up_bias=up_bias,
+        down_bias=down.bias,
+        threshold=spec.threshold,
+        drelu=spec.drelu,
+    )
+
+
+class _StandIn(nn.Module):
+    """Holds the original's parameters, buffers and children (same objects, same names)."""
+
+    def __init__(self, original: nn.Module, *, children: bool):
+        super().__init__()
+        if children:
+            for name, child in original.named_children():
+                self.add_module(name, child)
+        for name, param in original._parameters.items():
+            self.register_parameter(name, param)
+        for name, buffer in original._buffers.items():
+            self.register_buffer(name, buffer, persistent=name not in original._non_persistent_buffers_set)
+        self.training = original.training
+        # Plain attribute, not a submodule: its tensors are registered here already.
+        self.__dict__["original"] = original
+
+    def sync_original(self) -> nn.Module:
+        """The original module, with any tensor that .to()/.half() replaced here carried over."""
+        original = self.__dict__["original"]
+        original._parameters.update(self._parameters)
+        original._buffers.update(self._buffers)
+        original.training = self.training
+        return original
+
+
+class SparseFFN(_StandIn):
+    """Replaces a module whose forward is exactly an FFN; y = twell.ops.(gated_)ffn(x), x [..., K]."""
+
+    def __init__(self, original: nn.Module, spec: FFNSpec):
+        super().__init__(original, children=True)
+        self.spec = spec
+
+    def forward(self, *args, **kwargs):
+        spec = self.spec
+        if len(args) == 1 and not kwargs:
+            x = args[0]
+        elif not args and list(kwargs) == [spec.input_name]:
+            x = kwargs[spec.input_name]
+        else:
+            x = None
+        # Calls the ops cannot express run the original forward: extra arguments (another code path
+        # than the one matched) and dropout in training mode.
+        if x is None or (spec.dropout and self.training):
+            return self.sync_original()(*args, **kwargs)
+        down = getattr(self, spec.down)
+        up = getattr(self, spec.up) if spec.up is not None else None
+        return run_ffn(spec, getattr(self, spec.gate), up, down, x)
+
+    def extra_repr(self) -> str:
+        return f"twell {self.spec.kind}, threshold={self.spec.threshold}, drelu={self.spec.drelu}"
+
+
+class GatePassthrough(_StandIn):
+    """Inline FFN: in place of the gate (plain: up) linear; returns its input x unchanged."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__(linear, children=False)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class UpUnit(_StandIn):
+    """Inline gated FFN: in place of the up linear; returns 1, so the layer's act(gate) * up is x."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__(linear, children=False)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.new_ones(())
+
+
+class InlineFFN(_StandIn):
+    """Inline FFN: in place of the down linear; receives x and returns the whole FFN's output."""
+
+    def __init__(self, linear: nn.Linear, spec: FFNSpec, gate: GatePassthrough, up: UpUnit | None):
+        super().__init__(linear, children=False)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.spec = spec
+        # Not submodules: the layer owns them under their own names.
+        self.__dict__["gate"] = gate
+        self.__dict__["up"] = up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return run_ffn(self.spec, self.__dict__["gate"], self.__dict__["up"], self, x)
+
+    def extra_repr(self) -> str:
+        return f"twell inline {self.spec.kind}, threshold={self.spec.threshold}, drelu={self.spec.drelu}"
+
+
+TWELL_MODULES = (SparseFFN, GatePassthrough, UpUnit, InlineFFN)

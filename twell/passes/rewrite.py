@@ -1,0 +1,57 @@
+"""Swapping rewritten modules in and out of an eager model (see twell.passes.modules)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from twell.passes.candidates import Candidate
+from twell.passes.modules import GatePassthrough, InlineFFN, SparseFFN, UpUnit
+
+
+@dataclass
+class Swap:
+    """parent.<name> was `original` before sparsify (and is `replacement` while sparsified)."""
+
+    parent: nn.Module
+    name: str
+    original: nn.Module
+    replacement: nn.Module
+
+
+def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
+    parent_path, _, name = path.rpartition(".")
+    return model.get_submodule(parent_path), name
+
+
+def apply(model: nn.Module, candidate: Candidate) -> list[Swap]:
+    """Rewrite one rewritable candidate in place; returns the swaps that undo() reverts."""
+    if not candidate.rewritable or candidate.spec is None:
+        raise ValueError(f"{candidate.path!r} is not rewritable: {candidate.reason}")
+    spec, owner = candidate.spec, candidate.owner
+    if not candidate.inline:
+        parent, name = _parent(model, candidate.path)
+        swaps = [Swap(parent, name, owner, SparseFFN(owner, spec))]
+    else:
+        gate = GatePassthrough(getattr(owner, spec.gate))
+        up = UpUnit(getattr(owner, spec.up)) if spec.up is not None else None
+        down = InlineFFN(getattr(owner, spec.down), spec, gate, up)
+        replacements = {spec.gate: gate, spec.down: down}
+        if up is not None:
+            replacements[spec.up] = up
+        replacements.update({name: nn.Identity() for name in candidate.activation_children})
+        swaps = [Swap(owner, name, getattr(owner, name), module) for name, module in replacements.items()]
+    for swap in swaps:
+        setattr(swap.parent, swap.name, swap.replacement)
+    return swaps
+
+
+def undo(swaps: list[Swap]) -> None:
+    """Put the originals back, carrying over tensors that .to()/.half() replaced meanwhile."""
+    for swap in reversed(swaps):
+        if hasattr(swap.replacement, "sync_original"):
+            swap.replacement.sync_original()
+        else:
+            swap.original.training = swap.replacement.training
+        setattr(swap.parent, swap.name, swap.original)
