@@ -1,0 +1,454 @@
+"""Calibration statistics, decisions, cost models and plans, on hand-built FFNs with known activations.
+
+The candidates here are built by hand (the fields of twell.passes' Candidate), so these tests pin the
+statistics independently of the matcher; tests/test_cli.py runs the real matcher end to end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+
+import twell
+from twell.calibrate import (
+    AnalyticCostModel,
+    BenchmarkCostModel,
+    CalibrationConfig,
+    Decision,
+    calibrate,
+    load_plan,
+    predicted_model_speedup,
+    save_plan,
+)
+
+
+@dataclass
+class Candidate:
+    path: str
+    gate_module: nn.Module | None
+    hidden_size: int
+    model_size: int
+    kind: str = "gated"
+    activation: str = "relu"
+    rewritable: bool = True
+    reason: str = ""
+    gate_slice: slice | None = None
+    threshold: float = 0.0
+
+
+class GatedFFN(nn.Module):
+    """down(relu_t(gate(x)) * up(x)); with fused=True, gate and up are one linear (gate first)."""
+
+    def __init__(self, k: int, n: int, *, identity_gate: bool = False, fused: bool = False, threshold: float = 0.0):
+        super().__init__()
+        self.n, self.fused, self.threshold = n, fused, threshold
+        if fused:
+            self.gate_up = nn.Linear(k, 2 * n, bias=False)
+        else:
+            self.gate = nn.Linear(k, n, bias=False)
+            self.up = nn.Linear(k, n, bias=False)
+            if identity_gate:  # the pre-activation is the input itself: statistics are known exactly
+                with torch.no_grad():
+                    self.gate.weight.copy_(torch.eye(n, k))
+        self.down = nn.Linear(n, k, bias=False)
+
+    def forward(self, x):
+        if self.fused:
+            g, u = self.gate_up(x).split(self.n, dim=-1)
+        else:
+            g, u = self.gate(x), self.up(x)
+        return self.down(torch.where(g > self.threshold, g, 0.0) * u)
+
+
+class Stack(nn.Module):
+    """Takes pre-built float inputs (a dict batch {"x": ...}) through FFN blocks with residuals."""
+
+    def __init__(self, *blocks):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def candidate_of(model: Stack, i: int, **kw) -> Candidate:
+    block = model.blocks[i]
+    gate = block.gate_up if block.fused else block.gate
+    return Candidate(f"blocks.{i}", gate, block.n, gate.in_features, **kw)
+
+
+def sparse_input(m: int, n: int, density: float, seed: int = 0) -> torch.Tensor:
+    """[m, n] with about `density` positive entries (the rest negative), skewed towards low columns."""
+    gen = torch.Generator().manual_seed(seed)
+    rates = density * n * torch.linspace(2, 0, n).clamp(min=0) / torch.linspace(2, 0, n).sum()
+    positive = torch.rand(m, n, generator=gen) < rates
+    magnitude = torch.rand(m, n, generator=gen) + 0.1
+    return torch.where(positive, magnitude, -magnitude)
+
+
+FAST = {"progress": False, "timing_batches": 0}
+
+
+def reference_stats(h: torch.Tensor, threshold: float, tile_n: int, compression: int) -> dict:
+    """Statistics through twell.format.pack: an independent implementation of the same counts."""
+    t = twell.pack(h, tile_n=tile_n, compression=compression, threshold=threshold)
+    nnz = t.nnz_per_row()
+    return {
+        "density": t.stats()["density"],
+        "mean": nnz.double().mean().item(),
+        "max": int(nnz.max()),
+        "p50": int(nnz.sort().values[math.ceil(0.5 * len(nnz)) - 1]),
+        "p99": int(nnz.sort().values[math.ceil(0.99 * len(nnz)) - 1]),
+        "max_per_tile": int(t.counts.max()),
+        "overflow": t.overflow_rows.numel() / h.shape[0],
+        "dead": int((~(h > threshold)).all(dim=0).sum()),
+    }
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.3], ids=["relu", "fatrelu0.3"])
+@pytest.mark.parametrize("n", [200, 256], ids=["N200", "N256"])
+def test_statistics_match_format_pack(n, threshold):
+    """Density, nnz/row percentiles, per-tile maxima, overflow rows and dead neurons, N not a multiple
+    of the tile included, against twell.pack on the very same pre-activations."""
+    model = Stack(GatedFFN(n, n, identity_gate=True, threshold=threshold))
+    h = torch.cat([sparse_input(300, n, 0.05, seed=1), sparse_input(1, n, 0.9, seed=2)])  # one dense row
+    h[:, -7:] = -1.0  # dead neurons
+    batches = [{"x": h[:150].view(3, 50, n)}, {"x": h[150:].unsqueeze(0)}]
+    config = {**FAST, "tile_widths": (64, 128, 256), "compressions": (2, 4, 8)}
+    decision = calibrate(model, [candidate_of(model, 0, threshold=threshold)], batches, config=config)["blocks.0"]
+    stats = decision.stats["prefill"]
+    assert stats["rows"] == 301 and stats["calls"] == 2 and "decode" not in decision.stats
+
+    for tile_n in (64, 128, 256):
+        ref = reference_stats(h, threshold, tile_n, 8)
+        assert stats["max_nnz_per_tile"][str(tile_n)] == ref["max_per_tile"]
+        for compression in (2, 4, 8):
+            expected = reference_stats(h, threshold, tile_n, compression)["overflow"]
+            assert stats["overflow_rows"][str(tile_n)][str(compression)] == pytest.approx(expected)
+    ref = reference_stats(h, threshold, 256, 8)
+    assert stats["density"] == pytest.approx(ref["density"])
+    assert decision.density == pytest.approx(ref["density"])
+    nnz = stats["nnz_per_row"]
+    assert (nnz["mean"], nnz["p50"], nnz["p99"], nnz["max"]) == (
+        pytest.approx(ref["mean"]),
+        ref["p50"],
+        ref["p99"],
+        ref["max"],
+    )
+    assert decision.dead_neurons == ref["dead"] >= 7
+
+
+def test_prefill_and_decode_calls_are_kept_apart():
+    n = 64
+    model = Stack(GatedFFN(n, n, identity_gate=True))
+    prefill = sparse_input(2 * 16, n, 0.02, seed=3).view(2, 16, n)
+    decode = torch.full((4, 1, n), 1.0)  # every neuron active: decode density 1
+    decision = calibrate(model, [candidate_of(model, 0)], [{"x": prefill}, {"x": decode}], config=FAST)["blocks.0"]
+    assert decision.stats["decode"]["density"] == 1.0
+    assert decision.stats["decode"]["rows"] == 4 and decision.stats["decode"]["rows_per_call_median"] == 4
+    assert decision.stats["prefill"]["rows"] == 32
+    assert decision.stats["prefill"]["density"] == pytest.approx((prefill > 0).double().mean().item())
+    assert decision.dead_neurons == 0
+
+
+def test_fused_gate_up_is_sliced():
+    """Only the gate half of a fused gate_up output counts: the up half is made all-positive."""
+    k = n = 32
+    block = GatedFFN(k, n, fused=True)
+    with torch.no_grad():
+        block.gate_up.weight.zero_()
+        block.gate_up.weight[:n].copy_(torch.eye(n))
+        block.gate_up.weight[n:, 0] = 1.0  # up = x[:, 0] > 0 for every neuron
+    model = Stack(block)
+    x = sparse_input(64, n, 0.1, seed=4)
+    x[:, 0] = 5.0
+    candidate = candidate_of(model, 0, gate_slice=slice(0, n))
+    decision = calibrate(model, [candidate], [{"x": x}], config=FAST)["blocks.0"]
+    assert decision.density == pytest.approx((x > 0).double().mean().item())
+
+
+def test_gate_width_mismatch_is_reported():
+    model = Stack(GatedFFN(32, 32, fused=True))
+    bad = candidate_of(model, 0)  # no gate_slice: the hook sees 64 features for hidden_size 32
+    with pytest.raises(ValueError, match="hidden_size=32"):
+        calibrate(model, [bad], [{"x": torch.randn(4, 32)}], config=FAST)
+
+
+def test_layout_choice_and_decision():
+    n = 512
+    model = Stack(*(GatedFFN(n, n, identity_gate=True) for _ in range(3)))
+    sparse = sparse_input(256, n, 0.004, seed=5)
+    # Rows with 40 actives in the first 256 columns: more than the 32 slots of (256, 8) in 5% of rows.
+    clumpy = sparse.clone()
+    clumpy[::20, :40] = 1.0
+    dense = sparse_input(256, n, 0.6, seed=6)
+
+    class Routed(Stack):  # each block sees its own pre-activations, whatever the residual stream holds
+        def forward(self, x):
+            for block, h in zip(self.blocks, (sparse, clumpy, dense), strict=True):
+                block(h)
+            return x
+
+    routed = Routed(*model.blocks)
+    candidates = [candidate_of(routed, i) for i in range(3)]
+    decisions = calibrate(routed, candidates, [{"x": torch.zeros(1)}], config=FAST)
+    assert (decisions["blocks.0"].tile_n, decisions["blocks.0"].compression) == (256, 8)
+    assert decisions["blocks.0"].rewrite and decisions["blocks.0"].overflow_rows == 0.0
+    assert decisions["blocks.0"].predicted_speedup["prefill"] > 1.5
+    # 40 actives fit the 64 slots of (512, 8) or (256, 4); most compression first, then nearest 256.
+    assert (decisions["blocks.1"].tile_n, decisions["blocks.1"].compression) == (512, 8)
+    assert decisions["blocks.1"].overflow_rows <= 0.01
+    assert not decisions["blocks.2"].rewrite and decisions["blocks.2"].tile_n is None
+    assert "too dense" in decisions["blocks.2"].reason
+    # A looser overflow limit accepts the clumpy layer's rows at (256, 8), which then run dense.
+    loose = calibrate(routed, candidates, [{"x": torch.zeros(1)}], config={**FAST, "max_overflow": 0.1})
+    assert (loose["blocks.1"].tile_n, loose["blocks.1"].compression) == (256, 8)
+    assert loose["blocks.1"].overflow_rows == pytest.approx(13 / 256)
+
+
+@dataclass
+class FixedCost:
+    ratio: float
+    name: str = "fixed"
+
+    def time_ratio(self, **shape) -> float:
+        return self.ratio
+
+
+@pytest.mark.parametrize(("ratio", "rewrite"), [(0.9, True), (0.96, False), (1.5, False)])
+def test_min_speedup_decides(ratio, rewrite):
+    model = Stack(GatedFFN(64, 64, identity_gate=True))
+    config = {**FAST, "cost_model": FixedCost(ratio)}
+    decision = calibrate(model, [candidate_of(model, 0)], [{"x": sparse_input(8, 64, 0.01)}], config=config)["blocks.0"]
+    assert decision.rewrite is rewrite
+    assert decision.predicted_speedup["prefill"] == pytest.approx(1 / ratio)
+    assert decision.cost_model == "fixed"
+
+
+def test_not_rewritable_candidates_keep_their_reason_and_are_not_hooked():
+    model = Stack(GatedFFN(16, 16), GatedFFN(16, 16))
+    silu = candidate_of(model, 1, rewritable=False, activation="silu", reason="SiLU is not sparse")
+    decisions = calibrate(model, [candidate_of(model, 0), silu], [{"x": torch.randn(2, 5, 16)}], config=FAST)
+    assert decisions["blocks.1"].rewrite is False and decisions["blocks.1"].reason == "SiLU is not sparse"
+    assert decisions["blocks.1"].stats == {} and decisions["blocks.0"].stats
+
+
+def test_model_is_left_as_it_was():
+    model = Stack(GatedFFN(16, 16)).train()
+    x = torch.randn(3, 16)
+    before = model(x)
+    calibrate(model, [candidate_of(model, 0)], [{"x": x}], config={"progress": False})
+    assert model.training
+    assert not model.blocks[0].gate._forward_hooks and not model.blocks[0]._forward_pre_hooks
+    assert not model.blocks[0]._forward_hooks
+    assert torch.equal(model(x), before)
+
+
+def test_time_share_of_each_ffn():
+    """The timed FFN modules take part of the model's time; a heavy non-FFN part lowers their share."""
+
+    class WithAttention(Stack):
+        def forward(self, x):
+            for _ in range(20):
+                x = x + torch.tanh(x @ x.transpose(-1, -2)) @ x * 1e-3
+            return super().forward(x)
+
+    model = WithAttention(GatedFFN(64, 64), GatedFFN(64, 64))
+    config = {"progress": False, "timing_batches": 2}
+    decisions = calibrate(
+        model, [candidate_of(model, i) for i in range(2)], [{"x": torch.randn(256, 64)}], config=config
+    )
+    shares = [d.time_share["prefill"] for d in decisions.values()]
+    assert all(0 < s < 0.5 for s in shares), shares
+    assert "decode" not in decisions["blocks.0"].time_share
+
+
+def test_config_and_data_errors():
+    model = Stack(GatedFFN(16, 16))
+    candidates = [candidate_of(model, 0)]
+    with pytest.raises(ValueError, match="unknown calibration option"):
+        calibrate(model, candidates, [{"x": torch.randn(2, 16)}], config={"tile_width": 64})
+    with pytest.raises(ValueError, match="divisible"):
+        calibrate(model, candidates, [{"x": torch.randn(2, 16)}], config={"tile_widths": (100,)})
+    with pytest.raises(ValueError, match="empty"):
+        calibrate(model, candidates, [], config=FAST)
+    with pytest.raises(TypeError, match="token-id tensors or dicts"):
+        calibrate(model, candidates, [[1, 2, 3]], config=FAST)
+    with pytest.raises(ValueError, match="cost_model"):
+        calibrate(model, candidates, [{"x": torch.randn(2, 16)}], config={**FAST, "cost_model": "fast"})
+    assert CalibrationConfig.coerce(CalibrationConfig(max_overflow=0.05)).max_overflow == 0.05
+
+
+# --- cost models ------------------------------------------------------------------------------------
+
+
+def test_analytic_model_reproduces_the_reference_measurements():
+    """PAPER.md, H200, K=2048, N=5632: 28 / 56 / 115 active per row -> 1.65x / 1.19x / 0.74x."""
+    model = AnalyticCostModel()
+    for active, speedup in ((28, 1.65), (56, 1.19), (115, 0.74)):
+        ratio = model.time_ratio(kind="gated", m=131072, k=2048, n=5632, density=active / 5632, dtype=torch.bfloat16)
+        assert 1 / ratio == pytest.approx(speedup, rel=0.02)
+    assert model.break_even_density() == pytest.approx(0.0132, abs=5e-4)
+    assert model.break_even_density(1.05) < model.break_even_density()
+
+
+def test_benchmark_cost_model_times_once_and_caches(tmp_path):
+    calls = []
+
+    def timer(fn):
+        out = fn()  # the benchmarked callables really run (CPU reference ops here)
+        assert out.shape == (64, 32) and torch.isfinite(out).all()
+        calls.append(fn)
+        return 2e-3 if len(calls) % 2 else 1e-3  # dense first, then twell: twell twice as fast
+
+    shape = {"kind": "gated", "m": 50, "k": 32, "n": 96, "dtype": torch.float32}
+    cost = BenchmarkCostModel(device="cpu", timer=timer, device_name="Fake GPU", cache_dir=tmp_path)
+    assert cost.time_ratio(density=0.010, **shape) == pytest.approx(0.5)
+    assert cost.time_ratio(density=0.0095, **shape) == pytest.approx(0.5)  # same density bucket, same M bucket
+    assert len(calls) == 2
+    cost.time_ratio(density=0.05, **shape)  # another bucket: measured
+    assert len(calls) == 4
+
+    cache = json.loads((tmp_path / "costs.json").read_text())
+    assert len(cache) == 2 and all(key.startswith("Fake GPU|") and "|M64|K32|N96|" in key for key in cache)
+    again = BenchmarkCostModel(device="cpu", timer=timer, device_name="Fake GPU", cache_dir=tmp_path)
+    assert again.time_ratio(density=0.01, **shape) == pytest.approx(0.5) and len(calls) == 4
+    other_gpu = BenchmarkCostModel(device="cpu", timer=timer, device_name="Other GPU", cache_dir=tmp_path)
+    other_gpu.time_ratio(density=0.01, **{**shape, "kind": "plain"})
+    assert len(calls) == 6
+
+
+def test_benchmark_inputs_have_the_requested_density(tmp_path):
+    """The synthetic gate threshold keeps about `density` of the entries."""
+    cost = BenchmarkCostModel(device="cpu", timer=lambda fn: 1.0, device_name="x", cache_dir=tmp_path)
+    gen = torch.Generator().manual_seed(0)
+    pre = torch.randn(4096, 256, generator=gen) @ (torch.randn(256, 256, generator=gen) * 256**-0.5)
+    for density in (0.005, 0.02, 0.1):
+        threshold = float(torch.special.ndtri(torch.tensor(1 - cost.density_bucket(density), dtype=torch.float64)))
+        assert (pre > threshold).double().mean().item() == pytest.approx(cost.density_bucket(density), rel=0.15)
+    assert cost.density_bucket(0.01) == pytest.approx(0.01, rel=0.1)
+    assert cost.tokens_bucket(1) == 1 and cost.tokens_bucket(257) == 512
+
+
+def test_benchmark_cost_model_needs_a_gpu_or_a_name():
+    with pytest.raises(ValueError, match="CUDA"):
+        BenchmarkCostModel(device="cpu")
+
+
+def test_predicted_model_speedup_is_amdahl():
+    decisions = {
+        "a": Decision("a", True, "", predicted_speedup={"prefill": 2.0}, time_share={"prefill": 0.3}),
+        "b": Decision("b", False, "", predicted_speedup={"prefill": 3.0}, time_share={"prefill": 0.2}),
+        "c": Decision("c", False, "not rewritable"),
+    }
+    summary = predicted_model_speedup(decisions)
+    assert summary["ffn_time_share"] == pytest.approx(0.5)
+    assert summary["rewritten_time_share"] == pytest.approx(0.3)
+    assert summary["speedup"] == pytest.approx(1 / (1 - 0.15))
+    assert predicted_model_speedup(decisions, "decode")["speedup"] == 1.0
+
+
+# --- plans ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def calibrated():
+    model = Stack(GatedFFN(32, 64, identity_gate=True), GatedFFN(32, 64))
+    candidates = [candidate_of(model, 0), candidate_of(model, 1, rewritable=False, reason="shared hidden")]
+    decisions = calibrate(model, candidates, [{"x": sparse_input(40, 32, 0.02)}], config=FAST)
+    return model, candidates, decisions
+
+
+def test_plan_round_trip(tmp_path, calibrated):
+    _, candidates, decisions = calibrated
+    path = tmp_path / "plan.json"
+    save_plan(decisions, candidates, path)
+    plan = json.loads(path.read_text())
+    assert plan["format"] == "twell-plan" and plan["version"] == 1
+    loaded = load_plan(path, candidates)
+    assert loaded == decisions
+    assert all(isinstance(d, Decision) for d in loaded.values())
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda c: c.pop(), "different model: plan has 2 FFNs, the model 1; not in the model: blocks.1"),
+        (lambda c: c.append(Candidate("blocks.9", None, 64, 32)), "not in the plan: blocks.9"),
+        (lambda c: setattr(c[0], "hidden_size", 128), "blocks.0 has hidden_size=128, the plan 64"),
+        (lambda c: setattr(c[0], "kind", "plain"), "kind='plain'"),
+        (lambda c: setattr(c[0], "activation", "gelu"), "activation='gelu'"),
+        (lambda c: setattr(c[0], "rewritable", False), "not rewritable in this model"),
+    ],
+    ids=["fewer", "more", "shape", "kind", "activation", "now-unsafe"],
+)
+def test_plan_for_another_model_is_refused(tmp_path, calibrated, change, message):
+    _, candidates, decisions = calibrated
+    assert decisions["blocks.0"].rewrite
+    path = tmp_path / "plan.json"
+    save_plan(decisions, candidates, path)
+    other = [Candidate(**vars(c)) for c in candidates]
+    change(other)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_plan(path, other)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ('{"format": "other"}', "not a twell plan"),
+        ('{"format": "twell-plan", "version": 99}', "format version 99"),
+    ],
+)
+def test_bad_plan_files(tmp_path, calibrated, content, message):
+    path = tmp_path / "plan.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        load_plan(path, calibrated[1])
+    with pytest.raises(ValueError, match="cannot read plan"):
+        load_plan(tmp_path / "missing.json", calibrated[1])
+
+
+def test_save_plan_refuses_decisions_for_unknown_ffns(tmp_path, calibrated):
+    _, candidates, decisions = calibrated
+    with pytest.raises(ValueError, match="blocks.1"):
+        save_plan(decisions, candidates[:1], tmp_path / "plan.json")
+
+
+# --- Hugging Face models: cached greedy decode steps ------------------------------------------------
+
+
+@pytest.mark.parametrize("with_mask", [False, True], ids=["ids", "ids+mask"])
+def test_decode_steps_on_a_hugging_face_model(with_mask):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        hidden_act="relu",
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    candidates = [
+        Candidate(f"model.layers.{i}.mlp", layer.mlp.gate_proj, 64, 32) for i, layer in enumerate(model.model.layers)
+    ]
+    ids = torch.randint(0, 64, (2, 8))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)} if with_mask else ids
+    decisions = calibrate(model, candidates, [batch], config={"progress": False, "decode_steps": 3})
+    for decision in decisions.values():
+        assert decision.stats["prefill"]["rows"] == 16 and decision.stats["prefill"]["calls"] == 1
+        assert decision.stats["decode"]["rows"] == 6 and decision.stats["decode"]["calls"] == 3
+        assert 0 < decision.time_share["prefill"] < 1 and 0 < decision.time_share["decode"] < 1
+    no_decode = calibrate(model, candidates, [batch], config={**FAST, "decode_steps": 0})
+    assert all("decode" not in d.stats for d in no_decode.values())
