@@ -13,18 +13,15 @@ from __future__ import annotations
 import importlib
 
 from twell.format import TwELL, pack, unpack
+from twell.sparsify import report, restore, save_plan, sparsify
 
 __version__ = "0.1.0"
 
-# name -> (module, attribute), imported on first access. `twell.sparsify` is the function, not the
-# module of the same name: the value is cached in this namespace, over the submodule attribute that
-# the import system sets.
+# name -> (module, attribute), imported on first access. sparsify & co. are imported eagerly above:
+# `twell.sparsify` must be the function, not the submodule of the same name that the import system
+# sets as an attribute of this package when twell.sparsify is first imported.
 _LAZY = {
     "ops": ("twell.ops", None),
-    "sparsify": ("twell.sparsify", "sparsify"),
-    "restore": ("twell.sparsify", "restore"),
-    "report": ("twell.sparsify", "report"),
-    "save_plan": ("twell.sparsify", "save_plan"),
     "calibrate": ("twell.calibrate", "calibrate"),
 }
 
@@ -39,4 +36,4 @@ def __getattr__(name: str):
     return value
 
 
-__all__ = ["TwELL", "pack", "unpack", "__version__", *_LAZY]
+__all__ = ["TwELL", "pack", "unpack", "__version__", "sparsify", "restore", "report", "save_plan", *_LAZY]

@@ -219,6 +219,8 @@ class Dialect:
             return None
         if not isinstance(bt, fx.Node) or not isinstance(a, fx.Node):
             return None
+        if outer is inner and len(inner.users) == 1 and op_name(next(iter(inner.users))) in _VIEW:
+            return None  # the view of this mm back to [..., N] is the linear's output
         if op_name(bt) == "t" or (op_name(bt) == "permute" and list(bt.args[1]) == [1, 0]):
             weight = bt.args[0]
         else:

@@ -1,0 +1,240 @@
+"""The one-liner: find FFNs, decide (calibration or a plan), rewrite; restore, report and save plans.
+
+    model = twell.sparsify(model)                     # rewrite every sparse-gated FFN
+    model = twell.sparsify(model, batches)            # calibrate first, rewrite where it pays
+    twell.save_plan(model, "plan.json")               # keep the decisions ...
+    model = twell.sparsify(other_copy, plan="plan.json")   # ... and re-apply them without calibrating
+    print(twell.report(model))                        # what was found, rewritten, and why
+    twell.restore(model)                              # the original modules, bit for bit
+
+Importing this module is light: the passes (and networkx) load on first call.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+# Attribute on the model instance holding what sparsify did (a _State): restore, report and save_plan
+# read it, and it travels with copy.deepcopy of the model.
+_STATE = "_twell_state"
+
+
+@dataclass
+class _State:
+    candidates: list  # twell.passes.Candidate
+    unmatched: list  # twell.passes.Unmatched
+    decisions: dict | None  # {path: twell.calibrate.Decision}, None without calibration or plan
+    swaps: list  # twell.passes.rewrite.Swap
+    rewritten: set[str] = field(default_factory=set)
+
+
+@dataclass
+class Record:
+    """One row of the report: one candidate FFN (or a module that could not be analysed).
+
+    decision: after calibration or a plan, the decision's fields (density, predicted speedup, ...).
+    """
+
+    path: str
+    kind: str  # "gated", "plain", or "" when unmatched
+    matched: bool
+    activation: str
+    rewritable: bool
+    rewritten: bool
+    reason: str
+    hidden_size: int | None = None
+    model_size: int | None = None
+    threshold: float | None = None
+    decision: dict | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Report:
+    """What sparsify found and did, one Record per candidate. print() renders a rich table."""
+
+    def __init__(self, records: list[Record]):
+        self.records = records
+
+    def __iter__(self):
+        return iter(self.records)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, path: str) -> Record:
+        for record in self.records:
+            if record.path == path:
+                return record
+        raise KeyError(path)
+
+    def summary(self) -> dict:
+        return {
+            "candidates": sum(r.matched for r in self.records),
+            "rewritable": sum(r.rewritable for r in self.records),
+            "rewritten": sum(r.rewritten for r in self.records),
+            "unmatched": sum(not r.matched for r in self.records),
+        }
+
+    def to_dict(self) -> dict:
+        """JSON-serialisable: {"records": [...], "summary": {...}}."""
+        return {"records": [r.to_dict() for r in self.records], "summary": self.summary()}
+
+    def __rich__(self):
+        from rich.markup import escape
+        from rich.table import Table
+
+        summary = self.summary()
+        table = Table(
+            title=f"twell: {summary['rewritten']} of {summary['candidates']} FFNs rewritten",
+            title_justify="left",
+        )
+        for column in ("module", "kind", "activation", "N x K", "rewritten", "density", "reason"):
+            table.add_column(column, overflow="fold")
+        for r in self.records:
+            density = (r.decision or {}).get("density")
+            table.add_row(
+                escape(r.path or "<model>"),
+                r.kind or "-",
+                r.activation or "-",
+                f"{r.hidden_size} x {r.model_size}" if r.hidden_size else "-",
+                "[green]yes[/]" if r.rewritten else "[red]no[/]",
+                f"{density:.1%}" if isinstance(density, float) else "-",
+                escape(r.reason),
+            )
+        return table
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        buffer = io.StringIO()
+        Console(file=buffer, width=120, force_terminal=False, color_system=None).print(self)
+        return buffer.getvalue()
+
+    def __repr__(self) -> str:
+        return f"Report({self.summary()})"
+
+
+def _check_model(model) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+
+
+def sparsify(model: torch.nn.Module, calibration_data=None, *, config=None, plan=None) -> torch.nn.Module:
+    """Rewrite the model's sparse-gated FFNs to torch.ops.twell.* in place; returns the same model.
+
+    Without calibration_data or plan every rewritable FFN is rewritten (the ops are exact at any
+    sparsity and run dense where sparse does not pay). calibration_data: an iterable of model inputs
+    (token-id tensors or dicts of forward kwargs), measured by twell.calibrate with `config`; plan: a
+    path written by save_plan. Either way only FFNs whose decision says rewrite are rewritten.
+    Idempotent: sparsifying again without data or plan changes nothing; with data or a plan, the model
+    is restored first and decided anew. state_dict keys, shapes and tensors stay the model's own.
+    """
+    _check_model(model)
+    if calibration_data is not None and plan is not None:
+        raise ValueError("give calibration_data or plan, not both")
+    if config is not None and calibration_data is None:
+        raise ValueError("config configures calibration: give calibration_data with it")
+    if plan is not None and not isinstance(plan, (str, os.PathLike)):
+        raise TypeError(f"plan must be a path (str or os.PathLike), got {type(plan).__name__}")
+    if getattr(model, _STATE, None) is not None:
+        if calibration_data is None and plan is None:
+            return model
+        restore(model)
+
+    from twell.passes import scan
+    from twell.passes.rewrite import apply
+
+    candidates, unmatched = scan(model)
+    decisions = None
+    if calibration_data is not None:
+        from twell.calibrate import calibrate
+
+        decisions = calibrate(model, candidates, calibration_data, config=config)
+    elif plan is not None:
+        from twell.calibrate import load_plan
+
+        decisions = load_plan(plan, candidates)
+
+    state = _State(candidates, unmatched, decisions, swaps=[])
+    for candidate in candidates:
+        if not candidate.rewritable:
+            continue
+        if decisions is not None:
+            decision = decisions.get(candidate.path)
+            if decision is None or not decision.rewrite:
+                continue
+        state.swaps.extend(apply(model, candidate))
+        state.rewritten.add(candidate.path)
+    model.__dict__[_STATE] = state
+    return model
+
+
+def restore(model: torch.nn.Module) -> torch.nn.Module:
+    """Put back every module sparsify replaced (state_dict bit-identical); returns the same model.
+    A model that is not sparsified is returned unchanged."""
+    _check_model(model)
+    state = model.__dict__.pop(_STATE, None)
+    if state is not None:
+        from twell.passes.rewrite import undo
+
+        undo(state.swaps)
+    return model
+
+
+def _records(state: _State) -> list[Record]:
+    records = []
+    for c in state.candidates:
+        decision = state.decisions.get(c.path) if state.decisions is not None else None
+        reason = c.reason
+        if not reason and decision is not None and not decision.rewrite:
+            reason = decision.reason
+        records.append(
+            Record(
+                path=c.path,
+                kind=c.kind,
+                matched=True,
+                activation=c.activation,
+                rewritable=c.rewritable,
+                rewritten=c.path in state.rewritten,
+                reason=reason,
+                hidden_size=c.hidden_size,
+                model_size=c.model_size,
+                threshold=c.threshold,
+                decision=decision.to_dict() if decision is not None else None,
+            )
+        )
+    for u in state.unmatched:
+        records.append(Record(u.path, "", False, "", False, False, u.reason))
+    return records
+
+
+def report(model: torch.nn.Module) -> Report:
+    """The FFNs of `model`: what sparsify did to it, or (not sparsified) what it would find."""
+    _check_model(model)
+    state = getattr(model, _STATE, None)
+    if state is None:
+        from twell.passes import scan
+
+        state = _State(*scan(model), decisions=None, swaps=[])
+    return Report(_records(state))
+
+
+def save_plan(model: torch.nn.Module, path: str | os.PathLike) -> None:
+    """Write the decisions sparsify made from calibration data (or a plan) to a JSON plan at `path`."""
+    _check_model(model)
+    state: Any = getattr(model, _STATE, None)
+    if state is None or state.decisions is None:
+        raise ValueError("no decisions to save: call twell.sparsify(model, calibration_data) first")
+    from twell.calibrate import save_plan as _save
+
+    _save(state.decisions, state.candidates, path)
+
+
+__all__ = ["Record", "Report", "restore", "report", "save_plan", "sparsify"]
