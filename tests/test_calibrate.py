@@ -93,7 +93,7 @@ def sparse_input(m: int, n: int, density: float, seed: int = 0) -> torch.Tensor:
     return torch.where(positive, magnitude, -magnitude)
 
 
-FAST = {"progress": False, "timing_batches": 0}
+FAST = {"progress": False, "timing_repeats": 0}
 
 
 def reference_stats(h: torch.Tensor, threshold: float, tile_n: int, compression: int) -> dict:
@@ -261,7 +261,7 @@ def test_time_share_of_each_ffn():
             return super().forward(x)
 
     model = WithAttention(GatedFFN(64, 64), GatedFFN(64, 64))
-    config = {"progress": False, "timing_batches": 2}
+    config = {"progress": False, "timing_repeats": 2}
     decisions = calibrate(
         model, [candidate_of(model, i) for i in range(2)], [{"x": torch.randn(256, 64)}], config=config
     )

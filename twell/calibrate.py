@@ -8,8 +8,8 @@ Measurement: forward hooks on each candidate's ``gate_module`` (the linear whose
 pre-activation, is thresholded) count, per call, the entries that survive ``not (h <= threshold)``:
 nonzeros per row, per (row, tile) for each candidate tile width, per neuron. Prefill-shaped calls
 (many tokens per sequence) and decode-shaped calls (one token per sequence, from a few greedy cached
-decode steps after each batch) are kept apart. A second, hook-free run of a few batches times each
-FFN module against the whole model to get the FFN share of model time.
+decode steps after each batch) are kept apart. Separately, the model and each FFN module (on the inputs
+it received) are timed on the first batch, for the FFN share of model time.
 
 Decision, per layer: the TwELL layout (tile width, compression) with the fewest slots whose overflow
 rows stay under ``max_overflow``; then the cost model's predicted FFN speedup at the measured density;
@@ -62,7 +62,8 @@ class CalibrationConfig:
     min_speedup: rewrite a layer only if its predicted FFN speedup reaches this.
     decode_steps: greedy cached decode steps after each batch (Hugging Face-style models only), so that
         decode-shaped (one token) calls are measured too; 0 disables.
-    timing_batches: batches of the hook-free run that measures the FFN share of model time; 0 disables.
+    timing_repeats: repetitions (median) when timing the model and each FFN on the first batch, for the
+        FFN share of model time; 0 disables.
     cost_model: "auto" (benchmark on CUDA, analytic elsewhere), "analytic", "benchmark", or an object
         with ``name`` and ``time_ratio(...)`` (see CostModel).
     cache_dir: where the benchmark cost model keeps its timings (default: $TWELL_CACHE_DIR, else
@@ -75,7 +76,7 @@ class CalibrationConfig:
     max_overflow: float = 0.01
     min_speedup: float = 1.05
     decode_steps: int = 4
-    timing_batches: int = 2
+    timing_repeats: int = 5
     cost_model: Any = "auto"
     cache_dir: str | os.PathLike | None = None
     progress: bool = True
@@ -97,7 +98,7 @@ class CalibrationConfig:
         cfg.layouts()
         if not 0.0 <= cfg.max_overflow < 1.0:
             raise ValueError(f"max_overflow must be in [0, 1), got {cfg.max_overflow}")
-        for name in ("decode_steps", "timing_batches"):
+        for name in ("decode_steps", "timing_repeats"):
             if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {getattr(cfg, name)!r}")
         return cfg
@@ -403,7 +404,8 @@ class Decision:
     rewrite / reason: the decision and why. tile_n / compression: the TwELL layout (None when not
     rewritten for lack of a layout). density: mean kept fraction over all calls. stats: per phase
     ("prefill", "decode") the counts of _PhaseCounter.summary. predicted_speedup: FFN time dense / twell,
-    per phase. time_share: fraction of model time spent in this FFN, per phase (dense).
+    per phase. time_share: fraction of model time spent in this FFN, per phase (dense; absent for FFNs
+    inlined in a bigger module, which have no module of their own to time).
     """
 
     path: str
@@ -584,47 +586,67 @@ def _progress(items: list, enabled: bool, description: str):
         yield from progress.track(items, description=description)
 
 
-def _time_shares(model, batches: list[dict], modules: Mapping[str, torch.nn.Module], cfg) -> dict[str, dict]:
-    """Per path and phase: time in the FFN module / time in the whole model (no statistics hooks)."""
-    sync = torch.cuda.synchronize if _model_device(model).type == "cuda" else (lambda: None)
-    spent = {phase: dict.fromkeys(modules, 0.0) for phase in PHASES}
-    total = dict.fromkeys(PHASES, 0.0)
-    started: dict[str, float] = {}
-    state = {"phase": "prefill", "since": 0.0}
+def _time_shares(model, batch: dict, modules: Mapping[str, torch.nn.Module], repeats: int, decode_steps: int):
+    """Per path and phase: the fraction of the model's time spent in that FFN module (no statistics hooks).
 
-    def pre(path):
-        def hook(module, args):
-            sync()
-            started[path] = time.perf_counter()
+    One run of `batch` records every FFN call's inputs; then the model's time per phase (over `repeats`
+    runs of the batch) and each FFN's time on its recorded inputs (`repeats` times) are medians: timing
+    FFN calls inside a run would be noise-bound, since one FFN call of a small model lasts about as
+    long as a scheduler hiccup on a busy machine.
+    """
+    cuda = _model_device(model).type == "cuda"
+
+    def now() -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    phase = {"now": None}
+    calls = {path: {p: [] for p in PHASES} for path in modules}
+
+    def recorder(path):
+        def hook(module, args, kwargs):
+            calls[path][phase["now"]].append((args, kwargs))
 
         return hook
 
-    def post(path):
-        def hook(module, args, output):
-            sync()
-            spent[state["phase"]][path] += time.perf_counter() - started[path]
-
-        return hook
-
-    def on_phase(phase):
-        sync()
-        now = time.perf_counter()
-        if state["since"]:
-            total[state["phase"]] += now - state["since"]
-        state["phase"], state["since"] = phase, now
-
-    _run_batch(model, batches[0], cfg.decode_steps)  # warm-up: allocator, kernels, autotuning
-    handles = [m.register_forward_pre_hook(pre(p)) for p, m in modules.items()]
-    handles += [m.register_forward_hook(post(p)) for p, m in modules.items()]
+    handles = [m.register_forward_pre_hook(recorder(p), with_kwargs=True) for p, m in modules.items()]
     try:
-        for kwargs in batches[: cfg.timing_batches]:
-            state["since"] = 0.0
-            _run_batch(model, kwargs, cfg.decode_steps, on_phase)
-            on_phase(state["phase"])
+        _run_batch(model, batch, decode_steps, lambda p: phase.update(now=p))  # also the warm-up
     finally:
         for h in handles:
             h.remove()
-    return {path: {p: (spent[p][path] / total[p] if total[p] else None) for p in PHASES} for path in modules}
+
+    model_times: dict[str, list[float]] = {p: [] for p in PHASES}
+    for _ in range(repeats):
+        run = {"phase": None, "since": 0.0, "times": dict.fromkeys(PHASES, 0.0)}
+
+        def on_phase(p, run=run):
+            t = now()
+            if run["phase"] is not None:
+                run["times"][run["phase"]] += t - run["since"]
+            run["phase"], run["since"] = p, t
+
+        _run_batch(model, batch, decode_steps, on_phase)
+        on_phase(None)
+        for p in PHASES:
+            if calls and any(calls[path][p] for path in calls):
+                model_times[p].append(run["times"][p])
+
+    shares: dict[str, dict[str, float]] = {}
+    for path, module in modules.items():
+        shares[path] = {}
+        for p in PHASES:
+            if not calls[path][p] or not model_times[p]:
+                continue
+            ffn_times = []
+            for _ in range(repeats):
+                start = now()
+                for args, kwargs in calls[path][p]:
+                    module(*args, **kwargs)
+                ffn_times.append(now() - start)
+            shares[path][p] = statistics.median(ffn_times) / statistics.median(model_times[p])
+    return shares
 
 
 @torch.no_grad()
@@ -657,7 +679,9 @@ def calibrate(model: torch.nn.Module, candidates, data, *, config=None) -> dict[
                 modules[c.path] = model.get_submodule(c.path)
             except AttributeError:
                 continue  # an FFN inlined in a larger module has no module of its own to time
-        shares = _time_shares(model, batches, modules, cfg) if cfg.timing_batches and modules else {}
+        shares = {}
+        if cfg.timing_repeats and modules:
+            shares = _time_shares(model, batches[0], modules, cfg.timing_repeats, cfg.decode_steps)
 
         handles = [c.gate_module.register_forward_hook(recorders[c.path]) for c in measured]
         try:
