@@ -517,8 +517,10 @@ def match_at(down: Linear, dialect: Dialect) -> FFNMatch | None:
     """The FFN whose down projection is `down`, or None."""
     hidden, skipped, dropouts = skip_identities(down.input, dialect)
     if _is_mul(hidden):
-        return _gated(down, hidden, skipped, dropouts, dialect)
-    act = activation(hidden, dialect)
+        gated = _gated(down, hidden, skipped, dropouts, dialect)
+        if gated is not None:
+            return gated
+    act = activation(hidden, dialect)  # a product may also be a plain FFN's activation (gelu_new)
     if act is None or act.projection.rows is not None:
         return None
     up = act.projection

@@ -1,0 +1,409 @@
+"""The pattern pass on hand-written modules (no transformers): spellings, structure, safety, reasons."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import rel_err
+from torch import nn
+
+import twell
+from twell.passes import find_ffns, scan
+from twell.passes.modules import GatePassthrough, InlineFFN, SparseFFN
+
+K, N = 24, 40
+
+
+class Gated(nn.Module):
+    """down(act(gate(x)) * up(x)) with a configurable activation and operand order."""
+
+    def __init__(self, act, *, bias=False, swap=False, drelu=False):
+        super().__init__()
+        self.gate_proj = nn.Linear(K, N, bias=bias)
+        self.up_proj = nn.Linear(K, N, bias=bias)
+        self.down_proj = nn.Linear(N, K, bias=bias)
+        self.act, self.swap, self.drelu = act, swap, drelu
+
+    def forward(self, x):
+        gate = self.act(self.gate_proj(x))
+        up = self.up_proj(x)
+        if self.drelu:
+            up = F.relu(up)
+        return self.down_proj(up * gate if self.swap else gate * up)
+
+
+class Fused(nn.Module):
+    """Phi-3 style: one gate_up linear, split by `split`."""
+
+    def __init__(self, split):
+        super().__init__()
+        self.gate_up = nn.Linear(K, 2 * N, bias=True)
+        self.down = nn.Linear(N, K)
+        self.split = split
+
+    def forward(self, x):
+        gate, up = self.split(self.gate_up(x))
+        return self.down(torch.relu(gate) * up)
+
+
+class Plain(nn.Module):
+    def __init__(self, act, dropout=0.0):
+        super().__init__()
+        self.fc1 = nn.Linear(K, N)
+        self.fc2 = nn.Linear(N, K)
+        self.act = act
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return self.fc2(self.drop(self.act(self.fc1(x))))
+
+
+class Block(nn.Module):
+    """A residual block with the FFN written inline (OPT-like), or the activation inline too."""
+
+    def __init__(self, gated=False, functional=False, norm=True):
+        super().__init__()
+        self.norm = nn.LayerNorm(K) if norm else nn.Identity()
+        self.w1 = nn.Linear(K, N)
+        self.w3 = nn.Linear(K, N) if gated else None
+        self.w2 = nn.Linear(N, K)
+        self.act = nn.ReLU()
+        self.gated, self.functional = gated, functional
+
+    def forward(self, x):
+        h = self.norm(x)
+        a = F.relu(self.w1(h)) if self.functional else self.act(self.w1(h))
+        if self.gated:
+            a = a * self.w3(h)
+        return x + self.w2(a)
+
+
+class Net(nn.Module):
+    """A model holding FFN modules (sparsify replaces children, never the model itself)."""
+
+    def __init__(self, *ffns):
+        super().__init__()
+        self.layers = nn.ModuleList(ffns)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def fat_relu(v):
+    return v * (v > 0.25)
+
+
+ACTIVATIONS = {
+    "nn.ReLU": (nn.ReLU(), "relu", 0.0),
+    "F.relu": (F.relu, "relu", 0.0),
+    "torch.relu": (torch.relu, "relu", 0.0),
+    "Tensor.relu": (lambda v: v.relu(), "relu", 0.0),
+    "clamp_min": (lambda v: v.clamp_min(0), "relu", 0.0),
+    "fatrelu-mul": (fat_relu, "fatrelu", 0.25),
+    "fatrelu-mul-float": (lambda v: v * (v > 0.5).float(), "fatrelu", 0.5),
+    "fatrelu-where": (lambda v: torch.where(v > 0.1, v, 0.0), "fatrelu", 0.1),
+    "F.threshold": (lambda v: F.threshold(v, 0.2, 0.0), "fatrelu", 0.2),
+    "nn.Threshold": (nn.Threshold(0.3, 0.0), "fatrelu", 0.3),
+}
+
+
+def _check_rewrite(model: nn.Module, x: torch.Tensor, tol: float = 1e-5) -> torch.Tensor:
+    """sparsify gives the same output within tol, keeps state_dict keys; restore is bit-identical."""
+    with torch.no_grad():
+        expected = model(x)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        twell.sparsify(model)
+        got = model(x)
+    assert torch.allclose(got, expected, atol=tol, rtol=tol), (got - expected).abs().max()
+    assert list(model.state_dict()) == list(state)
+    twell.restore(model)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    return got
+
+
+@pytest.fixture
+def x():
+    torch.manual_seed(0)
+    return torch.randn(3, 5, K)
+
+
+@pytest.mark.parametrize("name", list(ACTIVATIONS))
+def test_gated_relu_spellings(name, x):
+    act, expected_name, threshold = ACTIVATIONS[name]
+    torch.manual_seed(1)
+    model = Net(Gated(act))
+    (c,) = find_ffns(model)
+    assert (c.path, c.kind, c.activation, c.rewritable, c.threshold) == (
+        "layers.0",
+        "gated",
+        expected_name,
+        True,
+        pytest.approx(threshold),
+    )
+    assert c.gate_module is model.layers[0].gate_proj and c.gate_slice is None
+    assert (c.hidden_size, c.model_size) == (N, K)
+    _check_rewrite(model, x)
+
+
+def test_transformers_act2fn_relu(x):
+    from transformers.activations import ACT2FN
+
+    model = Net(Gated(ACT2FN["relu"]), Plain(ACT2FN["relu2"]))
+    assert [(c.activation, c.rewritable) for c in find_ffns(model)] == [("relu", True), ("relu2", True)]
+    _check_rewrite(model, x)
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["act*up", "up*act"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_gated_operand_order_and_bias(swap, bias, x):
+    torch.manual_seed(2)
+    model = Net(Gated(nn.ReLU(), bias=bias, swap=swap))
+    (c,) = find_ffns(model)
+    assert c.rewritable and c.kind == "gated"
+    _check_rewrite(model, x)
+    twell.sparsify(model)
+    assert isinstance(model.layers[0], SparseFFN)
+
+
+def test_drelu(x):
+    model = Net(Gated(nn.ReLU(), drelu=True, swap=True), Gated(fat_relu, drelu=True))
+    candidates = find_ffns(model)
+    assert [(c.activation, c.threshold, c.rewritable) for c in candidates] == [
+        ("drelu", 0.0, True),
+        ("drelu", 0.25, True),
+    ]
+    _check_rewrite(model, x)
+
+
+@pytest.mark.parametrize(
+    "split",
+    [
+        lambda t: t.chunk(2, dim=-1),
+        lambda t: torch.chunk(t, 2, -1),
+        lambda t: t.split(N, dim=-1),
+        lambda t: torch.split(t, [N, N], dim=-1),
+        lambda t: (t[..., :N], t[..., N:]),
+        lambda t: (t.chunk(2, -1)[1], t.chunk(2, -1)[0]),
+    ],
+    ids=["chunk", "torch.chunk", "split", "split-sizes", "ellipsis-slice", "up-first"],
+)
+def test_fused_gate_up(split, x):
+    torch.manual_seed(3)
+    model = Net(Fused(split))
+    (c,) = find_ffns(model)
+    assert c.rewritable, c.reason
+    gate_rows = split(torch.arange(2 * N))[0]
+    assert c.gate_module is model.layers[0].gate_up
+    assert c.gate_slice == slice(int(gate_rows[0]), int(gate_rows[-1]) + 1)
+    _check_rewrite(model, x)
+
+
+def test_full_slice_needs_known_rank():
+    # x[:, :N] on a traced value of unknown rank slices dim 1, not necessarily the last: not a gate/up split.
+    model = Net(Fused(lambda t: (t[:, :N], t[:, N:])))
+    assert find_ffns(model) == []
+
+
+@pytest.mark.parametrize(
+    "act, name, squared",
+    [
+        (nn.ReLU(), "relu", False),
+        (lambda v: F.relu(v) ** 2, "relu2", True),
+        (lambda v: torch.square(fat_relu(v)), "fatrelu", True),
+    ],
+    ids=["relu", "relu-pow2", "fatrelu-squared"],
+)
+def test_plain(act, name, squared, x):
+    model = Net(Plain(act))
+    (c,) = find_ffns(model)
+    assert (c.kind, c.activation, c.rewritable, c.spec.squared) == ("plain", name, True, squared)
+    _check_rewrite(model, x)
+
+
+def test_sequential_ffn(x):
+    model = Net(nn.Sequential(nn.Linear(K, N), nn.ReLU(), nn.Dropout(0.1), nn.Linear(N, K))).eval()
+    (c,) = find_ffns(model)
+    assert c.path == "layers.0" and c.rewritable
+    _check_rewrite(model, x)
+
+
+def test_eval_dropout_and_training_fallback(x):
+    model = Net(Plain(nn.ReLU(), dropout=0.5)).eval()
+    _check_rewrite(model, x)
+    twell.sparsify(model)
+    model.train()
+    # In training mode dropout acts: the rewritten module runs the original forward (same random stream).
+    torch.manual_seed(7)
+    got = model(x)
+    twell.restore(model)
+    torch.manual_seed(7)
+    expected = model(x)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_inline_ffn_in_block(gated, x):
+    model = Net(Block(gated=gated))
+    (c,) = find_ffns(model)
+    assert c.path == ("layers.0[w1,w3,w2]" if gated else "layers.0[w1,w2]")
+    assert c.rewritable, c.reason
+    _check_rewrite(model, x)
+    twell.sparsify(model)
+    block = model.layers[0]
+    assert isinstance(block.w1, GatePassthrough) and isinstance(block.w2, InlineFFN)
+    assert isinstance(block.act, nn.Identity)
+    assert block.w1.weight is c.gate_module.weight  # the same Parameter, not a copy
+
+
+def test_inline_functional_activation_is_reported(x):
+    model = Net(Block(functional=True))
+    (c,) = find_ffns(model)
+    assert not c.rewritable and "written inline" in c.reason
+    twell.sparsify(model)
+    assert isinstance(model.layers[0].w1, nn.Linear)
+
+
+class UsedElsewhere(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(K, N), nn.Linear(K, N), nn.Linear(N, K)
+
+    def forward(self, x):
+        hidden = F.relu(self.gate_proj(x))
+        y = self.down_proj(hidden * self.up_proj(x))
+        return y + hidden.mean(-1, keepdim=True)  # the hidden activation escapes the FFN
+
+
+def test_hidden_activation_used_elsewhere_is_not_rewritten(x):
+    model = Net(UsedElsewhere())
+    (c,) = find_ffns(model)
+    assert not c.rewritable
+    assert "also used outside the FFN" in c.reason
+    with torch.no_grad():
+        expected = model(x)
+        twell.sparsify(model)
+        assert torch.equal(model(x), expected)
+    assert isinstance(model.layers[0], UsedElsewhere)
+    record = twell.report(model)["layers.0[gate_proj,up_proj,down_proj]"]
+    assert not record.rewritten and "also used outside" in record.reason
+
+
+@pytest.mark.parametrize(
+    "act, name",
+    [
+        (nn.SiLU(), "silu"),
+        (F.gelu, "gelu"),
+        (lambda v: F.gelu(v, approximate="tanh"), "gelu_tanh"),
+        (torch.sigmoid, "sigmoid"),
+        (lambda v: 0.5 * v * (1.0 + torch.tanh(0.79788456 * (v + 0.044715 * torch.pow(v, 3.0)))), "custom"),
+    ],
+    ids=["silu", "gelu", "gelu_tanh", "sigmoid", "gelu_new-inline"],
+)
+def test_non_relu_reported_with_remedy(act, name, x):
+    model = Net(Gated(act))
+    (c,) = find_ffns(model)
+    assert (c.activation, c.rewritable) == (name, False)
+    assert f"activation {name} is not sparse" in c.reason and "ReLU + L1" in c.reason
+    _check_rewrite(model, x)  # sparsify leaves it alone: logits unchanged
+    assert isinstance(model.layers[0], Gated)
+
+
+def test_transformers_gelu_new_named_by_its_module():
+    from transformers.activations import ACT2FN
+
+    (c,) = find_ffns(Net(Plain(ACT2FN["gelu_new"])))
+    assert (c.activation, c.rewritable) == ("NewGELUActivation", False)
+
+
+def test_relu_squared_gate_not_supported():
+    (c,) = find_ffns(Net(Gated(lambda v: F.relu(v) ** 2)))
+    assert not c.rewritable and "relu² on the gate" in c.reason
+
+
+class LoRALinear(nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+def test_linear_with_custom_forward_not_rewritten():
+    model = Net(Gated(nn.ReLU()))
+    old = model.layers[0].up_proj
+    model.layers[0].up_proj = LoRALinear(K, N, bias=False)
+    model.layers[0].up_proj.load_state_dict(old.state_dict())
+    (c,) = find_ffns(model)
+    assert not c.rewritable and "LoRALinear with its own forward" in c.reason
+
+
+def test_unsupported_dtype_not_rewritten():
+    (c,) = find_ffns(Net(Gated(nn.ReLU())).double())
+    assert not c.rewritable and "float64" in c.reason
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_half_dtypes(dtype, x):
+    torch.manual_seed(4)
+    model = Net(Gated(nn.ReLU(), bias=True), Plain(nn.ReLU())).to(dtype)
+    x = x.to(dtype)
+    assert all(c.rewritable for c in find_ffns(model))
+    with torch.no_grad():
+        expected = model(x)
+        twell.sparsify(model)
+        got = model(x)
+    assert got.dtype == dtype and rel_err(got, expected) < 1e-2
+
+
+def test_model_itself_an_ffn_is_reported():
+    (c,) = find_ffns(Gated(nn.ReLU()))
+    assert c.path == "" and not c.rewritable and "the model itself" in c.reason
+
+
+class NeedsMask(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(K, N), nn.Linear(N, K)
+
+    def forward(self, x, mask):
+        return self.down(F.relu(self.up(x))) * mask
+
+
+class Untraceable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(K, N), nn.Linear(N, K)
+
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow: FX cannot trace it
+            return self.down(F.relu(self.up(x)))
+        return x
+
+
+def test_untraceable_modules_are_reported():
+    candidates, unmatched = scan(Net(NeedsMask(), Untraceable()))
+    assert candidates == []
+    assert [u.path for u in unmatched] == ["layers.0", "layers.1"]
+    assert "needs arguments besides its input: mask" in unmatched[0].reason
+    assert "could not trace Untraceable" in unmatched[1].reason
+    records = twell.report(Net(NeedsMask())).records
+    assert [(r.path, r.matched, r.rewritten) for r in records] == [("layers.0", False, False)]
+
+
+def test_keyword_input_and_extra_arguments_fall_back():
+    class WithOption(Gated):
+        def forward(self, hidden_states, scale=None):
+            y = super().forward(hidden_states)
+            return y if scale is None else y * scale
+
+    torch.manual_seed(5)
+    model = Net(WithOption(nn.ReLU()))
+    ffn = model.layers[0]
+    x = torch.randn(2, K)
+    with torch.no_grad():
+        expected = (ffn(x), ffn(hidden_states=x), ffn(x, 2.0))
+        twell.sparsify(model)
+        got = (model.layers[0](x), model.layers[0](hidden_states=x), model.layers[0](x, 2.0))
+    assert isinstance(model.layers[0], SparseFFN)
+    for g, e in zip(got, expected, strict=True):
+        assert torch.allclose(g, e, atol=1e-6)

@@ -1,0 +1,236 @@
+"""sparsify / restore / report / save_plan on tiny randomly initialised transformers models, built offline."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import twell
+from twell.passes import find_ffns
+from twell.passes.modules import TWELL_MODULES
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+VOCAB, LAYERS = 100, 2
+_DECODER = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+# family -> (config class, model class, config kwargs, name of the activation option, kind of FFN, path of layer 0)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}, "hidden_act", "gated", "model.layers.0.mlp"),
+    "llama-bias": ("LlamaConfig", "LlamaForCausalLM", {"mlp_bias": True}, "hidden_act", "gated", "model.layers.0.mlp"),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}, "hidden_act", "gated", "model.layers.0.mlp"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}, "hidden_act", "gated", "model.layers.0.mlp"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}, "hidden_act", "gated", "model.layers.0.mlp"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}, "hidden_act", "gated", "model.layers.0.mlp"),
+    # transformers v5 Gemma reads `hidden_act` (v4's `hidden_activation` is gone).
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 8}, "hidden_act", "gated", "model.layers.0.mlp"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}, "hidden_act", "gated", "model.layers.0.mlp"),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {"mlp_bias": True}, "hidden_act", "gated", "model.layers.0.mlp"),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {}, "hidden_act", "plain", "gpt_neox.layers.0.mlp"),
+    "opt": (
+        "OPTConfig",
+        "OPTForCausalLM",
+        {"ffn_dim": 64, "word_embed_proj_dim": 32, "pad_token_id": 1, "intermediate_size": None},
+        "activation_function",
+        "plain",
+        "model.decoder.layers.0[fc1,fc2]",
+    ),
+}
+# Families whose default activation is not ReLU (OPT's is ReLU).
+DEFAULT_NOT_RELU = {"llama": "silu", "phi3": "silu", "gemma": "gelu_tanh", "olmo2": "silu", "gpt_neox": "gelu"}
+
+
+def build(family: str, activation: str | None = "relu", seed: int = 0, **overrides):
+    config_cls, model_cls, extra, act_key, _, _ = FAMILIES[family]
+    kwargs = {**_DECODER, **extra, **overrides}
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    if family == "opt":
+        kwargs.pop("num_key_value_heads")
+    if activation is not None:
+        kwargs[act_key] = activation
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_cls)(**kwargs)
+    return getattr(transformers, model_cls)(config).eval()
+
+
+def token_ids(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(seed))
+
+
+def logits(model, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def snapshot(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def modules_of(model) -> list[tuple[str, int]]:
+    return [(name, id(m)) for name, m in model.named_modules()]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_relu_family(family):
+    model = build(family)
+    _, _, _, _, kind, first_path = FAMILIES[family]
+    ids = token_ids()
+    expected = logits(model, ids)
+    before = snapshot(model)
+    storage = {k: v.data_ptr() for k, v in model.state_dict().items()}
+
+    candidates = find_ffns(model)
+    assert len(candidates) == LAYERS
+    assert candidates[0].path == first_path
+    assert all(c.kind == kind and c.activation == "relu" and c.rewritable for c in candidates), candidates
+
+    assert twell.sparsify(model) is model
+    assert sum(isinstance(m, TWELL_MODULES) for m in model.modules()) >= LAYERS
+    torch.testing.assert_close(logits(model, ids), expected, atol=1e-5, rtol=1e-5)
+    # Same keys, shapes and storage: save_pretrained writes an ordinary checkpoint, no second copy.
+    assert {k: v.data_ptr() for k, v in model.state_dict().items()} == storage
+    report = twell.report(model)
+    assert [r.path for r in report] == [c.path for c in candidates]
+    assert all(r.rewritten and r.reason == "" for r in report)
+
+    layout, state = modules_of(model), snapshot(model)
+    twell.sparsify(model)  # idempotent
+    assert modules_of(model) == layout
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+    assert twell.restore(model) is model
+    assert not any(isinstance(m, TWELL_MODULES) for m in model.modules())
+    after = model.state_dict()
+    assert list(after) == list(before)
+    assert all(torch.equal(after[k], v) and after[k].dtype == v.dtype for k, v in before.items())
+    assert torch.equal(logits(model, ids), expected)
+
+
+def test_gpt_neox_relu_squared():
+    model = build("gpt_neox", "relu2")
+    ids = token_ids()
+    expected = logits(model, ids)
+    assert [c.activation for c in find_ffns(model)] == ["relu2"] * LAYERS
+    twell.sparsify(model)
+    assert all(r.rewritten for r in twell.report(model))
+    torch.testing.assert_close(logits(model, ids), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", list(DEFAULT_NOT_RELU))
+def test_default_activation_left_untouched(family):
+    model = build(family, activation=None)
+    ids = token_ids()
+    expected = logits(model, ids)
+    layout = modules_of(model)
+    twell.sparsify(model)
+    assert modules_of(model) == layout
+    assert torch.equal(logits(model, ids), expected)
+    records = twell.report(model).records
+    name = DEFAULT_NOT_RELU[family]
+    assert len(records) == LAYERS
+    for r in records:
+        assert r.matched and not r.rewritable and not r.rewritten and r.activation == name
+        assert f"activation {name} is not sparse" in r.reason and "ReLU + L1" in r.reason
+
+
+def test_mixtral_experts_are_not_per_expert_mlps():
+    """transformers v5 stores Mixtral's experts as 3-D parameters (no per-expert nn.Linear): nothing to
+    match, and sparsify leaves the model as it is."""
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(**_DECODER, hidden_act="relu", num_local_experts=4, num_experts_per_tok=2)
+    model = transformers.MixtralForCausalLM(config).eval()
+    ids = token_ids()
+    expected = logits(model, ids)
+    assert find_ffns(model) == []
+    twell.sparsify(model)
+    assert torch.equal(logits(model, ids), expected)
+
+
+def test_report_table_and_json():
+    model = build("llama")
+    report = twell.report(model)
+    assert [r.rewritten for r in report] == [False] * LAYERS  # not sparsified yet: found, not rewritten
+    twell.sparsify(model)
+    report = twell.report(model)
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["summary"] == {"candidates": LAYERS, "rewritable": LAYERS, "rewritten": LAYERS, "unmatched": 0}
+    record = data["records"][0]
+    assert record["path"] == "model.layers.0.mlp" and record["activation"] == "relu" and record["rewritten"]
+    assert (record["hidden_size"], record["model_size"]) == (64, 32)
+    text = str(report)
+    assert "model.layers.1.mlp" in text and "2 of 2 FFNs rewritten" in text
+
+    opt = twell.sparsify(build("opt"))
+    assert "model.decoder.layers.0[fc1,fc2]" in str(twell.report(opt))  # brackets survive rich markup
+
+
+def test_save_pretrained_while_sparsified(tmp_path):
+    model = build("phi3")
+    ids = token_ids()
+    expected = logits(model, ids)
+    twell.sparsify(model)
+    model.save_pretrained(tmp_path)
+    loaded = transformers.Phi3ForCausalLM.from_pretrained(tmp_path).eval()
+    assert not any(isinstance(m, TWELL_MODULES) for m in loaded.modules())
+    assert torch.equal(logits(loaded, ids), expected)
+
+
+def test_dtype_change_after_sparsify_reaches_restored_modules():
+    model = build("llama")
+    twell.sparsify(model)
+    model.to(torch.bfloat16)
+    ids = token_ids()
+    assert logits(model, ids).dtype == torch.bfloat16
+    twell.restore(model)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert model.model.layers[0].mlp.gate_proj.weight.dtype == torch.bfloat16
+
+
+def test_calibration_decisions_and_plan(tmp_path):
+    pytest.importorskip("twell.calibrate")
+    model = build("llama")
+    ids = token_ids()
+    expected = logits(model, ids)
+    twell.sparsify(model, [ids])
+    report = twell.report(model)
+    assert all(r.decision is not None and "density" in r.decision for r in report)
+    assert all(r.rewritten == r.decision["rewrite"] for r in report)
+    torch.testing.assert_close(logits(model, ids), expected, atol=1e-5, rtol=1e-5)
+    json.dumps(report.to_dict())
+
+    plan = tmp_path / "plan.json"
+    twell.save_plan(model, plan)
+    other = twell.sparsify(build("llama"), plan=plan)
+    assert [(r.path, r.rewritten) for r in twell.report(other)] == [(r.path, r.rewritten) for r in report]
+
+
+def test_sparsify_with_data_restores_first():
+    pytest.importorskip("twell.calibrate")
+    model = twell.sparsify(build("llama"))
+    twell.sparsify(model, [token_ids()])
+    assert all(r.decision is not None for r in twell.report(model))
+
+
+def test_errors(tmp_path):
+    model = build("llama")
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        twell.sparsify("not a model")
+    with pytest.raises(ValueError, match="not both"):
+        twell.sparsify(model, [token_ids()], plan=tmp_path / "plan.json")
+    with pytest.raises(ValueError, match="give calibration_data"):
+        twell.sparsify(model, config={})
+    with pytest.raises(TypeError, match="plan must be a path"):
+        twell.sparsify(model, plan=3)
+    with pytest.raises(ValueError, match="no decisions to save"):
+        twell.save_plan(twell.sparsify(model), tmp_path / "plan.json")
+    assert twell.restore(build("llama")) is not None  # nothing to restore: unchanged
