@@ -28,7 +28,7 @@ from triton.testing import do_bench
 
 import twell
 from twell.kernels import dispatch, reference
-from twell.kernels.gate import gate_twell
+from twell.kernels.gate import gate_twell, pack_dense
 from twell.kernels.updown import twell_up_down
 
 MS = [1, 16, 128, 8192, 32768, 131072]
@@ -144,17 +144,34 @@ def bench_point(k, n, m, density, pattern, compiled) -> dict:
         "path": "decode" if m <= dispatch.DECODE_MAX_M else "prefill",
         "dense_after": bool(dispatch._dense_calls_left),
     }
-    if m > dispatch.DECODE_MAX_M:  # stage breakdown of the prefill path
+    # every path the dispatcher can take, forced, to set its thresholds from data
+    for path, (decode_max, prefill_min) in {"decode": (1 << 30, 1 << 31), "prefill": (0, 1)}.items():
+        if (path == "decode" and m > 1024) or (path == "prefill" and m < 128):
+            continue
+        saved = dispatch.DECODE_MAX_M, dispatch.PREFILL_MIN_M
+        dispatch.DECODE_MAX_M, dispatch.PREFILL_MIN_M = decode_max, prefill_min
+        try:
+            dispatch._dense_calls_left.clear()
+            row[f"{path}_err"] = rel_err_sample(twell_ffn(**inp), inp)
+            dispatch._dense_calls_left.clear()
+            row[f"{path}_ms"] = timed(lambda: twell_ffn(**inp), graph)
+        finally:
+            dispatch.DECODE_MAX_M, dispatch.PREFILL_MIN_M = saved
+    if m >= 8192:  # stage breakdown of the prefill path
         x, wg, bg = inp["x"], inp["gate_weight"], inp["gate_bias"]
-        row["cublas_gate_ms"] = do_bench(lambda: F.linear(x, wg, bg), return_mode="median")
         slots = dispatch.SLOTS
-        row["twell_gate_ms"] = do_bench(
-            lambda: gate_twell(x, wg, bg, 0.0, dispatch.TILE_N, slots), return_mode="median"
-        )
+        row["cublas_gate_ms"] = do_bench(lambda: F.linear(x, wg, bg), return_mode="median")
+        pre = F.linear(x, wg, bg)
+        row["pack_ms"] = do_bench(lambda: pack_dense(pre, 0.0, dispatch.TILE_N, slots), return_mode="median")
+        del pre
+        for tile_n in (256, 128):
+            row[f"fused_gate{tile_n}_ms"] = do_bench(
+                lambda t=tile_n: gate_twell(x, wg, bg, 0.0, t, t // 8), return_mode="median"
+            )
         values, indices, counts = gate_twell(x, wg, bg, 0.0, dispatch.TILE_N, slots)
         per_row = counts.sum(1)
         skip = ((counts > slots).any(1) | (per_row > dispatch.ENTRIES_MAX)).to(torch.int8)
-        entries = max(16, triton.next_power_of_2(int(torch.where(skip.bool(), 0, per_row).max())))
+        max_entries = int(torch.where(skip.bool(), 0, per_row).max())
         wd_t = inp["down_weight"].t()
         row["updown_ms"] = do_bench(
             lambda: twell_up_down(
@@ -168,12 +185,13 @@ def bench_point(k, n, m, density, pattern, compiled) -> dict:
                 wd_t,
                 None,
                 tile_n=dispatch.TILE_N,
-                entries=entries,
+                max_entries=max_entries,
             ),
             return_mode="median",
         )
-        row["overflow_rows"] = int(skip.sum())
-        row["entries"] = entries
+        pairs = int(torch.where(skip.bool(), 0, per_row).sum())
+        row["updown_l2_tb_s"] = pairs * 2 * k * 2 / row["updown_ms"] / 1e9
+        row["dense_rows"] = int(skip.sum())
     return row
 
 
@@ -206,10 +224,8 @@ def main():
         "points": [],
     }
     print(json.dumps(result["ceilings"]))
-    header = (
-        f"{'K':>5} {'N':>6} {'M':>7} {'dens':>6} {'pat':>7} {'nnz':>6} {'max':>5} {'dense':>8} {'twell':>8} "
-        f"{'x':>5} {'err':>8} {'gateT':>6} {'gateC':>6} {'updn':>6} {'ovf':>5} {'memD':>7} {'memT':>7}"
-    )
+    columns = "K N M dens pat nnz max dense twell x err dec pre gateC pack fus256 fus128 updn TB/s drows memD memT"
+    header = " ".join(f"{c:>7}" for c in columns.split())
     lines = [header]
     print(header, flush=True)
     for shape in args.shapes.split(","):
@@ -225,9 +241,11 @@ def main():
                         f"{k:>5} {n:>6} {m:>7} {density:>6.3f} {pattern:>7} {row['nnz_mean']:>6.1f} "
                         f"{row['nnz_max']:>5.0f} {min(row['dense_eager_ms'], row['dense_compiled_ms']):>8.3f} "
                         f"{row['twell_ms']:>8.3f} {row['speedup']:>5.2f} {row['rel_err']:>8.1e} "
-                        f"{row.get('twell_gate_ms', 0):>6.2f} {row.get('cublas_gate_ms', 0):>6.2f} "
-                        f"{row.get('updown_ms', 0):>6.2f} {row.get('overflow_rows', 0):>5} "
-                        f"{row['dense_peak_mb']:>7.0f} {row['twell_peak_mb']:>7.0f}"
+                        f"{row.get('decode_ms', 0):>7.3f} {row.get('prefill_ms', 0):>7.3f} "
+                        f"{row.get('cublas_gate_ms', 0):>6.2f} {row.get('pack_ms', 0):>5.2f} "
+                        f"{row.get('fused_gate256_ms', 0):>6.2f} {row.get('fused_gate128_ms', 0):>6.2f} "
+                        f"{row.get('updown_ms', 0):>6.2f} {row.get('updown_l2_tb_s', 0):>5.1f} "
+                        f"{row.get('dense_rows', 0):>6} {row['dense_peak_mb']:>7.0f} {row['twell_peak_mb']:>7.0f}"
                     )
                     lines.append(line)
                     print(line, flush=True)

@@ -1,10 +1,11 @@
 """Per-call choice of path on CUDA: decode kernel, TwELL prefill kernels, or dense.
 
-- M <= DECODE_MAX_M tokens: dense gate + decode kernel (reads only active rows of W_u / W_d; no host
+- M <= DECODE_MAX_M tokens: dense gate + decode kernels (read only active rows of W_u / W_d; no host
   synchronisation, so CUDA graphs can capture it).
-- Larger M: gate GEMM with TwELL epilogue, then the fused up+down kernel. Rows that overflow a tile's
-  slots or hold more than ENTRIES_MAX entries are recomputed densely (the hybrid safety valve): exact
-  at any sparsity.
+- M >= PREFILL_MIN_M: gate packed to TwELL (GATE_ROUTE: cuBLAS GEMM + pack kernel, or the Triton GEMM
+  with the packing epilogue), then the fused up+down kernel. Rows that overflow a tile's slots or hold
+  more than ENTRIES_MAX entries are recomputed densely (the hybrid safety valve): exact at any sparsity.
+- In between, and for tiny problems, dense.
 - A layer whose last prefill call was denser than DENSE_ABOVE runs dense for the next DENSE_RETRY
   calls, then probes again: a rewrite must not make a dense layer slower.
 """
@@ -17,13 +18,17 @@ import triton
 
 from twell.kernels import reference
 from twell.kernels.decode import decode_up_down
-from twell.kernels.gate import gate_twell
+from twell.kernels.gate import gate_twell, pack_dense
 from twell.kernels.updown import twell_up_down
 
 TILE_N = 256
 SLOTS = 32  # compression 8, as the reference code
 DECODE_MAX_M = 256
-ENTRIES_MAX = 256
+PREFILL_MIN_M = 257
+# A dense row costs ~6KN FLOPs on tensor cores, a sparse one ~8 KB of L2 traffic per entry (K = 2048):
+# past ~128 entries the row is cheaper in the dense batch (benchmarks/NOTES.md).
+ENTRIES_MAX = 128
+GATE_ROUTE = "cublas"  # "fused": Triton GEMM with packing epilogue; 4.8x slower than cuBLAS so far (NOTES.md)
 DENSE_ABOVE = 0.02  # mean density above which sparse loses to dense (benchmarks/NOTES.md)
 DENSE_RETRY = 64
 
@@ -47,9 +52,10 @@ def _run(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, 
     x2 = x.reshape(-1, shape[-1])
     m = x2.shape[0]
     key = _layer_key(gate_weight, m)
-    if m == 0 or _dense_calls_left.get(key, 0) > 0:
-        if m:
-            _dense_calls_left[key] -= 1
+    dense_now = _dense_calls_left.get(key, 0) > 0
+    if dense_now:
+        _dense_calls_left[key] -= 1
+    if m == 0 or dense_now or DECODE_MAX_M < m < PREFILL_MIN_M:
         return dense_fn(x2).reshape(shape)
     wd_t = _down_rows(down_weight)
 
@@ -63,13 +69,17 @@ def _run(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, 
         return y.to(x.dtype).reshape(shape)
 
     n = gate_weight.shape[0]
-    values, indices, counts = gate_twell(x2, gate_weight, gate_bias, threshold, TILE_N, SLOTS, square=square)
+    if GATE_ROUTE == "fused":
+        values, indices, counts = gate_twell(x2, gate_weight, gate_bias, threshold, TILE_N, SLOTS, square=square)
+    else:
+        pre = F.linear(x2, gate_weight, gate_bias)
+        values, indices, counts = pack_dense(pre, threshold, TILE_N, SLOTS, square=square)
+        del pre
     per_row = counts.sum(1)
     skip = (counts > SLOTS).any(1) | (per_row > ENTRIES_MAX)
     n_skip, max_entries, total = torch.stack([skip.sum(), torch.where(skip, 0, per_row).max(), per_row.sum()]).tolist()
     if total > DENSE_ABOVE * m * n:
         _dense_calls_left[key] = DENSE_RETRY
-    entries = max(16, triton.next_power_of_2(max_entries))
     y = twell_up_down(
         x2,
         values,
@@ -81,7 +91,7 @@ def _run(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, 
         wd_t,
         down_bias,
         tile_n=TILE_N,
-        entries=entries,
+        max_entries=max_entries,
         drelu=drelu,
     )
     if n_skip:

@@ -4,8 +4,9 @@ One program per token row m. It turns the row's per-tile counts into one flat li
 entries (prefix sum over tiles, done in registers), gathers their gate values g and neuron ids n, then
     u_j = x_m . W_u[n_j]            (only for active neurons; skipped for non-gated FFNs)
     y_m = sum_j (g_j * u_j) W_d[n_j]
-with fp32 accumulation. The hidden state never reaches global memory. Rows flagged in `skip`
-(overflowing a tile, or more than ENTRIES entries) are left to the dense path of the dispatcher.
+with fp32 accumulation, CHUNK entries at a time. The hidden state never reaches global memory beyond a
+per-row scratch of R (h, n) pairs. Rows flagged in `skip`
+(overflowing a tile, or chosen for dense) are left to the dense path of the dispatcher.
 W_d is read as rows of down_weight^T ([N, K]): pass down_weight.t() with unit stride on K for
 coalesced loads.
 """
@@ -20,17 +21,42 @@ from twell.kernels.common import autotune_configs
 
 UPDOWN_CONFIGS = [
     # (BLOCK_K, num_warps, num_stages)
-    (64, 4, 2),
     (128, 4, 2),
-    (64, 2, 3),
-    (256, 8, 2),
-    (128, 8, 3),
+    (256, 4, 2),
+    (128, 2, 3),
+    (256, 8, 3),
 ]
+CHUNK = 16  # entries gathered at a time: small, so a few dense rows do not make every row pay for masked lanes
+
+
+@triton.jit
+def _row_entries(
+    cnt,
+    incl,
+    e,
+    valid,
+    m,
+    n_tiles,
+    vals_ptr,
+    idx_ptr,
+    TILE_N: tl.constexpr,
+    SLOTS: tl.constexpr,
+    TILES_PAD: tl.constexpr,
+):
+    """Gate value and neuron id of the row's flat entries e (entry e lies in the first tile whose
+    inclusive count exceeds e)."""
+    offs_t = tl.arange(0, TILES_PAD)
+    tile = tl.sum((incl[None, :] <= e[:, None]).to(tl.int32), axis=1)
+    start = tl.sum(tl.where(offs_t[None, :] == tile[:, None], (incl - cnt)[None, :], 0), axis=1)
+    slot_off = (m * n_tiles + tile) * SLOTS + (e - start)
+    g = tl.load(vals_ptr + slot_off, mask=valid, other=0.0).to(tl.float32)
+    neuron = tile * TILE_N + tl.load(idx_ptr + slot_off, mask=valid, other=0).to(tl.int32)
+    return g, neuron
 
 
 @triton.autotune(
     configs=autotune_configs(UPDOWN_CONFIGS, lambda bk, w, s: {"BLOCK_K": bk}),
-    key=["K", "ENTRIES", "TILE_N", "SLOTS"],
+    key=["K", "TILE_N", "SLOTS", "HAS_UP"],
 )
 @triton.jit
 def _twell_up_down_kernel(
@@ -44,8 +70,11 @@ def _twell_up_down_kernel(
     wd_ptr,
     bd_ptr,
     y_ptr,
+    h_ptr,
+    n_ptr,
     K,
     n_tiles,
+    scratch_stride,
     stride_xm,
     stride_xk,
     stride_un,
@@ -61,7 +90,7 @@ def _twell_up_down_kernel(
     TILE_N: tl.constexpr,
     SLOTS: tl.constexpr,
     TILES_PAD: tl.constexpr,
-    ENTRIES: tl.constexpr,
+    CHUNK: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     m = tl.program_id(0).to(tl.int64)
@@ -71,46 +100,54 @@ def _twell_up_down_kernel(
     cnt = tl.load(cnt_ptr + m * n_tiles + offs_t, mask=offs_t < n_tiles, other=0)
     incl = tl.cumsum(cnt, axis=0)
     total = tl.sum(cnt, axis=0)
-    # entry e lies in the first tile whose inclusive count exceeds e
-    e = tl.arange(0, ENTRIES)
-    valid = e < total
-    tile = tl.sum((incl[None, :] <= e[:, None]).to(tl.int32), axis=1)
-    start = tl.sum(tl.where(offs_t[None, :] == tile[:, None], (incl - cnt)[None, :], 0), axis=1)
-    slot_off = (m * n_tiles + tile) * SLOTS + (e - start)
-    g = tl.load(vals_ptr + slot_off, mask=valid, other=0.0).to(tl.float32)
-    neuron = (tile * TILE_N + tl.load(idx_ptr + slot_off, mask=valid, other=0).to(tl.int32)).to(tl.int64)
+    h_row = h_ptr + m * scratch_stride
+    n_row = n_ptr + m * scratch_stride
 
-    if HAS_UP:
-        partial = tl.zeros([ENTRIES, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < K
-            xv = tl.load(x_ptr + m * stride_xm + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(
-                wu_ptr + neuron[:, None] * stride_un + offs_k[None, :] * stride_uk,
-                mask=valid[:, None] & k_ok[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            partial += w * xv[None, :]
-        u = tl.sum(partial, axis=1)
-        if HAS_UP_BIAS:
-            u += tl.load(bu_ptr + neuron, mask=valid, other=0.0).to(tl.float32)
-        if DRELU:
-            u = tl.where(u <= 0.0, 0.0, u)
-        h = g * u
-    else:
-        h = g
-    h = tl.where(valid, h, 0.0)
+    # pass 1: h = g * u for every entry, CHUNK at a time, into the row's scratch (a few hundred bytes)
+    for c0 in range(0, total, CHUNK):
+        e = c0 + tl.arange(0, CHUNK)
+        valid = e < total
+        g, neuron = _row_entries(cnt, incl, e, valid, m, n_tiles, vals_ptr, idx_ptr, TILE_N, SLOTS, TILES_PAD)
+        if HAS_UP:
+            partial = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = offs_k < K
+                xv = tl.load(x_ptr + m * stride_xm + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
+                w = tl.load(
+                    wu_ptr + neuron.to(tl.int64)[:, None] * stride_un + offs_k[None, :] * stride_uk,
+                    mask=valid[:, None] & k_ok[None, :],
+                    other=0.0,
+                ).to(tl.float32)
+                partial += w * xv[None, :]
+            u = tl.sum(partial, axis=1)
+            if HAS_UP_BIAS:
+                u += tl.load(bu_ptr + neuron, mask=valid, other=0.0).to(tl.float32)
+            if DRELU:
+                u = tl.where(u <= 0.0, 0.0, u)
+            h = g * u
+        else:
+            h = g
+        tl.store(h_row + e, h, mask=valid)
+        tl.store(n_row + e, neuron, mask=valid)
+    tl.debug_barrier()  # pass 2 reads scratch entries that other threads of this program wrote
 
+    # pass 2: y = sum_e h_e W_d[n_e], one K block at a time
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
-        w = tl.load(
-            wd_ptr + neuron[:, None] * stride_dn + offs_k[None, :] * stride_dk,
-            mask=valid[:, None] & k_ok[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        y = tl.sum(w * h[:, None], axis=0)
+        y = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for c0 in range(0, total, CHUNK):
+            e = c0 + tl.arange(0, CHUNK)
+            valid = e < total
+            h = tl.load(h_row + e, mask=valid, other=0.0)
+            neuron = tl.load(n_row + e, mask=valid, other=0).to(tl.int64)
+            w = tl.load(
+                wd_ptr + neuron[:, None] * stride_dn + offs_k[None, :] * stride_dk,
+                mask=valid[:, None] & k_ok[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            y += tl.sum(w * h[:, None], axis=0)
         if HAS_DOWN_BIAS:
             y += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + m * stride_ym + offs_k * stride_yk, y.to(y_ptr.dtype.element_ty), mask=k_ok)
@@ -128,20 +165,21 @@ def twell_up_down(
     down_bias: torch.Tensor | None,
     *,
     tile_n: int,
-    entries: int,
+    max_entries: int,
     drelu: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [M, K] from x [M, K] and TwELL arrays; rows with skip[m] != 0 are not written.
 
     up_weight: [N, K] or None (non-gated: h = gate values); down_weight_t: [N, K] (= down_weight.t()).
-    entries: power of two >= the largest row count among rows not skipped.
+    max_entries: >= the largest entry count among rows not skipped (sizes the per-row scratch).
     """
     m, k = x.shape
     n_tiles, slots = values.shape[1], values.shape[2]
-    if entries & (entries - 1) or entries < 16:
-        raise ValueError(f"entries must be a power of two >= 16, got {entries}")
     y = torch.empty_like(x) if out is None else out
+    width = max(max_entries, 1)
+    h_scratch = torch.empty(m, width, dtype=torch.float32, device=x.device)
+    n_scratch = torch.empty(m, width, dtype=torch.int32, device=x.device)
     dummy = x
     _twell_up_down_kernel[(m,)](
         x,
@@ -154,8 +192,11 @@ def twell_up_down(
         down_weight_t,
         down_bias if down_bias is not None else dummy,
         y,
+        h_scratch,
+        n_scratch,
         k,
         n_tiles,
+        width,
         x.stride(0),
         x.stride(1),
         *(up_weight.stride() if up_weight is not None else (0, 0)),
@@ -170,6 +211,6 @@ def twell_up_down(
         TILE_N=tile_n,
         SLOTS=slots,
         TILES_PAD=max(triton.next_power_of_2(n_tiles), 2),
-        ENTRIES=entries,
+        CHUNK=CHUNK,
     )
     return y
