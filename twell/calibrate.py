@@ -62,7 +62,7 @@ class CalibrationConfig:
     min_speedup: rewrite a layer only if its predicted FFN speedup reaches this.
     decode_steps: greedy cached decode steps after each batch (Hugging Face-style models only), so that
         decode-shaped (one token) calls are measured too; 0 disables.
-    timing_repeats: repetitions (median) when timing the model and each FFN on the first batch, for the
+    timing_repeats: repetitions (best of) when timing the model and each FFN on the first batch, for the
         FFN share of model time; 0 disables.
     cost_model: "auto" (benchmark on CUDA, analytic elsewhere), "analytic", "benchmark", or an object
         with ``name`` and ``time_ratio(...)`` (see CostModel).
@@ -589,9 +589,9 @@ def _progress(items: list, enabled: bool, description: str):
 def _time_shares(model, batch: dict, modules: Mapping[str, torch.nn.Module], repeats: int, decode_steps: int):
     """Per path and phase: the fraction of the model's time spent in that FFN module (no statistics hooks).
 
-    One run of `batch` records every FFN call's inputs; then the model's time per phase (over `repeats`
-    runs of the batch) and each FFN's time on its recorded inputs (`repeats` times) are medians: timing
-    FFN calls inside a run would be noise-bound, since one FFN call of a small model lasts about as
+    One run of `batch` records every FFN call's inputs; then, `repeats` times, the model runs the batch
+    (timed per phase) and each FFN reruns its recorded inputs (timed), keeping the best times. Timing
+    FFN calls inside a model run would be noise-bound: one FFN call of a small model lasts about as
     long as a scheduler hiccup on a busy machine.
     """
     cuda = _model_device(model).type == "cuda"
@@ -617,7 +617,9 @@ def _time_shares(model, batch: dict, modules: Mapping[str, torch.nn.Module], rep
         for h in handles:
             h.remove()
 
-    model_times: dict[str, list[float]] = {p: [] for p in PHASES}
+    # Interleaved repeats, best of each: noise on a shared machine only ever adds time.
+    best_model = dict.fromkeys(PHASES, math.inf)
+    best_ffn = {path: dict.fromkeys(PHASES, math.inf) for path in modules}
     for _ in range(repeats):
         run = {"phase": None, "since": 0.0, "times": dict.fromkeys(PHASES, 0.0)}
 
@@ -630,23 +632,18 @@ def _time_shares(model, batch: dict, modules: Mapping[str, torch.nn.Module], rep
         _run_batch(model, batch, decode_steps, on_phase)
         on_phase(None)
         for p in PHASES:
-            if calls and any(calls[path][p] for path in calls):
-                model_times[p].append(run["times"][p])
-
-    shares: dict[str, dict[str, float]] = {}
-    for path, module in modules.items():
-        shares[path] = {}
-        for p in PHASES:
-            if not calls[path][p] or not model_times[p]:
-                continue
-            ffn_times = []
-            for _ in range(repeats):
-                start = now()
-                for args, kwargs in calls[path][p]:
-                    module(*args, **kwargs)
-                ffn_times.append(now() - start)
-            shares[path][p] = statistics.median(ffn_times) / statistics.median(model_times[p])
-    return shares
+            best_model[p] = min(best_model[p], run["times"][p])
+        for path, module in modules.items():
+            for p in PHASES:
+                if calls[path][p]:
+                    start = now()
+                    for args, kwargs in calls[path][p]:
+                        module(*args, **kwargs)
+                    best_ffn[path][p] = min(best_ffn[path][p], now() - start)
+    return {
+        path: {p: t / best_model[p] for p, t in times.items() if t < math.inf and best_model[p] > 0}
+        for path, times in best_ffn.items()
+    }
 
 
 @torch.no_grad()

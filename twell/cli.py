@@ -129,6 +129,7 @@ def _pct(value: float | None, digits: int = 2) -> str:
 
 def render(console, analysis: Analysis, plan_path: str | None = None) -> None:
     """Per-FFN table and summary panel (rich)."""
+    from rich.markup import escape
     from rich.panel import Panel
     from rich.table import Table
 
@@ -166,12 +167,12 @@ def render(console, analysis: Analysis, plan_path: str | None = None) -> None:
         elif speedups:
             decision = "[yellow]keep dense[/yellow]"
         elif ffn["rewritable"]:
-            decision = f"[yellow]keep dense[/yellow]: {ffn['reason']}"
+            decision = f"[yellow]keep dense[/yellow]: {escape(ffn['reason'])}"
         else:
-            decision = f"[red]not rewritable[/red]: {ffn['reason']}"
+            decision = f"[red]not rewritable[/red]: {escape(ffn['reason'])}"
         table.add_row(
-            ffn["path"],
-            ffn["activation"],
+            escape(ffn["path"]),  # inline FFNs' paths hold brackets: "layers.0[fc1,fc2]"
+            escape(ffn["activation"]),
             f"{ffn['hidden_size']}×{ffn['model_size']}",
             _pct(stats.get("prefill", {}).get("density")),
             _pct(stats.get("decode", {}).get("density")),
@@ -191,7 +192,7 @@ def render(console, analysis: Analysis, plan_path: str | None = None) -> None:
 
     summary = data["summary"]
     lines = [
-        f"data          {data['data']}",
+        f"data          {escape(data['data'])}",
         f"cost model    {data['cost_model'] or '—'}",
         f"FFNs          {summary['ffns']} found, {summary['rewritable']} rewritable, {summary['rewritten']} rewritten",
     ]
@@ -202,7 +203,9 @@ def render(console, analysis: Analysis, plan_path: str | None = None) -> None:
             f"{s['rewritten_time_share']:.0%}); predicted model speedup [bold]{s['speedup']:.2f}x[/bold]"
         )
     if plan_path:
-        lines.append(f"plan          written to {plan_path}: twell.sparsify(model, plan={plan_path!r})")
+        lines.append(
+            f"plan          written to {escape(plan_path)}: twell.sparsify(model, plan={escape(repr(plan_path))})"
+        )
     console.print(Panel("\n".join(lines), title="summary", title_align="left", expand=False))
 
 

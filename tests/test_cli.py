@@ -1,0 +1,348 @@
+"""The `twell` command line end to end on CPU: tiny checkpoints written to temporary directories, the
+built-in demo model, the SparseLM layout, calibration data files, and every kind of bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+import twell  # noqa: E402
+from twell.calibrate import load_plan  # noqa: E402
+from twell.cli import main  # noqa: E402
+from twell.loading import DEMO_MODEL, demo_model_dir, load_model  # noqa: E402
+from twell.passes import find_ffns  # noqa: E402
+
+QUICK = ["--samples", "4", "--seq-len", "32"]
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """main() sets HF_HUB_OFFLINE & co. for its process; keep the test process as it was."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def tiny_config(**overrides):
+    fields = dict(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        hidden_act="relu",
+        max_position_embeddings=64,
+    )
+    return transformers.LlamaConfig(**{**fields, **overrides})
+
+
+def save_tiny(path, **overrides):
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(tiny_config(**overrides)).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def relu_llama(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("relu_llama"))
+
+
+@pytest.fixture(scope="module")
+def sparselm(tmp_path_factory):
+    """The SakanaAI SparseLM layout: model_type llama_sparse_relu, a leftover hidden_act "silu",
+    sparsity_* config fields, remote-code auto_map, and tracker buffers among the weights."""
+    path = save_tiny(tmp_path_factory.mktemp("sparselm"), hidden_act="silu")
+    config = json.loads((path / "config.json").read_text())
+    config.update(
+        model_type="llama_sparse_relu",
+        architectures=["SparseLlamaForCausalLM"],
+        auto_map={"AutoModelForCausalLM": "sparse_models.SparseLlamaForCausalLM"},
+        sparsity_l1_coeff=2e-5,
+        sparsity_gated_mlp=True,
+        sparsity_max_seq_len=2048,
+        sparsity_use_hybrid_kernel=False,
+        sparsity_tokens_until_dead=None,
+    )
+    (path / "config.json").write_text(json.dumps(config))
+    weights = load_file(path / "model.safetensors")
+    weights["tracker.last_activated"] = torch.zeros(4, dtype=torch.int64)
+    weights["model.layers.0.mlp.tracker.alive"] = torch.ones(128)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def run(argv, capsys):
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+# --- reports and plans ----------------------------------------------------------------------------
+
+
+def test_report_on_the_demo_model(capsys):
+    rc, out, err = run(["report", *QUICK], capsys)
+    assert rc == 0, err
+    assert f"twell report: {DEMO_MODEL} (LlamaForCausalLM)" in out
+    assert "model.layers.3.mlp" in out and "rewrite" in out and "keep dense" in out
+    assert "predicted model speedup" in out and "random token sequences" in out
+
+
+def test_demo_model_is_sparse_where_designed(tmp_path, capsys):
+    """The demo's four layers straddle the CPU break-even density: two rewritten, two kept dense."""
+    out_json = tmp_path / "report.json"
+    rc, _, err = run(["report", DEMO_MODEL, *QUICK, "--json", out_json], capsys)
+    assert rc == 0, err
+    report = json.loads(out_json.read_text())
+    densities = [f["density"] for f in report["ffns"]]
+    assert densities == sorted(densities) and 0.002 < densities[0] < 0.007 and 0.025 < densities[-1] < 0.06
+    assert [f["rewrite"] for f in report["ffns"]] == [True, True, False, False]
+    assert all(f["dead_neurons"] > 0 and f["tile_n"] == 256 and f["compression"] == 8 for f in report["ffns"])
+    summary = report["summary"]
+    assert (summary["ffns"], summary["rewritable"], summary["rewritten"]) == (4, 4, 2)
+    # Time shares are measured (so machine-dependent); the summary must be Amdahl over them.
+    for phase in ("prefill", "decode"):
+        shares = [f["time_share"][phase] for f in report["ffns"]]
+        assert all(s > 0 for s in shares)
+        saved = sum(
+            s * (1 - 1 / f["predicted_speedup"][phase])
+            for s, f in zip(shares, report["ffns"], strict=True)
+            if f["rewrite"]
+        )
+        assert summary[phase]["ffn_time_share"] == pytest.approx(sum(shares))
+        assert summary[phase]["rewritten_time_share"] == pytest.approx(sum(shares[:2]))
+        assert summary[phase]["speedup"] == pytest.approx(1 / (1 - saved)) and summary[phase]["speedup"] > 1
+    assert report["model"]["path"] == str(demo_model_dir())
+
+
+def test_json_to_stdout(capsys):
+    rc, out, _ = run(["report", *QUICK, "--json", "-"], capsys)
+    assert rc == 0
+    assert json.loads(out)["summary"]["ffns"] == 4
+
+
+def test_convert_writes_a_plan_that_sparsify_applies(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    rc, out, err = run(["convert", DEMO_MODEL, "--out", plan, *QUICK], capsys)
+    assert rc == 0, err
+    assert f"written to {plan}" in out
+    model = load_model(DEMO_MODEL).model
+    decisions = load_plan(plan, find_ffns(model))
+    assert [d.rewrite for d in decisions.values()] == [True, True, False, False]
+    twell.sparsify(model, plan=plan)
+    rewritten = [r for r in twell.report(model).to_dict()["records"] if r["rewritten"]]
+    assert len(rewritten) == 2
+
+
+def test_sparselm_layout_loads_as_relu_llama(sparselm, tmp_path, capsys):
+    out_json = tmp_path / "report.json"
+    rc, out, err = run(["report", sparselm, *QUICK, "--json", out_json], capsys)
+    assert rc == 0, err
+    report = json.loads(out_json.read_text())
+    assert report["model"]["class"] == "LlamaForCausalLM"
+    assert [(f["activation"], f["rewritable"]) for f in report["ffns"]] == [("relu", True)] * 2
+    assert all(f["stats"]["prefill"]["rows"] == 4 * 32 for f in report["ffns"])
+    model = load_model(str(sparselm)).model
+    weights = load_file(sparselm / "model.safetensors")
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in weights.items() if "tracker" not in k)
+
+
+def test_non_relu_model_is_reported_not_rewritable(tmp_path, capsys):
+    path = save_tiny(tmp_path / "silu", hidden_act="silu")
+    rc, out, err = run(["report", path, *QUICK, "--json", tmp_path / "r.json"], capsys)
+    assert rc == 0, err
+    assert "not rewritable" in out
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["summary"]["rewritten"] == 0 and not any(f["rewritable"] for f in report["ffns"])
+    assert all(f["reason"] for f in report["ffns"])
+
+
+def test_pytorch_bin_checkpoint(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(tiny_config())
+    model.config.save_pretrained(tmp_path)
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    rc, out, err = run(["report", tmp_path, *QUICK], capsys)
+    assert rc == 0, err
+    assert "model.layers.1.mlp" in out
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
+def test_data_files_byte_level(relu_llama, tmp_path, capsys, suffix):
+    text = "The quick brown fox jumps over the lazy dog. " * 20
+    data = tmp_path / f"data{suffix}"
+    if suffix == ".jsonl":
+        data.write_text(json.dumps({"text": text}) + "\n\n" + json.dumps(text) + "\n")
+    else:
+        data.write_text(text + "\n\n" + text)
+    out_json = tmp_path / "r.json"
+    rc, _, err = run(
+        ["report", relu_llama, "--data", data, "--samples", "3", "--seq-len", "40", "--json", out_json], capsys
+    )
+    assert rc == 0, err
+    report = json.loads(out_json.read_text())
+    assert report["data"] == f"{data}: 3 sequences of 40 tokens (byte-level)"
+    assert report["ffns"][0]["stats"]["prefill"]["rows"] == 120
+
+
+def test_data_with_the_checkpoint_tokenizer(relu_llama, tmp_path, capsys):
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path = tmp_path / "with_tokenizer"
+    shutil.copytree(relu_llama, path)
+    words = "the quick brown fox jumps over lazy dog".split()
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]", *words])}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(path)
+    data = tmp_path / "data.txt"
+    data.write_text("the quick brown fox jumps over the lazy dog " * 5)  # 45 words: 45 tokens
+    out_json = tmp_path / "r.json"
+    rc, _, err = run(["report", path, "--data", data, "--samples", "8", "--seq-len", "20", "--json", out_json], capsys)
+    assert rc == 0, err
+    assert json.loads(out_json.read_text())["data"] == f"{data}: 2 sequences of 20 tokens (its tokenizer)"
+
+
+# --- bad input: one line on stderr, non-zero exit, never a traceback -------------------------------
+
+
+def _checkpoint_problem(tmp_path, relu_llama, problem):
+    """A directory (or path) with one thing wrong, and the message expected for it."""
+    import shutil
+
+    path = tmp_path / "model"
+    if problem == "missing path":
+        return tmp_path / "nowhere", "no such directory"
+    if problem == "a file":
+        return relu_llama / "config.json", "is a file, not a checkpoint directory"
+    if problem == "hub id not cached":
+        return "twell-tests/not-a-cached-model", "twell downloads nothing"
+    path.mkdir()
+    if problem == "no config":
+        return path, "no config.json"
+    if problem == "config not json":
+        (path / "config.json").write_text("{oops")
+        return path, "not a readable JSON config"
+    if problem == "no model_type":
+        (path / "config.json").write_text("{}")
+        return path, "has no model_type"
+    if problem == "unknown model type":
+        (path / "config.json").write_text(json.dumps({"model_type": "frobnicator", "auto_map": {}}))
+        (path / "model.safetensors").write_bytes(b"")
+        return path, "unsupported model type 'frobnicator'"
+    shutil.copytree(relu_llama, path, dirs_exist_ok=True)
+    if problem == "no weights":
+        (path / "model.safetensors").rename(path / "model.gguf")
+        return path, "unsupported checkpoint format: no *.safetensors or *.bin weights (found .gguf)"
+    if problem == "corrupt weights":
+        (path / "model.safetensors").write_bytes(b"not safetensors at all")
+        return path, "cannot load the checkpoint"
+    if problem == "weights do not fit":
+        config = json.loads((path / "config.json").read_text())
+        config["num_hidden_layers"] = 3
+        (path / "config.json").write_text(json.dumps(config))
+        return path, "the weights do not fit the config"
+    raise AssertionError(problem)
+
+
+CHECKPOINT_PROBLEMS = [
+    "missing path",
+    "a file",
+    "hub id not cached",
+    "no config",
+    "config not json",
+    "no model_type",
+    "unknown model type",
+    "no weights",
+    "corrupt weights",
+    "weights do not fit",
+]
+
+
+def assert_one_line_error(rc, err, expected, status=1):
+    assert rc == status
+    assert err.count("\n") == 1 and err.startswith("twell: error: "), err
+    assert "Traceback" not in err
+    assert expected in err, err
+
+
+@pytest.mark.parametrize("problem", CHECKPOINT_PROBLEMS)
+def test_bad_checkpoints(tmp_path, relu_llama, capsys, problem):
+    model, expected = _checkpoint_problem(tmp_path, relu_llama, problem)
+    rc, out, err = run(["report", model, *QUICK], capsys)
+    assert_one_line_error(rc, err, expected)
+    assert out == ""
+
+
+@pytest.mark.parametrize(
+    ("content", "suffix", "expected"),
+    [
+        (None, ".txt", "no such file"),
+        ("", ".txt", "holds no text"),
+        ("  \n\n ", ".txt", "holds no text"),
+        ('{"text": "fine"}\n{oops\n', ".jsonl", "line 2: not valid JSON"),
+        ('{"content": "no text field"}\n', ".jsonl", 'line 1: expected a string or an object with a "text" string'),
+        ("\n\n", ".jsonl", "holds no text"),
+        (b"\xff\xfe\x00bad", ".txt", "is not UTF-8 text"),
+        ("x", ".txt", "gives fewer than 2 tokens"),
+    ],
+    ids=["missing", "empty", "blank", "bad-json-line", "no-text-field", "empty-jsonl", "not-utf8", "one-token"],
+)
+def test_bad_data_files(tmp_path, capsys, content, suffix, expected):
+    data = tmp_path / f"data{suffix}"
+    if isinstance(content, bytes):
+        data.write_bytes(content)
+    elif content is not None:
+        data.write_text(content)
+    rc, _, err = run(["report", "--data", data, *QUICK], capsys)
+    assert_one_line_error(rc, err, expected)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected", "status"),
+    [
+        (["report", "--bogus"], "unrecognized arguments: --bogus", 2),
+        (["frobnicate"], "invalid choice: 'frobnicate'", 2),
+        (["convert", DEMO_MODEL], "the following arguments are required: --out", 2),
+        (["convert", "--out", "plan.json"], "the following arguments are required: MODEL", 2),
+        (["report", "--samples", "0"], "expected a positive integer, got 0", 2),
+        (["report", "--seq-len", "many"], "expected a positive integer, got 'many'", 2),
+        (["report", "--seq-len", "5000"], "seq_len 5000 exceeds the model's 1024 positions", 1),
+        (["convert", DEMO_MODEL, *QUICK, "--out", "/nonexistent-dir/plan.json"], "No such file or directory", 1),
+    ],
+    ids=["unknown-option", "unknown-command", "no-out", "no-model", "zero-samples", "bad-int", "too-long", "bad-out"],
+)
+def test_bad_arguments(capsys, argv, expected, status):
+    rc, _, err = run(argv, capsys)
+    assert_one_line_error(rc, err, expected, status)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")
+def test_cuda_without_a_gpu(capsys):
+    rc, _, err = run(["report", "--device", "cuda"], capsys)
+    assert_one_line_error(rc, err, "no CUDA GPU is available")
+
+
+def test_the_installed_command_end_to_end(tmp_path):
+    """A real process: clean stdout/stderr on success, one line on failure."""
+    command = [sys.executable, "-m", "twell.cli"]
+    ok = subprocess.run([*command, "report", "--samples", "2", "--seq-len", "16"], capture_output=True, text=True)
+    assert ok.returncode == 0 and ok.stderr == "", ok.stderr
+    assert "predicted model speedup" in ok.stdout
+    bad = subprocess.run([*command, "report", str(tmp_path / "missing")], capture_output=True, text=True)
+    assert bad.returncode == 1 and bad.stdout == ""
+    assert bad.stderr.startswith("twell: error:") and bad.stderr.count("\n") == 1, bad.stderr
+    usage = subprocess.run([*command], capture_output=True, text=True)
+    assert usage.returncode == 0 and "report" in usage.stdout and "convert" in usage.stdout
