@@ -337,6 +337,43 @@ def test_benchmark_inputs_have_the_requested_density(tmp_path):
     assert cost.tokens_bucket(1) == 1 and cost.tokens_bucket(257) == 512
 
 
+def test_benchmark_tokens_sets_the_prefill_shape():
+    seen = []
+
+    class Recording(FixedCost):
+        def time_ratio(self, **shape) -> float:
+            seen.append((shape["m"], shape["k"], shape["n"], shape["kind"]))
+            return self.ratio
+
+    model = Stack(GatedFFN(32, 64, identity_gate=True))
+    batches = [{"x": sparse_input(3 * 7, 32, 0.02).view(3, 7, 32)}, {"x": torch.ones(5, 1, 32)}]
+    calibrate(model, [candidate_of(model, 0)], batches, config={**FAST, "cost_model": Recording(0.5)})
+    assert seen == [(21, 32, 64, "gated"), (5, 32, 64, "gated")]
+    seen.clear()
+    config = {**FAST, "cost_model": Recording(0.5), "benchmark_tokens": 8192}
+    calibrate(model, [candidate_of(model, 0)], batches, config=config)
+    assert seen == [(8192, 32, 64, "gated"), (5, 32, 64, "gated")]
+
+
+@pytest.mark.gpu
+def test_benchmark_cost_model_on_the_gpu(tmp_path):
+    """Real timings on the GPU: cached, and twell's advantage shrinks as the density grows."""
+    cost = BenchmarkCostModel(cache_dir=tmp_path)
+    shape = {"kind": "gated", "m": 8192, "k": 2048, "n": 5632, "dtype": torch.bfloat16}
+    sparse, denser = cost.time_ratio(density=0.005, **shape), cost.time_ratio(density=0.1, **shape)
+    assert 0 < sparse < denser
+    assert len(json.loads((tmp_path / "costs.json").read_text())) == 2
+    plain = cost.time_ratio(density=0.005, **{**shape, "kind": "plain"})
+    assert plain > 0
+
+    model = Stack(GatedFFN(256, 1024, identity_gate=True)).cuda().to(torch.bfloat16)
+    batch = {"x": sparse_input(2048, 256, 0.01).view(4, 512, 256).cuda().to(torch.bfloat16)}
+    config = {"progress": False, "cache_dir": tmp_path}
+    decision = calibrate(model, [candidate_of(model, 0)], [batch], config=config)["blocks.0"]
+    assert decision.cost_model.startswith("benchmark on ") and decision.predicted_speedup["prefill"] > 0
+    assert 0 < decision.time_share["prefill"] < 1
+
+
 def test_benchmark_cost_model_needs_a_gpu_or_a_name():
     with pytest.raises(ValueError, match="CUDA"):
         BenchmarkCostModel(device="cpu")

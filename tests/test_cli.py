@@ -346,3 +346,20 @@ def test_the_installed_command_end_to_end(tmp_path):
     assert bad.stderr.startswith("twell: error:") and bad.stderr.count("\n") == 1, bad.stderr
     usage = subprocess.run([*command], capture_output=True, text=True)
     assert usage.returncode == 0 and "report" in usage.stdout and "convert" in usage.stdout
+
+
+def test_demo_model_regenerates_from_its_script():
+    """twell/demo is what examples/make_demo_model.py builds (fp16 tolerance: BLAS may differ by machine)."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "examples" / "make_demo_model.py"
+    spec = importlib.util.spec_from_file_location("make_demo_model", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rebuilt = module.build_demo_model().half().state_dict()
+    shipped = load_file(demo_model_dir() / "model.safetensors")
+    assert set(shipped) <= set(rebuilt) and len(shipped) >= len(rebuilt) - 1  # lm_head is tied, not stored
+    for name, tensor in shipped.items():
+        torch.testing.assert_close(rebuilt[name], tensor, rtol=1e-3, atol=1e-3, msg=lambda m, name=name: f"{name}: {m}")
+    assert sum(f.stat().st_size for f in demo_model_dir().iterdir()) < 2 * 1024 * 1024

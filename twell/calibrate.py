@@ -64,6 +64,8 @@ class CalibrationConfig:
         decode-shaped (one token) calls are measured too; 0 disables.
     timing_repeats: repetitions (best of) when timing the model and each FFN on the first batch, for the
         FFN share of model time; 0 disables.
+    benchmark_tokens: tokens per call (M) at which the cost model predicts prefill calls; None: the
+        median of the calibration's own calls (serving batches are often larger than calibration's).
     cost_model: "auto" (benchmark on CUDA, analytic elsewhere), "analytic", "benchmark", or an object
         with ``name`` and ``time_ratio(...)`` (see CostModel).
     cache_dir: where the benchmark cost model keeps its timings (default: $TWELL_CACHE_DIR, else
@@ -76,7 +78,8 @@ class CalibrationConfig:
     max_overflow: float = 0.01
     min_speedup: float = 1.05
     decode_steps: int = 4
-    timing_repeats: int = 5
+    timing_repeats: int = 3
+    benchmark_tokens: int | None = None
     cost_model: Any = "auto"
     cache_dir: str | os.PathLike | None = None
     progress: bool = True
@@ -101,6 +104,8 @@ class CalibrationConfig:
         for name in ("decode_steps", "timing_repeats"):
             if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {getattr(cfg, name)!r}")
+        if cfg.benchmark_tokens is not None and (not isinstance(cfg.benchmark_tokens, int) or cfg.benchmark_tokens < 1):
+            raise ValueError(f"benchmark_tokens must be a positive int or None, got {cfg.benchmark_tokens!r}")
         return cfg
 
     def layouts(self) -> list[tuple[int, int]]:
@@ -462,7 +467,7 @@ def _decide(candidate, recorder: _LayerRecorder, cfg: CalibrationConfig, cost: C
 
     fitting = [(t, c) for t, c in layouts if recorder.overflow_fraction(t, c) <= cfg.max_overflow]
     if not fitting:
-        t, c = max(layouts, key=lambda p: p[0] // p[1])
+        t, c = min(layouts, key=lambda p: recorder.overflow_fraction(*p))
         decision.overflow_rows = recorder.overflow_fraction(t, c)
         decision.reason = (
             f"too dense for TwELL: {decision.overflow_rows:.1%} of rows overflow even at tile {t} / compression "
@@ -475,7 +480,7 @@ def _decide(candidate, recorder: _LayerRecorder, cfg: CalibrationConfig, cost: C
         stats = decision.stats[phase]
         ratio = cost.time_ratio(
             kind=candidate.kind,
-            m=stats["rows_per_call_median"],
+            m=cfg.benchmark_tokens if phase == "prefill" and cfg.benchmark_tokens else stats["rows_per_call_median"],
             k=decision.model_size,
             n=decision.hidden_size,
             density=stats["density"],
@@ -579,10 +584,12 @@ def _run_batch(model, kwargs: dict, decode_steps: int, on_phase: Callable[[str],
 
 
 def _progress(items: list, enabled: bool, description: str):
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, transient=True, disable=not enabled) as progress:
+    # On stderr: stdout stays clean for reports and JSON.
+    with Progress(*columns, console=Console(stderr=True), transient=True, disable=not enabled) as progress:
         yield from progress.track(items, description=description)
 
 
