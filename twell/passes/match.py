@@ -31,12 +31,11 @@ _RELU = {"relu", "relu_"}
 _MUL = {"mul", "mul_", "imul"}
 _SQUARE = {"square", "square_"}
 _POW = {"pow", "pow_", "ipow"}
-_GT = {"gt", "lt"}  # lt with swapped operands: t < v
 _WHERE = {"where"}
 _CONVERT = {"to", "type_as", "float", "half", "bfloat16", "_to_copy", "convert_element_type", "_convert_element_type"}
 _VIEW = {"view", "_unsafe_view", "reshape"}
 _DROPOUT = {"dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d"}
-_IDENTITY = {"identity", "alias"}
+_IDENTITY = {"alias"}
 # Upper bound on the nodes of one unrecognised activation (e.g. gelu_new is ~8 nodes): keeps the
 # backwards search local when the projection is far away or absent.
 _MAX_ACTIVATION_NODES = 32
@@ -54,10 +53,9 @@ def op_name(node: fx.Node) -> str | None:
     if isinstance(target, torch._ops.OpOverloadPacket):
         return target.__name__
     module = getattr(target, "__module__", None) or ""
-    if module in ("_operator", "operator") or module.startswith("torch") or module == "":
-        name = getattr(target, "__name__", None)
-        # F.threshold is spelled _threshold; torch.relu's __module__ is None on some builds (hence "").
-        return name.lstrip("_") if name and (module or name in ("relu", "threshold")) else None
+    name = getattr(target, "__name__", None)
+    if name and (module in ("_operator", "operator") or module.startswith("torch")):
+        return name.lstrip("_")  # F.threshold is spelled _threshold
     return None
 
 
@@ -229,9 +227,10 @@ class Dialect:
         if w is None or w.dim() != 2 or weight.op not in ("placeholder", "get_attr"):
             return None
         x, nodes = a, [inner]
-        if op_name(a) in _VIEW and len(a.users) == 1:
+        if op_name(a) in _VIEW:
             x = a.args[0]
-            nodes.append(a)
+            if len(a.users) == 1:  # a view shared by gate and up is x's, not this linear's
+                nodes.append(a)
         if outer is not inner:
             nodes.append(outer)
         return Linear(outer, x, w.shape[0], w.shape[1], weight=weight, bias=bias, nodes=tuple(nodes))
@@ -242,6 +241,9 @@ class Dialect:
             module = linear.module
             if type(module).forward is not nn.Linear.forward:
                 return [f"{role} linear is a {type(module).__name__} with its own forward, not a plain nn.Linear"]
+            for kind in ("weight", "bias"):
+                if kind in module.__dict__ or not isinstance(getattr(module, kind), (nn.Parameter, type(None))):
+                    return [f"{role} {kind} is a plain tensor attribute, not a parameter"]
             tensors = [("weight", module.weight), ("bias", module.bias)]
         else:
             tensors = [("weight", linear.weight), ("bias", linear.bias)]
@@ -609,9 +611,13 @@ def check(matches: list[FFNMatch], graph: fx.Graph, dialect: Dialect) -> list[FF
             roles.insert(1, ("up", match.up.linear))
         for role, linear in roles:
             match.problems.extend(dialect.weight_problems(linear, role))
-        dtypes = {_dtype(linear, dialect) for _, linear in roles} - {None}
+        weights = [_weight(linear, dialect) for _, linear in roles]
+        dtypes = {w.dtype for w in weights if w is not None}
+        devices = {w.device for w in weights if w is not None}
         if len(dtypes) > 1:
             match.problems.append(f"projections have different dtypes {sorted(map(str, dtypes))}")
+        if len(devices) > 1:
+            match.problems.append(f"projections are on different devices {sorted(map(str, devices))}")
         escaping = nx.node_boundary(uses, match.nodes) - {match.down.node}
         if escaping:
             names = ", ".join(sorted(n.name for n in escaping))
@@ -624,11 +630,10 @@ def check(matches: list[FFNMatch], graph: fx.Graph, dialect: Dialect) -> list[FF
     return matches
 
 
-def _dtype(linear: Linear, dialect: Dialect):
+def _weight(linear: Linear, dialect: Dialect) -> torch.Tensor | None:
     if linear.module is not None:
-        return linear.module.weight.dtype
-    tensor = dialect.tensor(linear.weight)
-    return tensor.dtype if tensor is not None else None
+        return linear.module.weight
+    return dialect.tensor(linear.weight)
 
 
 def find_matches(graph: fx.Graph, dialect: Dialect) -> list[FFNMatch]:
