@@ -96,20 +96,19 @@ def trace_module(module: nn.Module) -> fx.Graph:
     the undecorated forward with x alone: transformers wraps layer forwards in (*args, **kwargs)
     decorators that FX cannot trace. Neither the module nor its class is modified.
     """
-    _input_name(module)
     forward = inspect.unwrap(type(module).forward)
 
     def _twell_traced(self, x):
         return forward(self, x)
 
-    cls = type(type(module).__name__, (type(module),), {"_twell_traced": _twell_traced})
-    shim = object.__new__(cls)
-    shim.__dict__.update(module.__dict__)
-    for key in ("_modules", "_parameters", "_buffers"):
-        shim.__dict__[key] = dict(module.__dict__[key])
     tracer = _Tracer()
     tracer.traced_func_name = "_twell_traced"
     try:
+        cls = type(type(module).__name__, (type(module),), {"_twell_traced": _twell_traced})
+        shim = object.__new__(cls)
+        shim.__dict__.update(module.__dict__)
+        for key in ("_modules", "_parameters", "_buffers"):
+            shim.__dict__[key] = dict(module.__dict__[key])
         return tracer.trace(shim)
     except Exception as error:  # any failure of user code under tracing means: cannot analyse
         first_line = (str(error).strip().splitlines() or [""])[0][:200]
@@ -126,10 +125,6 @@ def _ffn_shaped(module: nn.Module) -> tuple[bool, bool]:
             pair = True
             expanding = expanding or n > up.in_features
     return pair, expanding
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 def _child_name(node: fx.Node) -> str | None:

@@ -34,6 +34,8 @@ _POW = {"pow", "pow_", "ipow"}
 _WHERE = {"where"}
 _CONVERT = {"to", "type_as", "float", "half", "bfloat16", "_to_copy", "convert_element_type", "_convert_element_type"}
 _VIEW = {"view", "_unsafe_view", "reshape"}
+# The size argument of chunk, torch.split, Tensor.split, aten split / split_with_sizes.
+_SPLIT_KEYS = ("chunks", "split_size_or_sections", "split_size", "split_sizes")
 _DROPOUT = {"dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d"}
 _IDENTITY = {"alias"}
 # Upper bound on the nodes of one unrecognised activation (e.g. gelu_new is ~8 nodes): keeps the
@@ -337,8 +339,8 @@ def projection(node, dialect: Dialect) -> Projection | None:
         split_name = op_name(source)
         if split_name in ("chunk", "split", "split_with_sizes") and isinstance(index, int):
             linear = dialect.linear(source.args[0]) if isinstance(source.args[0], fx.Node) else None
-            key = "chunks" if split_name == "chunk" else "split_size_or_sections"
-            spec = arg(source, 1, key, arg(source, 1, "split_size", arg(source, 1, "split_sizes")))
+            spec = source.args[1] if len(source.args) > 1 else None
+            spec = next((source.kwargs[k] for k in _SPLIT_KEYS if k in source.kwargs), spec)
             if linear is None or not _last_dim(source.args[0], arg(source, 2, "dim", 0), dialect):
                 return None
             rows = _split_rows(linear.out_features, "chunk" if split_name == "chunk" else "split", spec)
@@ -471,6 +473,8 @@ def activation(node, dialect: Dialect) -> Activation | None:
 
 def _other_function(node: fx.Node, dialect: Dialect) -> Activation | None:
     """Any unary function of one projection (silu, gelu, a multi-node gelu_new, ...), named for the report."""
+    if projection(node, dialect) is not None:
+        return None  # a bare projection (or a slice of one) has no activation
     found: Projection | None = None
     seen, stack = set(), [node]
     while stack:
@@ -506,9 +510,10 @@ def _function_name(node: fx.Node, nodes: set[fx.Node], dialect: Dialect) -> str:
         return name
     # Several nodes: the activation module they were traced from (e.g. NewGELUActivation), if recorded.
     stack = node.meta.get("nn_module_stack") or {}
-    if stack:
-        return list(stack.values())[-1][1].__name__ if isinstance(list(stack.values())[-1][1], type) else "custom"
-    return "custom"
+    if not stack:
+        return "custom"
+    owner = list(stack.values())[-1][1]  # (path, class) or, in some torch versions, (path, "module.Class")
+    return owner.__name__ if isinstance(owner, type) else str(owner).rsplit(".", 1)[-1]
 
 
 def _is_mul(node) -> bool:
