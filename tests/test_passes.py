@@ -407,3 +407,20 @@ def test_keyword_input_and_extra_arguments_fall_back():
     assert isinstance(model.layers[0], SparseFFN)
     for g, e in zip(got, expected, strict=True):
         assert torch.allclose(g, e, atol=1e-6)
+
+
+def test_module_hooks_keep_running_and_linear_hooks_block_the_rewrite(x):
+    model = Net(Gated(nn.ReLU()), Gated(nn.ReLU()))
+    seen = []
+    model.layers[0].register_forward_hook(lambda module, args, output: seen.append(output))
+    model.layers[1].gate_proj.register_forward_hook(lambda module, args, output: None)
+    first, second = find_ffns(model)
+    assert first.rewritable
+    assert not second.rewritable and "gate linear has forward hooks" in second.reason
+    with torch.no_grad():
+        expected = model(x)
+        twell.sparsify(model)
+        got = model(x)
+    assert isinstance(model.layers[0], SparseFFN) and isinstance(model.layers[1], Gated)
+    assert len(seen) == 2 and torch.allclose(seen[1], seen[0], atol=1e-6)
+    assert torch.allclose(got, expected, atol=1e-6)

@@ -196,6 +196,8 @@ def _candidate(path: str, module: nn.Module, graph: fx.Graph, match: FFNMatch, i
     activation_children: tuple[str, ...] = ()
     if whole and not path:
         problems.append("the model itself is the FFN; sparsify a module that contains it")
+    if whole and "forward" in module.__dict__:
+        problems.append("forward is replaced on the instance (e.g. by offloading hooks)")
     if not whole and not problems:
         activation_children, reason = _inline_children(graph, match)
         if reason:

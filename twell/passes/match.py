@@ -243,6 +243,10 @@ class Dialect:
             module = linear.module
             if type(module).forward is not nn.Linear.forward:
                 return [f"{role} linear is a {type(module).__name__} with its own forward, not a plain nn.Linear"]
+            if "forward" in module.__dict__:
+                return [f"{role} linear's forward is replaced on the instance (e.g. by offloading hooks)"]
+            if module._forward_hooks or module._forward_pre_hooks:
+                return [f"{role} linear has forward hooks, which the rewritten FFN would not run"]
             for kind in ("weight", "bias"):
                 if kind in module.__dict__ or not isinstance(getattr(module, kind), (nn.Parameter, type(None))):
                     return [f"{role} {kind} is a plain tensor attribute, not a parameter"]

@@ -79,6 +79,15 @@ def run_ffn(spec: FFNSpec, gate: nn.Module, up: nn.Module | None, down: nn.Modul
     )
 
 
+_FORWARD_HOOKS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+)
+
+
 class _StandIn(nn.Module):
     """Holds the original's parameters, buffers and children (same objects, same names)."""
 
@@ -105,11 +114,17 @@ class _StandIn(nn.Module):
 
 
 class SparseFFN(_StandIn):
-    """Replaces a module whose forward is exactly an FFN; y = twell.ops.(gated_)ffn(x), x [..., K]."""
+    """Replaces a module whose forward is exactly an FFN; y = twell.ops.(gated_)ffn(x), x [..., K].
+
+    The original's forward hooks stay attached (the hook dicts are shared): they see the same inputs
+    and outputs as before.
+    """
 
     def __init__(self, original: nn.Module, spec: FFNSpec):
         super().__init__(original, children=True)
         self.spec = spec
+        for hooks in _FORWARD_HOOKS:
+            setattr(self, hooks, getattr(original, hooks))
 
     def forward(self, *args, **kwargs):
         spec = self.spec
