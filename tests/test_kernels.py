@@ -7,7 +7,7 @@ from ffn_cases import TOL, gated_ref, make_ffn, plain_ref
 
 import twell
 from twell.format import TwELL
-from twell.kernels import dispatch
+from twell.kernels import dispatch, reference
 from twell.kernels.decode import decode_up_down
 from twell.kernels.gate import gate_twell, pack_dense
 from twell.kernels.updown import twell_up_down
@@ -117,10 +117,18 @@ def test_decode_matches_reference(m, k, n, dtype, variant):
     assert rel_err(y, ref) <= TOL[dtype]
 
 
+@pytest.fixture
+def sparse_paths(monkeypatch):
+    """Route calls to the kernels whatever the measured defaults: decode up to 256 tokens, prefill above."""
+    monkeypatch.setattr(dispatch, "DECODE_MAX_M", 256)
+    monkeypatch.setattr(dispatch, "PREFILL_MIN_M", 257)
+    dispatch._dense_calls_left.clear()
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m", [1, 16, 257, 300], ids=lambda m: f"m{m}")
 @pytest.mark.parametrize("variant", ["gated", "fatrelu-bias", "drelu", "plain", "relu2"])
-def test_dispatch_is_exact_on_every_path(m, dtype, variant):
+def test_dispatch_is_exact_on_every_path(m, dtype, variant, sparse_paths):
     """Decode (M <= 256) and prefill paths, with empty, dense (overflowing) and sparse rows."""
     k, n = 40, 300
     gated = variant in ("gated", "fatrelu-bias", "drelu")
@@ -150,10 +158,9 @@ def test_dispatch_is_exact_on_every_path(m, dtype, variant):
     assert rel_err(y.reshape(m, k), ref) <= TOL[dtype] * (4 if variant == "relu2" else 1)
 
 
-def test_dense_layers_fall_back_to_dense():
+def test_dense_layers_fall_back_to_dense(sparse_paths):
     """After a prefill call denser than DENSE_ABOVE, the layer runs dense (still exact) for a while."""
     case = make_ffn(300, 24, 64, [0.5], torch.float32, DEVICE, seed=3)
-    dispatch._dense_calls_left.clear()
     args = (case["gate_weight"], case["up_weight"], case["down_weight"], None, None, None, 0.0, False)
     first = dispatch.gated_ffn(case["x"], *args)
     assert list(dispatch._dense_calls_left.values()) == [dispatch.DENSE_RETRY]
@@ -161,3 +168,12 @@ def test_dense_layers_fall_back_to_dense():
     assert list(dispatch._dense_calls_left.values()) == [dispatch.DENSE_RETRY - 1]
     ref = gated_ref(case)
     assert rel_err(first, ref) <= 1e-5 and rel_err(second, ref) <= 1e-5
+
+
+def test_default_dispatch_runs_dense_where_kernels_lose():
+    """Today's measured thresholds send every call to the dense path (exact, never slower)."""
+    dispatch._dense_calls_left.clear()
+    for m in (1, 300):
+        case = make_ffn(m, 24, 64, [0.05], torch.float32, DEVICE, seed=m)
+        args = (case["gate_weight"], case["up_weight"], case["down_weight"], None, None, None, 0.0, False)
+        assert torch.equal(dispatch.gated_ffn(case["x"], *args), reference.gated_ffn(case["x"], *args))

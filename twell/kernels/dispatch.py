@@ -5,7 +5,7 @@
 - M >= PREFILL_MIN_M: gate packed to TwELL (GATE_ROUTE: cuBLAS GEMM + pack kernel, or the Triton GEMM
   with the packing epilogue), then the fused up+down kernel. Rows that overflow a tile's slots or hold
   more than ENTRIES_MAX entries are recomputed densely (the hybrid safety valve): exact at any sparsity.
-- In between, and for tiny problems, dense.
+- Otherwise dense; with today's thresholds (below) that is every call.
 - A layer whose last prefill call was denser than DENSE_ABOVE runs dense for the next DENSE_RETRY
   calls, then probes again: a rewrite must not make a dense layer slower.
 """
@@ -23,8 +23,12 @@ from twell.kernels.updown import twell_up_down
 
 TILE_N = 256
 SLOTS = 32  # compression 8, as the reference code
-DECODE_MAX_M = 256
-PREFILL_MIN_M = 257
+# Path thresholds, from benchmarks/results/ffn-20261129-072958.json (H200, K=2048, N=5632, bf16): neither
+# sparse path beats dense yet (decode at M=1: 40.9 us vs 38.4 us; prefill at M=131072, 0.5%: 36.8 ms vs
+# 13.7 ms), so by default every call runs dense. Set DECODE_MAX_M / PREFILL_MIN_M to route calls to the
+# kernels (tests and benchmarks do); None disables the prefill path.
+DECODE_MAX_M = 0
+PREFILL_MIN_M: int | None = None
 # A dense row costs ~6KN FLOPs on tensor cores, a sparse one ~8 KB of L2 traffic per entry (K = 2048):
 # past ~128 entries the row is cheaper in the dense batch (benchmarks/NOTES.md).
 ENTRIES_MAX = 128
@@ -55,7 +59,8 @@ def _run(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, 
     dense_now = _dense_calls_left.get(key, 0) > 0
     if dense_now:
         _dense_calls_left[key] -= 1
-    if m == 0 or dense_now or DECODE_MAX_M < m < PREFILL_MIN_M:
+    prefill = PREFILL_MIN_M is not None and m >= PREFILL_MIN_M
+    if m == 0 or dense_now or (m > DECODE_MAX_M and not prefill):
         return dense_fn(x2).reshape(shape)
     wd_t = _down_rows(down_weight)
 

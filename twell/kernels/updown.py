@@ -136,7 +136,8 @@ def _twell_up_down_kernel(
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
-        y = tl.zeros([BLOCK_K], dtype=tl.float32)
+        # one cross-thread reduction per K block, not per chunk (measured 1.2 TB/s with per-chunk sums)
+        acc = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)
         for c0 in range(0, total, CHUNK):
             e = c0 + tl.arange(0, CHUNK)
             valid = e < total
@@ -147,7 +148,8 @@ def _twell_up_down_kernel(
                 mask=valid[:, None] & k_ok[None, :],
                 other=0.0,
             ).to(tl.float32)
-            y += tl.sum(w * h[:, None], axis=0)
+            acc += w * h[:, None]
+        y = tl.sum(acc, axis=0)
         if HAS_DOWN_BIAS:
             y += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + m * stride_ym + offs_k * stride_yk, y.to(y_ptr.dtype.element_ty), mask=k_ok)
