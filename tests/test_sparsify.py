@@ -143,6 +143,32 @@ def test_default_activation_left_untouched(family):
         assert f"activation {name} is not sparse" in r.reason and "ReLU + L1" in r.reason
 
 
+def test_t5_relu_ffn_with_dropout_inside():
+    """T5's DenseReluDense is wo(dropout(relu(wi(x)))): rewritten for eval; in training the replacement
+    runs the original forward, so dropout still acts."""
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_ff=64, d_kv=8, num_layers=1, num_heads=4, feed_forward_proj="relu"
+    )
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    ids = token_ids()
+    inputs = {"input_ids": ids, "decoder_input_ids": ids}
+    with torch.no_grad():
+        expected = model(**inputs).logits
+        twell.sparsify(model)
+        torch.testing.assert_close(model(**inputs).logits, expected, atol=1e-5, rtol=1e-5)
+    assert [r.path for r in twell.report(model) if r.rewritten] == [
+        "encoder.block.0.layer.1.DenseReluDense",
+        "decoder.block.0.layer.2.DenseReluDense",
+    ]
+    model.train()
+    torch.manual_seed(3)
+    sparse_train = model(**inputs).logits
+    twell.restore(model)
+    torch.manual_seed(3)
+    assert torch.equal(sparse_train, model(**inputs).logits)
+
+
 def test_mixtral_experts_are_not_per_expert_mlps():
     """transformers v5 stores Mixtral's experts as 3-D parameters (no per-expert nn.Linear): nothing to
     match, and sparsify leaves the model as it is."""
@@ -201,10 +227,12 @@ QUICK_CALIBRATION = {"decode_steps": 0, "timing_repeats": 0, "progress": False}
 
 def test_calibration_decisions_and_plan(tmp_path):
     pytest.importorskip("twell.calibrate")
-    model = build("llama")
+    model = build("llama-bias")
+    for layer in model.model.layers:  # a negative gate bias: a few percent of neurons fire, as in a sparse model
+        layer.mlp.gate_proj.bias.data.fill_(-0.2)
     ids = token_ids()
     expected = logits(model, ids)
-    # min_speedup 0: every measured layer is rewritten, whatever the CPU cost model predicts.
+    # min_speedup 0: every layer with a TwELL layout is rewritten, whatever the CPU cost model predicts.
     twell.sparsify(model, [ids], config={**QUICK_CALIBRATION, "min_speedup": 0.0})
     report = twell.report(model)
     assert all(r.decision is not None and "density" in r.decision for r in report)
@@ -214,7 +242,7 @@ def test_calibration_decisions_and_plan(tmp_path):
 
     plan = tmp_path / "plan.json"
     twell.save_plan(model, plan)
-    other = twell.sparsify(build("llama"), plan=plan)
+    other = twell.sparsify(build("llama-bias"), plan=plan)
     assert [(r.path, r.rewritten) for r in twell.report(other)] == [(r.path, r.rewritten) for r in report]
 
 

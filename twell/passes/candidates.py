@@ -109,10 +109,15 @@ def trace_module(module: nn.Module) -> fx.Graph:
         shim.__dict__.update(module.__dict__)
         for key in ("_modules", "_parameters", "_buffers"):
             shim.__dict__[key] = dict(module.__dict__[key])
-        return tracer.trace(shim)
+        graph = tracer.trace(shim)
     except Exception as error:  # any failure of user code under tracing means: cannot analyse
         first_line = (str(error).strip().splitlines() or [""])[0][:200]
         raise TraceFailure(f"{type(error).__name__}: {first_line}") from error
+    # A parameter read only for its dtype (T5's `self.wo.weight.dtype`) is not part of the computation.
+    for node in reversed(graph.nodes):
+        if node.op == "get_attr" and not node.users:
+            graph.erase_node(node)
+    return graph
 
 
 def _ffn_shaped(module: nn.Module) -> tuple[bool, bool]:
