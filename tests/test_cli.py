@@ -168,6 +168,32 @@ def test_non_relu_model_is_reported_not_rewritable(tmp_path, capsys):
     assert all(f["reason"] for f in report["ffns"])
 
 
+def test_inline_ffns_are_timed_and_see_decode_steps(tmp_path, capsys):
+    """OPT writes its FFN inline in the decoder layer and flattens tokens to [B*T, N]: the decode steps
+    are still recognised, and the FFN's time is that of its two linears."""
+    config = transformers.OPTConfig(
+        vocab_size=96,
+        hidden_size=32,
+        ffn_dim=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=64,
+        word_embed_proj_dim=32,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    transformers.OPTForCausalLM(config).save_pretrained(tmp_path / "opt")
+    rc, out, err = run(["report", tmp_path / "opt", *QUICK, "--json", tmp_path / "r.json"], capsys)
+    assert rc == 0, err
+    assert "model.decoder.layers.0[fc1,fc2]" in out  # brackets survive rich markup
+    ffns = json.loads((tmp_path / "r.json").read_text())["ffns"]
+    assert [f["path"] for f in ffns] == ["model.decoder.layers.0[fc1,fc2]", "model.decoder.layers.1[fc1,fc2]"]
+    for f in ffns:
+        assert f["kind"] == "plain" and f["stats"]["decode"]["rows"] == 4 * 4 and f["stats"]["prefill"]["rows"] == 128
+        assert set(f["time_share"]) <= {"prefill", "decode"} and f["time_share"]
+        assert f["tile_n"] is None or f["tile_n"] <= 128  # no tile wider than the layer
+
+
 def test_pytorch_bin_checkpoint(tmp_path, capsys):
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(tiny_config())

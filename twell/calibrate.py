@@ -33,6 +33,7 @@ import inspect
 import json
 import math
 import os
+import re
 import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -196,10 +197,11 @@ class _PhaseCounter:
 class _LayerRecorder:
     """Forward hook on a candidate's gate linear: slices the gate part, thresholds, counts per phase."""
 
-    def __init__(self, candidate, cfg: CalibrationConfig):
+    def __init__(self, candidate, cfg: CalibrationConfig, driver: dict):
         self.candidate = candidate
         self.n = int(candidate.hidden_size)
         self.tile_widths = cfg.tile_widths
+        self.driver = driver  # {"phase": ...} set by the loop that runs the model
         self.phases: dict[str, _PhaseCounter] = {}
 
     def __call__(self, module, args, output) -> None:
@@ -211,9 +213,10 @@ class _LayerRecorder:
                 f"{self.candidate.path}: the gate output has {h.shape[-1]} features, the candidate says "
                 f"hidden_size={self.n}"
             )
-        # A call is decode-shaped when each sequence contributes one token: [B, 1, N], or [1, N].
+        # Decode: the cached one-token steps calibrate drives, or any call where each sequence brings one
+        # token ([B, 1, N] or [1, N]; models that flatten tokens, like OPT, are only known by the driver).
         tokens_per_sequence = h.shape[-2] if h.dim() >= 3 else (h.shape[0] if h.dim() == 2 else 1)
-        phase = "decode" if tokens_per_sequence == 1 else "prefill"
+        phase = "decode" if self.driver["phase"] == "decode" or tokens_per_sequence == 1 else "prefill"
         counter = self.phases.get(phase)
         if counter is None:
             counter = self.phases[phase] = _PhaseCounter(self.n, self.tile_widths, h.device)
@@ -409,8 +412,8 @@ class Decision:
     rewrite / reason: the decision and why. tile_n / compression: the TwELL layout (None when not
     rewritten for lack of a layout). density: mean kept fraction over all calls. stats: per phase
     ("prefill", "decode") the counts of _PhaseCounter.summary. predicted_speedup: FFN time dense / twell,
-    per phase. time_share: fraction of model time spent in this FFN, per phase (dense; absent for FFNs
-    inlined in a bigger module, which have no module of their own to time).
+    per phase. time_share: fraction of model time spent in this FFN, per phase (dense; for an FFN
+    written inline in a bigger module, the time of its linears).
     """
 
     path: str
@@ -455,7 +458,10 @@ def _decide(candidate, recorder: _LayerRecorder, cfg: CalibrationConfig, cost: C
         time_share={p: s for p, s in shares.items() if s is not None},
         cost_model=cost.name,
     )
-    layouts = cfg.layouts()
+    # A tile wider than the layer only adds empty slots: keep tile widths up to N (the smallest if none).
+    all_layouts = cfg.layouts()
+    narrowest = min(t for t, _ in all_layouts)
+    layouts = [(t, c) for t, c in all_layouts if t <= max(decision.hidden_size, narrowest)]
     if not recorder.phases:
         decision.reason = "never called during calibration"
         return decision
@@ -501,21 +507,28 @@ def _decide(candidate, recorder: _LayerRecorder, cfg: CalibrationConfig, cost: C
 
 
 def predicted_model_speedup(decisions: Mapping[str, Decision], phase: str = "prefill") -> dict:
-    """Amdahl over the rewritten FFNs: {"ffn_time_share", "rewritten_time_share", "speedup"} for `phase`.
-
-    Uses each decision's measured time share; layers without one (not timed) count as no time.
+    """Amdahl over the rewritten FFNs, for `phase`: {"timed_ffns", "ffn_time_share",
+    "rewritten_time_share", "speedup"}. Uses each decision's measured time share; FFNs without one
+    (not timed) count as no time, so with timed_ffns == 0 the speedup is 1 for want of a measurement.
     """
     share = rewritten_share = 0.0
     saved = 0.0
+    timed = 0
     for d in decisions.values():
         s = d.time_share.get(phase)
         if s is None:
             continue
+        timed += 1
         share += s
         if d.rewrite and phase in d.predicted_speedup:
             rewritten_share += s
             saved += s * (1.0 - 1.0 / d.predicted_speedup[phase])
-    return {"ffn_time_share": share, "rewritten_time_share": rewritten_share, "speedup": 1.0 / (1.0 - saved)}
+    return {
+        "timed_ffns": timed,
+        "ffn_time_share": share,
+        "rewritten_time_share": rewritten_share,
+        "speedup": 1.0 / (1.0 - saved),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -593,13 +606,33 @@ def _progress(items: list, enabled: bool, description: str):
         yield from progress.track(items, description=description)
 
 
-def _time_shares(model, batch: dict, modules: Mapping[str, torch.nn.Module], repeats: int, decode_steps: int):
-    """Per path and phase: the fraction of the model's time spent in that FFN module (no statistics hooks).
+_INLINE_PATH = re.compile(r"^(?P<owner>.*)\[(?P<linears>[^\[\]]+)\]$")
 
-    One run of `batch` records every FFN call's inputs; then, `repeats` times, the model runs the batch
-    (timed per phase) and each FFN reruns its recorded inputs (timed), keeping the best times. Timing
-    FFN calls inside a model run would be noise-bound: one FFN call of a small model lasts about as
-    long as a scheduler hiccup on a busy machine.
+
+def _ffn_modules(model: torch.nn.Module, path: str) -> list[torch.nn.Module] | None:
+    """The modules whose time is the FFN's: its own module, or for an FFN written inline in a bigger
+    module ("owner[fc1,fc2]") its linears (the elementwise activation between them is left out)."""
+    try:
+        return [model.get_submodule(path)]
+    except AttributeError:
+        pass
+    inline = _INLINE_PATH.match(path)
+    if inline is None:
+        return None
+    try:
+        owner = model.get_submodule(inline["owner"])
+        return [owner.get_submodule(name.strip()) for name in inline["linears"].split(",")]
+    except AttributeError:
+        return None
+
+
+def _time_shares(model, batch: dict, ffns: Mapping[str, list[torch.nn.Module]], repeats: int, decode_steps: int):
+    """Per path and phase: the fraction of the model's time spent in that FFN (no statistics hooks).
+
+    One run of `batch` records the inputs of every call of the FFNs' modules; then, `repeats` times,
+    the model runs the batch (timed per phase) and each FFN's modules rerun their recorded inputs
+    (timed), keeping the best times. Timing FFN calls inside a model run would be noise-bound: one FFN
+    call of a small model lasts about as long as a scheduler hiccup on a busy machine.
     """
     cuda = _model_device(model).type == "cuda"
 
@@ -609,15 +642,16 @@ def _time_shares(model, batch: dict, modules: Mapping[str, torch.nn.Module], rep
         return time.perf_counter()
 
     phase = {"now": None}
-    calls = {path: {p: [] for p in PHASES} for path in modules}
+    modules = {id(m): m for ms in ffns.values() for m in ms}
+    calls = {key: {p: [] for p in PHASES} for key in modules}
 
-    def recorder(path):
+    def recorder(key):
         def hook(module, args, kwargs):
-            calls[path][phase["now"]].append((args, kwargs))
+            calls[key][phase["now"]].append((args, kwargs))
 
         return hook
 
-    handles = [m.register_forward_pre_hook(recorder(p), with_kwargs=True) for p, m in modules.items()]
+    handles = [m.register_forward_pre_hook(recorder(key), with_kwargs=True) for key, m in modules.items()]
     try:
         _run_batch(model, batch, decode_steps, lambda p: phase.update(now=p))  # also the warm-up
     finally:
@@ -626,7 +660,7 @@ def _time_shares(model, batch: dict, modules: Mapping[str, torch.nn.Module], rep
 
     # Interleaved repeats, best of each: noise on a shared machine only ever adds time.
     best_model = dict.fromkeys(PHASES, math.inf)
-    best_ffn = {path: dict.fromkeys(PHASES, math.inf) for path in modules}
+    best_module = {key: dict.fromkeys(PHASES, math.inf) for key in modules}
     for _ in range(repeats):
         run = {"phase": None, "since": 0.0, "times": dict.fromkeys(PHASES, 0.0)}
 
@@ -640,17 +674,25 @@ def _time_shares(model, batch: dict, modules: Mapping[str, torch.nn.Module], rep
         on_phase(None)
         for p in PHASES:
             best_model[p] = min(best_model[p], run["times"][p])
-        for path, module in modules.items():
+        for key, module in modules.items():
             for p in PHASES:
-                if calls[path][p]:
+                if calls[key][p]:
                     start = now()
-                    for args, kwargs in calls[path][p]:
+                    for args, kwargs in calls[key][p]:
                         module(*args, **kwargs)
-                    best_ffn[path][p] = min(best_ffn[path][p], now() - start)
-    return {
-        path: {p: t / best_model[p] for p, t in times.items() if t < math.inf and best_model[p] > 0}
-        for path, times in best_ffn.items()
-    }
+                    best_module[key][p] = min(best_module[key][p], now() - start)
+    shares: dict[str, dict[str, float]] = {path: {} for path in ffns}
+    for p in PHASES:
+        phase_shares = {}
+        for path, ms in ffns.items():
+            times = [best_module[id(m)][p] for m in ms]
+            if best_model[p] > 0 and all(t < math.inf for t in times):
+                phase_shares[path] = sum(times) / best_model[p]
+        # FFNs taking more than the whole model: the machine's load spoiled the timing; report none.
+        if sum(phase_shares.values()) <= 1.0:
+            for path, share in phase_shares.items():
+                shares[path][p] = share
+    return shares
 
 
 @torch.no_grad()
@@ -673,24 +715,20 @@ def calibrate(model: torch.nn.Module, candidates, data, *, config=None) -> dict[
         raise ValueError("calibration data is empty: give at least one batch")
 
     measured = [c for c in candidates if c.rewritable]
-    recorders = {c.path: _LayerRecorder(c, cfg) for c in measured}
+    driver = {"phase": "prefill"}
+    recorders = {c.path: _LayerRecorder(c, cfg, driver) for c in measured}
     was_training = model.training
     model.eval()
     try:
-        modules = {}
-        for c in measured:
-            try:
-                modules[c.path] = model.get_submodule(c.path)
-            except AttributeError:
-                continue  # an FFN inlined in a larger module has no module of its own to time
+        ffns = {c.path: ms for c in measured if (ms := _ffn_modules(model, c.path))}
         shares = {}
-        if cfg.timing_repeats and modules:
-            shares = _time_shares(model, batches[0], modules, cfg.timing_repeats, cfg.decode_steps)
+        if cfg.timing_repeats and ffns:
+            shares = _time_shares(model, batches[0], ffns, cfg.timing_repeats, cfg.decode_steps)
 
         handles = [c.gate_module.register_forward_hook(recorders[c.path]) for c in measured]
         try:
             for kwargs in _progress(batches, cfg.progress, "calibrating"):
-                _run_batch(model, kwargs, cfg.decode_steps)
+                _run_batch(model, kwargs, cfg.decode_steps, lambda phase: driver.update(phase=phase))
         finally:
             for h in handles:
                 h.remove()

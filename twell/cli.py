@@ -109,6 +109,7 @@ def report_dict(analysis: Analysis) -> dict:
         "twell_version": twell.__version__,
         "model": {"name": loaded.name, "path": str(loaded.path), "class": type(loaded.model).__name__},
         "data": analysis.data_note,
+        "device": str(next(loaded.model.parameters()).device),
         "cost_model": analysis.cost_model,
         "summary": {
             "ffns": len(analysis.candidates),
@@ -198,9 +199,14 @@ def render(console, analysis: Analysis, plan_path: str | None = None) -> None:
     ]
     for phase in ("prefill", "decode"):
         s = summary[phase]
+        if not s["timed_ffns"]:
+            lines.append(f"{phase:<14}FFN share of model time not measured: no model speedup predicted")
+            continue
+        untimed = summary["rewritable"] - s["timed_ffns"]
+        note = f", {untimed} FFNs not timed" if untimed else ""
         lines.append(
-            f"{phase:<14}FFNs take {s['ffn_time_share']:.0%} of model time (rewritten: "
-            f"{s['rewritten_time_share']:.0%}); predicted model speedup [bold]{s['speedup']:.2f}x[/bold]"
+            f"{phase:<14}FFNs take {s['ffn_time_share']:.0%} of model time on {data['device']} (rewritten: "
+            f"{s['rewritten_time_share']:.0%}{note}); predicted model speedup [bold]{s['speedup']:.2f}x[/bold]"
         )
     if plan_path:
         lines.append(
