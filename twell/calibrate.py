@@ -128,6 +128,7 @@ class CalibrationConfig:
 
 def _percentile(hist: torch.Tensor, q: float) -> int:
     """Nearest-rank percentile of the values whose histogram (counts of 0, 1, 2, ...) is `hist`."""
+    hist = hist.cpu()
     total = int(hist.sum())
     if total == 0:
         return 0
