@@ -116,8 +116,9 @@ def test_relu_family(family):
     assert torch.equal(logits(model, ids), expected)
 
 
-def test_gpt_neox_relu_squared():
-    model = build("gpt_neox", "relu2")
+@pytest.mark.parametrize("family", ["gpt_neox", "opt"])  # OPT: inline, the activation module traced through
+def test_relu_squared(family):
+    model = build(family, "relu2")
     ids = token_ids()
     expected = logits(model, ids)
     assert [c.activation for c in find_ffns(model)] == ["relu2"] * LAYERS

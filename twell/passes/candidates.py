@@ -166,11 +166,7 @@ def _inline_children(graph: fx.Graph, match: FFNMatch) -> tuple[tuple[str, ...],
     for act in (match.activation, match.up_activation):
         if act is None:
             continue
-        owners = set()
-        for node in act.nodes:
-            stack = node.meta.get("nn_module_stack") or {}
-            owner = next(iter(stack.values()))[0] if stack else _child_name(node)
-            owners.add(owner)
+        owners = {_stack_root(node) for node in act.nodes}
         if len(owners) != 1 or None in owners or "." in next(iter(owners)):
             return (), "the activation is written inline in the forward, not an activation module that can be swapped"
         (owner,) = owners
@@ -185,6 +181,7 @@ def _inline_children(graph: fx.Graph, match: FFNMatch) -> tuple[tuple[str, ...],
 
 
 def _stack_root(node: fx.Node) -> str | None:
+    """The direct child whose forward produced `node` (traced through, or called as a leaf), if any."""
     stack = node.meta.get("nn_module_stack") or {}
     if stack:
         return next(iter(stack.values()))[0]
