@@ -130,29 +130,31 @@ def _pct(value: float | None, digits: int = 2) -> str:
 
 def render(console, analysis: Analysis, plan_path: str | None = None) -> None:
     """Per-FFN table and summary panel (rich)."""
+    from rich import box
     from rich.markup import escape
     from rich.panel import Panel
     from rich.table import Table
 
+    from twell.calibrate import PHASES
+
     data = report_dict(analysis)
     title = f"twell report: {data['model']['name']} ({data['model']['class']})"
-    table = Table(title=title, title_justify="left", header_style="bold", show_lines=False)
-    for name, justify in (
-        ("FFN", "left"),
-        ("act", "left"),
-        ("N×K", "right"),
-        ("density\nprefill", "right"),
-        ("density\ndecode", "right"),
-        ("nnz/row\nmean p50 p99 max", "right"),
-        ("dead", "right"),
-        ("tile/C", "right"),
-        ("overflow\nrows", "right"),
-        ("time\nshare", "right"),
-        ("speedup\nprefill", "right"),
-        ("speedup\ndecode", "right"),
-        ("decision", "left"),
+    # Borderless and compact: the table should fit a 120-column terminal.
+    table = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD, collapse_padding=True)
+    table.add_column("FFN", overflow="fold")
+    table.add_column("act")
+    for name in (
+        "N×K",
+        "density\npre/decode",
+        "nnz/row\nmean p50 p99 max",
+        "dead",
+        "tile/C",
+        "over-\nflow",
+        "time\nshare",
+        "speedup\npre/decode",
     ):
-        table.add_column(name, justify=justify, overflow="fold")
+        table.add_column(name, justify="right", no_wrap=True)
+    table.add_column("decision", overflow="fold")
     for ffn in data["ffns"]:
         stats = ffn["stats"]
         main = stats.get("prefill") or stats.get("decode")
@@ -162,7 +164,7 @@ def render(console, analysis: Analysis, plan_path: str | None = None) -> None:
         if ffn["dead_neurons"] is not None:
             dead = f"{ffn['dead_neurons']} ({ffn['dead_neurons'] / ffn['hidden_size']:.0%})"
         speedups = ffn["predicted_speedup"]
-        # The speedup columns already say why a measured layer is or is not rewritten.
+        # The speedup column already says why a measured layer is or is not rewritten.
         if ffn["rewrite"]:
             decision = "[green]rewrite[/green]"
         elif speedups:
@@ -175,15 +177,13 @@ def render(console, analysis: Analysis, plan_path: str | None = None) -> None:
             escape(ffn["path"]),  # inline FFNs' paths hold brackets: "layers.0[fc1,fc2]"
             escape(ffn["activation"]),
             f"{ffn['hidden_size']}×{ffn['model_size']}",
-            _pct(stats.get("prefill", {}).get("density")),
-            _pct(stats.get("decode", {}).get("density")),
+            "/".join(_pct(stats.get(p, {}).get("density")) for p in PHASES),
             "—" if nnz is None else f"{nnz['mean']:.1f} {nnz['p50']} {nnz['p99']} {nnz['max']}",
             dead,
             layout,
             _pct(ffn["overflow_rows"], 1),
             _pct(ffn["time_share"].get("prefill"), 0),
-            f"{speedups['prefill']:.2f}x" if "prefill" in speedups else "—",
-            f"{speedups['decode']:.2f}x" if "decode" in speedups else "—",
+            "/".join(f"{speedups[p]:.2f}x" if p in speedups else "—" for p in PHASES),
             decision,
         )
     if data["ffns"]:
