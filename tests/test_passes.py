@@ -399,12 +399,15 @@ def test_keyword_input_and_extra_arguments_fall_back():
     torch.manual_seed(5)
     model = Net(WithOption(nn.ReLU()))
     ffn = model.layers[0]
+    calls = []
+    ffn.register_forward_hook(lambda module, args, output: calls.append(1))
     x = torch.randn(2, K)
     with torch.no_grad():
         expected = (ffn(x), ffn(hidden_states=x), ffn(x, 2.0))
         twell.sparsify(model)
         got = (model.layers[0](x), model.layers[0](hidden_states=x), model.layers[0](x, 2.0))
     assert isinstance(model.layers[0], SparseFFN)
+    assert len(calls) == 6  # the hook ran once per call, the fallback included
     for g, e in zip(got, expected, strict=True):
         assert torch.allclose(g, e, atol=1e-6)
 

@@ -135,9 +135,10 @@ class SparseFFN(_StandIn):
         else:
             x = None
         # Calls the ops cannot express run the original forward: extra arguments (another code path
-        # than the one matched) and dropout in training mode.
+        # than the one matched) and dropout in training mode. Its forward, not its __call__: the hooks
+        # (shared) have run for this call already.
         if x is None or (spec.dropout and self.training):
-            return self.sync_original()(*args, **kwargs)
+            return self.sync_original().forward(*args, **kwargs)
         down = getattr(self, spec.down)
         up = getattr(self, spec.up) if spec.up is not None else None
         return run_ffn(spec, getattr(self, spec.gate), up, down, x)
