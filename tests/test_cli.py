@@ -389,3 +389,26 @@ def test_demo_model_regenerates_from_its_script():
     for name, tensor in shipped.items():
         torch.testing.assert_close(rebuilt[name], tensor, rtol=1e-3, atol=1e-3, msg=lambda m, name=name: f"{name}: {m}")
     assert sum(f.stat().st_size for f in demo_model_dir().iterdir()) < 2 * 1024 * 1024
+
+
+def test_render_without_ffns_names_the_modules_it_could_not_analyse():
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from twell.cli import Analysis, render, report_dict
+    from twell.loading import LoadedModel
+    from twell.passes import Unmatched
+
+    loaded = LoadedModel(torch.nn.Linear(2, 2), "toy[1]", Path("/toy"), None, 256, None)
+    unmatched = [Unmatched("blocks.0", "could not trace Block: data-dependent [if]")]
+    analysis = Analysis(loaded, [], unmatched, {}, "n", None)
+    console = Console(record=True, width=120)
+    render(console, analysis)
+    text = console.export_text()
+    assert "twell report: toy[1] (Linear): no feed-forward blocks found" in text
+    assert "not analysed blocks.0: could not trace Block: data-dependent [if]" in text
+    assert "FFN share of model time not measured" in text
+    data = report_dict(analysis)
+    assert data["not_analysed"] == [{"path": "blocks.0", "reason": "could not trace Block: data-dependent [if]"}]
+    assert data["summary"]["ffns"] == 0 and json.dumps(data)

@@ -73,6 +73,7 @@ class Analysis:
 
     loaded: object
     candidates: list
+    unmatched: list  # modules shaped like an FFN that could not be analysed (twell.passes.Unmatched)
     decisions: dict
     data_note: str
     cost_model: str | None
@@ -83,7 +84,7 @@ def analyse(args: argparse.Namespace) -> Analysis:
 
     from twell.calibrate import calibrate
     from twell.loading import LoadError, calibration_batches, load_model
-    from twell.passes import find_ffns
+    from twell.passes import scan
 
     device = args.device
     if device == "auto":
@@ -94,10 +95,10 @@ def analyse(args: argparse.Namespace) -> Analysis:
     batches, note = calibration_batches(
         loaded, data=args.data, samples=args.samples, seq_len=args.seq_len, batch_size=args.batch_size
     )
-    candidates = find_ffns(loaded.model)
+    candidates, unmatched = scan(loaded.model)
     decisions = calibrate(loaded.model, candidates, batches, config={"progress": sys.stderr.isatty()})
     cost = next((d.cost_model for d in decisions.values() if d.cost_model), None)
-    return Analysis(loaded, candidates, decisions, note, cost)
+    return Analysis(loaded, candidates, unmatched, decisions, note, cost)
 
 
 def report_dict(analysis: Analysis) -> dict:
@@ -121,6 +122,7 @@ def report_dict(analysis: Analysis) -> dict:
             {"activation": c.activation, "rewritable": bool(c.rewritable), **analysis.decisions[c.path].to_dict()}
             for c in analysis.candidates
         ],
+        "not_analysed": [{"path": u.path, "reason": u.reason} for u in analysis.unmatched],
     }
 
 
@@ -189,7 +191,9 @@ def render(console, analysis: Analysis, plan_path: str | None = None) -> None:
     if data["ffns"]:
         console.print(table)
     else:
-        console.print(f"[bold]{title}[/bold]: no feed-forward blocks found")
+        console.print(f"[bold]{escape(title)}[/bold]: no feed-forward blocks found")
+    for module in data["not_analysed"]:
+        console.print(f"[yellow]not analysed[/yellow] {escape(module['path'])}: {escape(module['reason'])}")
 
     summary = data["summary"]
     lines = [
