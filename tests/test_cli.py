@@ -194,6 +194,38 @@ def test_inline_ffns_are_timed_and_see_decode_steps(tmp_path, capsys):
         assert f["tile_n"] is None or f["tile_n"] <= 128  # no tile wider than the layer
 
 
+def test_hub_id_found_in_the_local_cache(relu_llama, tmp_path, monkeypatch, capsys):
+    """A hub id resolves to its snapshot in the Hugging Face cache, without the network."""
+    import shutil
+
+    import huggingface_hub
+
+    revision = "0" * 40
+    repo = tmp_path / "hub" / "models--twell-tests--tiny-relu"
+    shutil.copytree(relu_llama, repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    rc, out, err = run(["report", "twell-tests/tiny-relu", *QUICK], capsys)
+    assert rc == 0, err
+    assert "twell report: twell-tests/tiny-relu (LlamaForCausalLM)" in out
+
+
+def test_short_data_gives_fewer_or_shorter_sequences(relu_llama, tmp_path):
+    from twell.loading import calibration_batches, tokenize
+
+    loaded = load_model(str(relu_llama))
+    data = tmp_path / "short.txt"
+    data.write_text("abcdefghij")
+    batches, note = calibration_batches(loaded, data=data, samples=8, seq_len=40)
+    assert [b.shape for b in batches] == [(1, 10)] and note.endswith("1 sequences of 10 tokens (byte-level)")
+    assert batches[0][0].tolist() == [b % 96 for b in b"abcdefghij"]  # bytes folded into the 96-token vocabulary
+    data.write_text("x" * 100)
+    batches, _ = calibration_batches(loaded, data=data, samples=8, seq_len=30, batch_size=2)
+    assert [tuple(b.shape) for b in batches] == [(2, 30), (1, 30)]
+    assert tokenize(["ab", "c"], None, 256) == [97, 98, 10, 10, 99]
+
+
 def test_pytorch_bin_checkpoint(tmp_path, capsys):
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(tiny_config())
