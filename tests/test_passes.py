@@ -427,3 +427,18 @@ def test_module_hooks_keep_running_and_linear_hooks_block_the_rewrite(x):
     assert isinstance(model.layers[0], SparseFFN) and isinstance(model.layers[1], Gated)
     assert len(seen) == 2 and torch.allclose(seen[1], seen[0], atol=1e-6)
     assert torch.allclose(got, expected, atol=1e-6)
+
+
+def test_linear_replaced_after_sparsify_runs_the_original_forward(x):
+    torch.manual_seed(6)
+    model = twell.sparsify(Net(Gated(nn.ReLU())))
+    ffn = model.layers[0]
+    adapted = LoRALinear(K, N, bias=False)
+    adapted.weight = ffn.up_proj.weight
+    ffn.up_proj = adapted  # what an adapter library does to the rewritten module's child
+    with torch.no_grad():
+        got = model(x)
+        twell.restore(model)
+        assert model.layers[0].up_proj is adapted  # the change survives restore
+        expected = model(x)
+    assert torch.allclose(got, expected, atol=1e-6)

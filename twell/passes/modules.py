@@ -105,10 +105,12 @@ class _StandIn(nn.Module):
         self.__dict__["original"] = original
 
     def sync_original(self) -> nn.Module:
-        """The original module, with any tensor that .to()/.half() replaced here carried over."""
+        """The original module, with what was replaced here since (tensors by .to()/.half(), children
+        by adapters) carried over."""
         original = self.__dict__["original"]
         original._parameters.update(self._parameters)
         original._buffers.update(self._buffers)
+        original._modules.update(self._modules)
         original.training = self.training
         return original
 
@@ -134,14 +136,16 @@ class SparseFFN(_StandIn):
             x = kwargs[spec.input_name]
         else:
             x = None
-        # Calls the ops cannot express run the original forward: extra arguments (another code path
-        # than the one matched) and dropout in training mode. Its forward, not its __call__: the hooks
-        # (shared) have run for this call already.
-        if x is None or (spec.dropout and self.training):
-            return self.sync_original().forward(*args, **kwargs)
-        down = getattr(self, spec.down)
+        gate, down = getattr(self, spec.gate), getattr(self, spec.down)
         up = getattr(self, spec.up) if spec.up is not None else None
-        return run_ffn(spec, getattr(self, spec.gate), up, down, x)
+        # Calls the ops cannot express run the original forward: extra arguments (another code path
+        # than the one matched), dropout in training mode, and linears replaced since (e.g. by LoRA
+        # adapters, whose extra terms the op would drop). Its forward, not its __call__: the hooks
+        # (shared) have run for this call already.
+        exact = all(type(m).forward is nn.Linear.forward for m in (gate, up, down) if m is not None)
+        if x is None or (spec.dropout and self.training) or not exact:
+            return self.sync_original().forward(*args, **kwargs)
+        return run_ffn(spec, gate, up, down, x)
 
     def extra_repr(self) -> str:
         return f"twell {self.spec.kind}, threshold={self.spec.threshold}, drelu={self.spec.drelu}"
