@@ -728,7 +728,8 @@ def calibrate(model: torch.nn.Module, candidates, data, *, config=None) -> dict[
 
         handles = [c.gate_module.register_forward_hook(recorders[c.path]) for c in measured]
         try:
-            for kwargs in _progress(batches, cfg.progress, "calibrating"):
+            # Nothing to measure (no rewritable FFN): no need to run the model at all.
+            for kwargs in _progress(batches if measured else [], cfg.progress, "calibrating"):
                 _run_batch(model, kwargs, cfg.decode_steps, lambda phase: driver.update(phase=phase))
         finally:
             for h in handles:
