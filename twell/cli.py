@@ -47,7 +47,12 @@ def _positive_int(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from twell.loading import DEMO_MODEL
 
-    parser = _Parser(prog="twell", description="Activation-sparse FFNs: conversion reports and plans.")
+    parser = _Parser(
+        prog="twell",
+        description="Activation-sparse FFNs: conversion reports and plans.",
+        epilog="MODEL: a local Hugging Face checkpoint directory, a hub id already in the local cache, or "
+        f"{DEMO_MODEL} (the built-in demo). Nothing is downloaded.",
+    )
     parser.add_argument("--version", action="version", version=f"twell {twell.__version__}")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
 
@@ -55,14 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--data", metavar="FILE", help="calibration text: a text file or JSONL of texts")
     common.add_argument("--samples", type=_positive_int, default=16, metavar="N", help="sequences (default 16)")
     common.add_argument("--seq-len", type=_positive_int, default=128, metavar="L", help="tokens each (default 128)")
-    common.add_argument("--batch-size", type=_positive_int, default=4, metavar="B", help="sequences per batch (4)")
-    common.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where to run (auto)")
+    common.add_argument("--batch-size", type=_positive_int, default=4, metavar="B", help="per batch (default 4)")
+    common.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: the GPU if any")
     common.add_argument("--json", metavar="OUT", help="also write the report as JSON to OUT ('-': stdout only)")
 
     report = sub.add_parser("report", parents=[common], help="measure a model's FFN sparsity and predict the gain")
-    report.add_argument("model", nargs="?", metavar="MODEL", help=f"checkpoint directory (default: {DEMO_MODEL})")
+    model_help = f"checkpoint directory, cached hub id, or {DEMO_MODEL}"
+    report.add_argument("model", nargs="?", metavar="MODEL", help=f"{model_help} (default: {DEMO_MODEL})")
     convert = sub.add_parser("convert", parents=[common], help="calibrate a model and write its plan")
-    convert.add_argument("model", metavar="MODEL", help=f"checkpoint directory, or {DEMO_MODEL}")
+    convert.add_argument("model", metavar="MODEL", help=model_help)
     convert.add_argument("--out", required=True, metavar="PLAN.json", help="where to write the plan")
     return parser
 
