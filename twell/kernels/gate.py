@@ -130,6 +130,20 @@ def _gate_twell_kernel(
     _pack_tile(acc, offs_m, tile, M, N, threshold, vals_ptr, idx_ptr, cnt_ptr, n_tiles, TILE_N, SLOTS, SQUARE)
 
 
+PACK_CONFIGS = [
+    # (BLOCK_M, num_warps, num_stages): a memory-bound pass, so small tiles and many programs
+    (8, 4, 1),
+    (4, 2, 1),
+    (16, 4, 1),
+    (32, 4, 1),
+    (16, 8, 1),
+]
+
+
+@triton.autotune(
+    configs=autotune_configs(PACK_CONFIGS, lambda bm, w, s: {"BLOCK_M": bm}),
+    key=["M_BUCKET", "N", "TILE_N", "SLOTS"],
+)
 @triton.jit
 def _pack_dense_kernel(
     h_ptr,
@@ -138,6 +152,7 @@ def _pack_dense_kernel(
     cnt_ptr,
     M,
     N,
+    M_BUCKET,
     n_tiles,
     threshold,
     stride_hm,
@@ -222,22 +237,21 @@ def pack_dense(h: torch.Tensor, threshold: float, tile_n: int, slots: int, squar
     check_tile(tile_n, slots)
     m, n = h.shape
     values, indices, counts = _alloc(m, n, tile_n, slots, h.dtype, h.device)
-    block_m = 32
-    grid = (triton.cdiv(m, block_m), counts.shape[1])
-    _pack_dense_kernel[grid](
+    n_tiles = counts.shape[1]
+    _pack_dense_kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), n_tiles)](
         h,
         values,
         indices,
         counts,
         m,
         n,
-        counts.shape[1],
+        m_bucket(m),
+        n_tiles,
         float(threshold),
         h.stride(0),
         h.stride(1),
         SQUARE=square,
         TILE_N=tile_n,
         SLOTS=slots,
-        BLOCK_M=block_m,
     )
     return values, indices, counts

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from twell.kernels.common import autotune_configs
+from twell.kernels.common import autotune_configs, interpreting
 
 UPDOWN_CONFIGS = [
     # (BLOCK_K, num_warps, num_stages)
@@ -155,6 +155,100 @@ def _twell_up_down_kernel(
         tl.store(y_ptr + m * stride_ym + offs_k * stride_yk, y.to(y_ptr.dtype.element_ty), mask=k_ok)
 
 
+ROWVEC_CONFIGS = [
+    # (num_warps, num_stages): the whole K row lives in registers, entries stream one at a time
+    (4, 3),
+    (8, 3),
+    (4, 4),
+    (2, 3),
+]
+ROWVEC_MAX_K = 8192  # x row + y row + two weight rows in registers; wider models use the chunked kernel
+
+
+@triton.autotune(
+    configs=[triton.Config({}, num_warps=w, num_stages=s) for w, s in ROWVEC_CONFIGS[: 1 if interpreting() else None]],
+    key=["K", "TILE_N", "SLOTS", "HAS_UP"],
+)
+@triton.jit
+def _twell_up_down_rowvec_kernel(
+    x_ptr,
+    vals_ptr,
+    idx_ptr,
+    cnt_ptr,
+    skip_ptr,
+    wu_ptr,
+    bu_ptr,
+    wd_ptr,
+    bd_ptr,
+    y_ptr,
+    g_ptr,
+    n_ptr,
+    K,
+    n_tiles,
+    scratch_stride,
+    stride_xm,
+    stride_xk,
+    stride_un,
+    stride_uk,
+    stride_dn,
+    stride_dk,
+    stride_ym,
+    stride_yk,
+    HAS_UP: tl.constexpr,
+    HAS_UP_BIAS: tl.constexpr,
+    HAS_DOWN_BIAS: tl.constexpr,
+    DRELU: tl.constexpr,
+    TILE_N: tl.constexpr,
+    SLOTS: tl.constexpr,
+    TILES_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Like the reference CUDA kernel: per entry, the whole W_u and W_d rows are loaded at once (many
+    independent 16-byte loads per thread), and the loop over entries is software-pipelined."""
+    m = tl.program_id(0).to(tl.int64)
+    if tl.load(skip_ptr + m) != 0:
+        return
+    offs_t = tl.arange(0, TILES_PAD)
+    cnt = tl.load(cnt_ptr + m * n_tiles + offs_t, mask=offs_t < n_tiles, other=0)
+    incl = tl.cumsum(cnt, axis=0)
+    total = tl.sum(cnt, axis=0)
+    g_row = g_ptr + m * scratch_stride
+    n_row = n_ptr + m * scratch_stride
+    # flat list of the row's (gate value, neuron) pairs, so the entry loop below has no tile bookkeeping
+    for c0 in range(0, total, CHUNK):
+        e = c0 + tl.arange(0, CHUNK)
+        valid = e < total
+        g, neuron = _row_entries(cnt, incl, e, valid, m, n_tiles, vals_ptr, idx_ptr, TILE_N, SLOTS, TILES_PAD)
+        tl.store(g_row + e, g, mask=valid)
+        tl.store(n_row + e, neuron, mask=valid)
+    tl.debug_barrier()  # the loop below reads scratch entries that other threads of this program wrote
+
+    offs_k = tl.arange(0, BLOCK_K)
+    k_ok = offs_k < K
+    if HAS_UP:
+        xv = tl.load(x_ptr + m * stride_xm + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
+    y = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for e in range(0, total):
+        g = tl.load(g_row + e)
+        neuron = tl.load(n_row + e).to(tl.int64)
+        wd = tl.load(wd_ptr + neuron * stride_dn + offs_k * stride_dk, mask=k_ok, other=0.0).to(tl.float32)
+        if HAS_UP:
+            wu = tl.load(wu_ptr + neuron * stride_un + offs_k * stride_uk, mask=k_ok, other=0.0).to(tl.float32)
+            u = tl.sum(wu * xv, axis=0)
+            if HAS_UP_BIAS:
+                u += tl.load(bu_ptr + neuron).to(tl.float32)
+            if DRELU:
+                u = tl.where(u <= 0.0, 0.0, u)
+            h = g * u
+        else:
+            h = g
+        y += h * wd
+    if HAS_DOWN_BIAS:
+        y += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + offs_k * stride_yk, y.to(y_ptr.dtype.element_ty), mask=k_ok)
+
+
 def twell_up_down(
     x: torch.Tensor,
     values: torch.Tensor,
@@ -170,6 +264,7 @@ def twell_up_down(
     max_entries: int,
     drelu: bool = False,
     out: torch.Tensor | None = None,
+    variant: str = "rowvec",
 ) -> torch.Tensor:
     """y [M, K] from x [M, K] and TwELL arrays; rows with skip[m] != 0 are not written.
 
@@ -183,7 +278,10 @@ def twell_up_down(
     h_scratch = torch.empty(m, width, dtype=torch.float32, device=x.device)
     n_scratch = torch.empty(m, width, dtype=torch.int32, device=x.device)
     dummy = x
-    _twell_up_down_kernel[(m,)](
+    rowvec = variant == "rowvec" and k <= ROWVEC_MAX_K
+    kernel = _twell_up_down_rowvec_kernel if rowvec else _twell_up_down_kernel
+    extra = {"BLOCK_K": triton.next_power_of_2(k)} if rowvec else {}
+    kernel[(m,)](
         x,
         values,
         indices,
@@ -214,5 +312,6 @@ def twell_up_down(
         SLOTS=slots,
         TILES_PAD=max(triton.next_power_of_2(n_tiles), 2),
         CHUNK=CHUNK,
+        **extra,
     )
     return y
