@@ -462,6 +462,17 @@ def test_bad_plan_files(tmp_path, calibrated, content, message):
         load_plan(tmp_path / "missing.json", calibrated[1])
 
 
+def test_plan_with_an_invalid_layout_is_refused(tmp_path, calibrated):
+    _, candidates, decisions = calibrated
+    path = tmp_path / "plan.json"
+    save_plan(decisions, candidates, path)
+    plan = json.loads(path.read_text())
+    plan["decisions"]["blocks.0"]["compression"] = 3
+    path.write_text(json.dumps(plan))
+    with pytest.raises(ValueError, match="blocks.0: invalid TwELL layout: tile_n must be divisible by compression"):
+        load_plan(path, candidates)
+
+
 def test_save_plan_refuses_decisions_for_unknown_ffns(tmp_path, calibrated):
     _, candidates, decisions = calibrated
     with pytest.raises(ValueError, match="blocks.1"):

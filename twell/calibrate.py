@@ -444,7 +444,13 @@ class Decision:
         missing = {"path", "rewrite", "reason"} - set(data)
         if missing:
             raise ValueError(f"decision is missing {sorted(missing)}")
-        return cls(**{k: v for k, v in data.items() if k in known})
+        decision = cls(**{k: v for k, v in data.items() if k in known})
+        if decision.tile_n is not None or decision.compression is not None:
+            try:
+                check_layout(decision.tile_n, decision.compression)
+            except ValueError as e:
+                raise ValueError(f"decision for {decision.path}: invalid TwELL layout: {e}") from None
+        return decision
 
 
 def _decide(candidate, recorder: _LayerRecorder, cfg: CalibrationConfig, cost: CostModel, shares, dtype) -> Decision:
