@@ -79,7 +79,7 @@ class CalibrationConfig:
     max_overflow: float = 0.01
     min_speedup: float = 1.05
     decode_steps: int = 4
-    timing_repeats: int = 3
+    timing_repeats: int = 5
     benchmark_tokens: int | None = None
     cost_model: Any = "auto"
     cache_dir: str | os.PathLike | None = None
