@@ -170,28 +170,25 @@ def bench_point(k, n, m, density, pattern, compiled) -> dict:
             )
         values, indices, counts = gate_twell(x, wg, bg, 0.0, dispatch.TILE_N, slots)
         per_row = counts.sum(1)
-        skip = ((counts > slots).any(1) | (per_row > dispatch.ENTRIES_MAX)).to(torch.int8)
+        skip = ((counts > slots).any(1) | (per_row > dispatch.entries_cap(n))).to(torch.int8)
         max_entries = int(torch.where(skip.bool(), 0, per_row).max())
         wd_t = inp["down_weight"].t()
-        for variant in ("rowvec", "chunked"):
-            row[f"updown_{variant}_ms"] = do_bench(
-                lambda v=variant: twell_up_down(
-                    x,
-                    values,
-                    indices,
-                    counts,
-                    skip,
-                    inp["up_weight"],
-                    None,
-                    wd_t,
-                    None,
-                    tile_n=dispatch.TILE_N,
-                    max_entries=max_entries,
-                    variant=v,
-                ),
-                return_mode="median",
-            )
-        row["updown_ms"] = min(row["updown_rowvec_ms"], row["updown_chunked_ms"])
+        row["updown_ms"] = do_bench(
+            lambda: twell_up_down(
+                x,
+                values,
+                indices,
+                counts,
+                skip,
+                inp["up_weight"],
+                None,
+                wd_t,
+                None,
+                tile_n=dispatch.TILE_N,
+                max_entries=max_entries,
+            ),
+            return_mode="median",
+        )
         pairs = int(torch.where(skip.bool(), 0, per_row).sum())
         row["updown_l2_tb_s"] = pairs * 2 * k * 2 / row["updown_ms"] / 1e9
         row["dense_rows"] = int(skip.sum())
@@ -227,9 +224,7 @@ def main():
         "points": [],
     }
     print(json.dumps(result["ceilings"]))
-    columns = (
-        "K N M dens pat nnz max dense twell x err dec pre gateC pack fus256 fus128 udRow udChk TB/s drows memD memT"
-    )
+    columns = "K N M dens pat nnz max dense twell x err dec pre gateC pack fus256 fus128 updn TB/s drows memD memT"
     header = " ".join(f"{c:>7}" for c in columns.split())
     lines = [header]
     print(header, flush=True)
@@ -249,7 +244,7 @@ def main():
                         f"{row.get('decode_ms', 0):>7.3f} {row.get('prefill_ms', 0):>7.3f} "
                         f"{row.get('cublas_gate_ms', 0):>6.2f} {row.get('pack_ms', 0):>5.2f} "
                         f"{row.get('fused_gate256_ms', 0):>6.2f} {row.get('fused_gate128_ms', 0):>6.2f} "
-                        f"{row.get('updown_rowvec_ms', 0):>6.2f} {row.get('updown_chunked_ms', 0):>6.2f} "
+                        f"{row.get('updown_ms', 0):>6.2f} "
                         f"{row.get('updown_l2_tb_s', 0):>5.1f} "
                         f"{row.get('dense_rows', 0):>6} {row['dense_peak_mb']:>7.0f} {row['twell_peak_mb']:>7.0f}"
                     )

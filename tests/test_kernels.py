@@ -171,7 +171,7 @@ def test_dense_layers_fall_back_to_dense(sparse_paths):
 
 
 def test_default_dispatch_runs_dense_where_kernels_lose():
-    """Today's measured thresholds send every call to the dense path (exact, never slower)."""
+    """Below the measured thresholds (small M), calls take the dense path: exact, never slower."""
     dispatch._dense_calls_left.clear()
     for m in (1, 300):
         case = make_ffn(m, 24, 64, [0.05], torch.float32, DEVICE, seed=m)

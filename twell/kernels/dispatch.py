@@ -1,11 +1,11 @@
-"""Per-call choice of path on CUDA: decode kernel, TwELL prefill kernels, or dense.
+"""Per-call choice of path on CUDA: decode kernels, TwELL prefill kernels, or dense.
 
 - M <= DECODE_MAX_M tokens: dense gate + decode kernels (read only active rows of W_u / W_d; no host
   synchronisation, so CUDA graphs can capture it).
 - M >= PREFILL_MIN_M: gate packed to TwELL (GATE_ROUTE: cuBLAS GEMM + pack kernel, or the Triton GEMM
   with the packing epilogue), then the fused up+down kernel. Rows that overflow a tile's slots or hold
-  more than ENTRIES_MAX entries are recomputed densely (the hybrid safety valve): exact at any sparsity.
-- Otherwise dense; with today's thresholds (below) that is every call.
+  more than entries_cap(N) entries are recomputed densely (the hybrid safety valve): exact at any sparsity.
+- Otherwise dense (also for K > MAX_K).
 - A layer whose last prefill call was denser than DENSE_ABOVE runs dense for the next DENSE_RETRY
   calls, then probes again: a rewrite must not make a dense layer slower.
 """
@@ -19,22 +19,27 @@ import triton
 from twell.kernels import reference
 from twell.kernels.decode import decode_up_down
 from twell.kernels.gate import gate_twell, pack_dense
-from twell.kernels.updown import twell_up_down
+from twell.kernels.updown import ROWVEC_MAX_K, twell_up_down
 
 TILE_N = 256
 SLOTS = 32  # compression 8, as the reference code
-# Path thresholds, from benchmarks/results/ffn-20261129-072958.json (H200, K=2048, N=5632, bf16): neither
-# sparse path beats dense yet (decode at M=1: 40.9 us vs 38.4 us; prefill at M=131072, 0.5%: 36.8 ms vs
-# 13.7 ms), so by default every call runs dense. Set DECODE_MAX_M / PREFILL_MIN_M to route calls to the
-# kernels (tests and benchmarks do); None disables the prefill path.
+# Path thresholds, measured on an H200 (benchmarks/NOTES.md): prefill wins from tens of thousands of
+# tokens at <= ~0.5% density (1.25x at K=2048, M=131072); decode loses to dense at K=2048 (0.94x at M=1)
+# and is not enabled by default. Tests and benchmarks set these to route calls to the kernels.
 DECODE_MAX_M = 0
-PREFILL_MIN_M: int | None = None
-# A dense row costs ~6KN FLOPs on tensor cores, a sparse one ~8 KB of L2 traffic per entry (K = 2048):
-# past ~128 entries the row is cheaper in the dense batch (benchmarks/NOTES.md).
-ENTRIES_MAX = 128
-GATE_ROUTE = "cublas"  # "fused": Triton GEMM with packing epilogue; 4.8x slower than cuBLAS so far (NOTES.md)
-DENSE_ABOVE = 0.02  # mean density above which sparse loses to dense (benchmarks/NOTES.md)
+PREFILL_MIN_M: int | None = 32768
+MAX_K = ROWVEC_MAX_K  # wider models run dense: the up+down kernel keeps a whole row in registers
+GATE_ROUTE = "cublas"  # "fused": Triton GEMM with packing epilogue, 2.2-4.8x slower than cuBLAS so far
+DENSE_ABOVE = 0.008  # mean density above which sparse loses to dense: 1.25x at 0.5%, 0.9x at 1% (NOTES.md)
 DENSE_RETRY = 64
+
+
+def entries_cap(n: int) -> int:
+    """Entries past which a row is cheaper in the dense batch: a dense row costs 6KN FLOPs (~650 TFLOP/s),
+    a sparse one 4K bytes of weight rows per entry (~8 TB/s measured), so the cap is ~N/54 (~104 at
+    N=5632, where 128 measured about even)."""
+    return max(32, n // 48)
+
 
 # layer key -> calls left to run dense
 _dense_calls_left: dict[tuple, int] = {}
@@ -60,7 +65,7 @@ def _run(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, 
     if dense_now:
         _dense_calls_left[key] -= 1
     prefill = PREFILL_MIN_M is not None and m >= PREFILL_MIN_M
-    if m == 0 or dense_now or (m > DECODE_MAX_M and not prefill):
+    if m == 0 or dense_now or (m > DECODE_MAX_M and not prefill) or x2.shape[1] > MAX_K:
         return dense_fn(x2).reshape(shape)
     wd_t = _down_rows(down_weight)
 
@@ -81,10 +86,16 @@ def _run(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, 
         values, indices, counts = pack_dense(pre, threshold, TILE_N, SLOTS, square=square)
         del pre
     per_row = counts.sum(1)
-    skip = (counts > SLOTS).any(1) | (per_row > ENTRIES_MAX)
-    n_skip, max_entries, total = torch.stack([skip.sum(), torch.where(skip, 0, per_row).max(), per_row.sum()]).tolist()
-    if total > DENSE_ABOVE * m * n:
-        _dense_calls_left[key] = DENSE_RETRY
+    entries_max = min(entries_cap(n), counts.shape[1] * SLOTS)
+    skip = (counts > SLOTS).any(1) | (per_row > entries_max)
+    # The host needs two numbers (rows left to the dense path, total density). Copy them out before the
+    # up+down kernel is queued and wait only for that copy: the GPU stays busy meanwhile.
+    stats = torch.stack([skip.sum(), per_row.sum()])
+    ready = None
+    if stats.is_cuda:
+        stats = stats.to("cpu", non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
     y = twell_up_down(
         x2,
         values,
@@ -96,9 +107,14 @@ def _run(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, 
         wd_t,
         down_bias,
         tile_n=TILE_N,
-        max_entries=max_entries,
+        max_entries=entries_max,
         drelu=drelu,
     )
+    if ready is not None:
+        ready.synchronize()
+    n_skip, total = stats.tolist()
+    if total > DENSE_ABOVE * m * n:
+        _dense_calls_left[key] = DENSE_RETRY
     if n_skip:
         rows = torch.nonzero(skip).flatten()
         y[rows] = dense_fn(x2[rows])

@@ -1,12 +1,12 @@
 """Fused sparse up + down projection from TwELL (Algorithm 2 of the paper).
 
-One program per token row m. It turns the row's per-tile counts into one flat list of its R active
-entries (prefix sum over tiles, done in registers), gathers their gate values g and neuron ids n, then
-    u_j = x_m . W_u[n_j]            (only for active neurons; skipped for non-gated FFNs)
-    y_m = sum_j (g_j * u_j) W_d[n_j]
-with fp32 accumulation, CHUNK entries at a time. The hidden state never reaches global memory beyond a
-per-row scratch of R (h, n) pairs. Rows flagged in `skip`
-(overflowing a tile, or chosen for dense) are left to the dense path of the dispatcher.
+One program per token row m, shaped like the reference CUDA kernel. First the row's per-tile counts
+become one flat list of its R (gate value g, neuron n) pairs in a per-row scratch (prefix sum over
+tiles in registers, CHUNK entries at a time). Then, with the whole x_m and y_m rows in registers,
+    for each entry j:  u_j = x_m . W_u[n_j]  (skipped for non-gated FFNs);  y_m += (g_j * u_j) W_d[n_j]
+with fp32 accumulation: each entry loads both weight rows at once (many independent 16-byte loads per
+thread) and the entry loop is software-pipelined. The hidden state never reaches global memory. Rows
+flagged in `skip` (overflowing a tile, or chosen for dense) are left to the dispatcher's dense path.
 W_d is read as rows of down_weight^T ([N, K]): pass down_weight.t() with unit stride on K for
 coalesced loads.
 """
@@ -17,16 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from twell.kernels.common import autotune_configs, interpreting
+from twell.kernels.common import interpreting
 
-UPDOWN_CONFIGS = [
-    # (BLOCK_K, num_warps, num_stages)
-    (128, 4, 2),
-    (256, 4, 2),
-    (128, 2, 3),
-    (256, 8, 3),
-]
-CHUNK = 16  # entries gathered at a time: small, so a few dense rows do not make every row pay for masked lanes
+CHUNK = 16  # entries flattened at a time
 
 
 @triton.jit
@@ -54,107 +47,6 @@ def _row_entries(
     return g, neuron
 
 
-@triton.autotune(
-    configs=autotune_configs(UPDOWN_CONFIGS, lambda bk, w, s: {"BLOCK_K": bk}),
-    key=["K", "TILE_N", "SLOTS", "HAS_UP"],
-)
-@triton.jit
-def _twell_up_down_kernel(
-    x_ptr,
-    vals_ptr,
-    idx_ptr,
-    cnt_ptr,
-    skip_ptr,
-    wu_ptr,
-    bu_ptr,
-    wd_ptr,
-    bd_ptr,
-    y_ptr,
-    h_ptr,
-    n_ptr,
-    K,
-    n_tiles,
-    scratch_stride,
-    stride_xm,
-    stride_xk,
-    stride_un,
-    stride_uk,
-    stride_dn,
-    stride_dk,
-    stride_ym,
-    stride_yk,
-    HAS_UP: tl.constexpr,
-    HAS_UP_BIAS: tl.constexpr,
-    HAS_DOWN_BIAS: tl.constexpr,
-    DRELU: tl.constexpr,
-    TILE_N: tl.constexpr,
-    SLOTS: tl.constexpr,
-    TILES_PAD: tl.constexpr,
-    CHUNK: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    m = tl.program_id(0).to(tl.int64)
-    if tl.load(skip_ptr + m) != 0:
-        return
-    offs_t = tl.arange(0, TILES_PAD)
-    cnt = tl.load(cnt_ptr + m * n_tiles + offs_t, mask=offs_t < n_tiles, other=0)
-    incl = tl.cumsum(cnt, axis=0)
-    total = tl.sum(cnt, axis=0)
-    h_row = h_ptr + m * scratch_stride
-    n_row = n_ptr + m * scratch_stride
-
-    # pass 1: h = g * u for every entry, CHUNK at a time, into the row's scratch (a few hundred bytes)
-    for c0 in range(0, total, CHUNK):
-        e = c0 + tl.arange(0, CHUNK)
-        valid = e < total
-        g, neuron = _row_entries(cnt, incl, e, valid, m, n_tiles, vals_ptr, idx_ptr, TILE_N, SLOTS, TILES_PAD)
-        if HAS_UP:
-            partial = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                k_ok = offs_k < K
-                xv = tl.load(x_ptr + m * stride_xm + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
-                w = tl.load(
-                    wu_ptr + neuron.to(tl.int64)[:, None] * stride_un + offs_k[None, :] * stride_uk,
-                    mask=valid[:, None] & k_ok[None, :],
-                    other=0.0,
-                ).to(tl.float32)
-                partial += w * xv[None, :]
-            u = tl.sum(partial, axis=1)
-            if HAS_UP_BIAS:
-                u += tl.load(bu_ptr + neuron, mask=valid, other=0.0).to(tl.float32)
-            if DRELU:
-                u = tl.where(u <= 0.0, 0.0, u)
-            h = g * u
-        else:
-            h = g
-        tl.store(h_row + e, h, mask=valid)
-        tl.store(n_row + e, neuron, mask=valid)
-    tl.debug_barrier()  # pass 2 reads scratch entries that other threads of this program wrote
-
-    # pass 2: y = sum_e h_e W_d[n_e], one K block at a time
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        # one cross-thread reduction per K block, not per chunk (measured 1.2 TB/s with per-chunk sums)
-        acc = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)
-        for c0 in range(0, total, CHUNK):
-            e = c0 + tl.arange(0, CHUNK)
-            valid = e < total
-            h = tl.load(h_row + e, mask=valid, other=0.0)
-            neuron = tl.load(n_row + e, mask=valid, other=0).to(tl.int64)
-            w = tl.load(
-                wd_ptr + neuron[:, None] * stride_dn + offs_k[None, :] * stride_dk,
-                mask=valid[:, None] & k_ok[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            acc += w * h[:, None]
-        y = tl.sum(acc, axis=0)
-        if HAS_DOWN_BIAS:
-            y += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + m * stride_ym + offs_k * stride_yk, y.to(y_ptr.dtype.element_ty), mask=k_ok)
-
-
 ROWVEC_CONFIGS = [
     # (num_warps, num_stages): the whole K row lives in registers, entries stream one at a time
     (4, 3),
@@ -162,7 +54,7 @@ ROWVEC_CONFIGS = [
     (4, 4),
     (2, 3),
 ]
-ROWVEC_MAX_K = 8192  # x row + y row + two weight rows in registers; wider models use the chunked kernel
+ROWVEC_MAX_K = 8192  # x row + y row + two weight rows live in registers
 
 
 @triton.autotune(
@@ -170,7 +62,7 @@ ROWVEC_MAX_K = 8192  # x row + y row + two weight rows in registers; wider model
     key=["K", "TILE_N", "SLOTS", "HAS_UP"],
 )
 @triton.jit
-def _twell_up_down_rowvec_kernel(
+def _twell_up_down_kernel(
     x_ptr,
     vals_ptr,
     idx_ptr,
@@ -204,8 +96,6 @@ def _twell_up_down_rowvec_kernel(
     CHUNK: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Like the reference CUDA kernel: per entry, the whole W_u and W_d rows are loaded at once (many
-    independent 16-byte loads per thread), and the loop over entries is software-pipelined."""
     m = tl.program_id(0).to(tl.int64)
     if tl.load(skip_ptr + m) != 0:
         return
@@ -264,7 +154,6 @@ def twell_up_down(
     max_entries: int,
     drelu: bool = False,
     out: torch.Tensor | None = None,
-    variant: str = "rowvec",
 ) -> torch.Tensor:
     """y [M, K] from x [M, K] and TwELL arrays; rows with skip[m] != 0 are not written.
 
@@ -275,13 +164,10 @@ def twell_up_down(
     n_tiles, slots = values.shape[1], values.shape[2]
     y = torch.empty_like(x) if out is None else out
     width = max(max_entries, 1)
-    h_scratch = torch.empty(m, width, dtype=torch.float32, device=x.device)
+    g_scratch = torch.empty(m, width, dtype=torch.float32, device=x.device)
     n_scratch = torch.empty(m, width, dtype=torch.int32, device=x.device)
     dummy = x
-    rowvec = variant == "rowvec" and k <= ROWVEC_MAX_K
-    kernel = _twell_up_down_rowvec_kernel if rowvec else _twell_up_down_kernel
-    extra = {"BLOCK_K": triton.next_power_of_2(k)} if rowvec else {}
-    kernel[(m,)](
+    _twell_up_down_kernel[(m,)](
         x,
         values,
         indices,
@@ -292,7 +178,7 @@ def twell_up_down(
         down_weight_t,
         down_bias if down_bias is not None else dummy,
         y,
-        h_scratch,
+        g_scratch,
         n_scratch,
         k,
         n_tiles,
@@ -312,6 +198,6 @@ def twell_up_down(
         SLOTS=slots,
         TILES_PAD=max(triton.next_power_of_2(n_tiles), 2),
         CHUNK=CHUNK,
-        **extra,
+        BLOCK_K=triton.next_power_of_2(k),
     )
     return y
