@@ -17,6 +17,13 @@ def thresholded_relu(v: torch.Tensor, threshold: float) -> torch.Tensor:
     return torch.where(v <= threshold, torch.zeros((), dtype=v.dtype, device=v.device), v)
 
 
+def _thresholded_relu_(v: torch.Tensor, threshold: float) -> torch.Tensor:
+    """In-place thresholded_relu of a fresh buffer (same values, no second [M, N] buffer)."""
+    if threshold == 0.0:
+        return v.relu_()
+    return v.masked_fill_(v <= threshold, 0.0)
+
+
 def gated_ffn(
     x: torch.Tensor,
     gate_weight: torch.Tensor,
@@ -29,11 +36,20 @@ def gated_ffn(
     drelu: bool = False,
 ) -> torch.Tensor:
     """y = down(act(gate(x)) * up(x)); with drelu, ReLU on up(x) too. nn.Linear weight layouts."""
-    hidden = thresholded_relu(F.linear(x, gate_weight, gate_bias), threshold)
+    if torch.is_grad_enabled():
+        hidden = thresholded_relu(F.linear(x, gate_weight, gate_bias), threshold)
+        up = F.linear(x, up_weight, up_bias)
+        if drelu:
+            up = torch.relu(up)
+        return F.linear(hidden * up, down_weight, down_bias)
+    # inference: in place, so at most two [M, N] buffers live at once (eager dense holds three)
+    hidden = _thresholded_relu_(F.linear(x, gate_weight, gate_bias), threshold)
     up = F.linear(x, up_weight, up_bias)
     if drelu:
-        up = torch.relu(up)
-    return F.linear(hidden * up, down_weight, down_bias)
+        up.relu_()
+    hidden.mul_(up)
+    del up
+    return F.linear(hidden, down_weight, down_bias)
 
 
 def ffn(
@@ -46,7 +62,12 @@ def ffn(
     squared: bool = False,
 ) -> torch.Tensor:
     """y = down(act(up(x))); with squared, act is relu² (Primer / Nemotron)."""
-    hidden = thresholded_relu(F.linear(x, up_weight, up_bias), threshold)
+    if torch.is_grad_enabled():
+        hidden = thresholded_relu(F.linear(x, up_weight, up_bias), threshold)
+        if squared:
+            hidden = hidden * hidden
+        return F.linear(hidden, down_weight, down_bias)
+    hidden = _thresholded_relu_(F.linear(x, up_weight, up_bias), threshold)
     if squared:
-        hidden = hidden * hidden
+        hidden.mul_(hidden)
     return F.linear(hidden, down_weight, down_bias)

@@ -1,0 +1,104 @@
+"""torch.ops.twell.*: the functional API, input checks, torch.compile tracing and autograd (CPU)."""
+
+import pytest
+import torch
+from conftest import rel_err
+from ffn_cases import gated_ref, make_ffn, plain_ref
+
+import twell
+
+
+def _gated_args(case):
+    return (case["x"], case["gate_weight"], case["up_weight"], case["down_weight"])
+
+
+@pytest.mark.parametrize("variant", ["relu", "fatrelu", "drelu"])
+def test_gated_op_matches_reference_with_and_without_grad(variant):
+    case = make_ffn(9, 24, 70, [0.0, 0.1, 1.0], torch.float32, biases=True)
+    kwargs = {
+        "gate_bias": case["gate_bias"],
+        "up_bias": case["up_bias"],
+        "down_bias": case["down_bias"],
+        "threshold": 0.05 if variant == "fatrelu" else 0.0,
+        "drelu": variant == "drelu",
+    }
+    with torch.no_grad():  # in-place inference path
+        fast = twell.ops.gated_ffn(*_gated_args(case), **kwargs)
+    with torch.enable_grad():
+        slow = twell.ops.gated_ffn(*_gated_args(case), **kwargs)
+    assert torch.equal(fast, slow)
+    assert rel_err(fast, gated_ref(case, kwargs["threshold"], kwargs["drelu"])) <= 1e-5
+
+
+@pytest.mark.parametrize("squared", [False, True], ids=["relu", "relu2"])
+def test_plain_op_matches_reference(squared):
+    case = make_ffn(5, 16, 40, [0.2], torch.float32, biases=True, gated=False)
+    y = twell.ops.ffn(
+        case["x"],
+        case["up_weight"],
+        case["down_weight"],
+        up_bias=case["up_bias"],
+        down_bias=case["down_bias"],
+        squared=squared,
+    )
+    assert rel_err(y, plain_ref(case, squared=squared)) <= 1e-5
+
+
+def test_leading_dims_and_compile_without_graph_break():
+    case = make_ffn(6, 16, 40, [0.2], torch.float32)
+    x = case["x"].reshape(2, 3, 16)
+
+    def f(x):
+        return twell.ops.gated_ffn(x, case["gate_weight"], case["up_weight"], case["down_weight"]) * 2
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x), f(x))
+    assert f(x).shape == (2, 3, 16)
+
+
+def test_gradients_match_float64_reference():
+    case = make_ffn(7, 16, 40, [0.3], torch.float32, biases=True)
+    leaves = {k: v.clone().requires_grad_() for k, v in case.items()}
+    y = twell.ops.gated_ffn(
+        leaves["x"],
+        leaves["gate_weight"],
+        leaves["up_weight"],
+        leaves["down_weight"],
+        gate_bias=leaves["gate_bias"],
+        up_bias=leaves["up_bias"],
+        down_bias=leaves["down_bias"],
+    )
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    ref_leaves = {k: v.double().requires_grad_() for k, v in case.items()}
+    gated_ref(ref_leaves).backward(grad.double())
+    for name in leaves:
+        assert rel_err(leaves[name].grad, ref_leaves[name].grad) <= 1e-5, name
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        ({"x": torch.randn(3, 15)}, ValueError, r"x must have shape \[\.\.\., 16\]"),
+        ({"up_weight": torch.randn(41, 16)}, ValueError, r"up_weight must have shape \[40, 16\]"),
+        ({"down_weight": torch.randn(40, 16)}, ValueError, r"down_weight must have shape \[16, 40\]"),
+        ({"up_weight": torch.randn(40, 16, dtype=torch.float16)}, TypeError, "up_weight must have the dtype of x"),
+        ({"x": torch.ones(3, 16, dtype=torch.int64)}, TypeError, "x must be float32, float16 or bfloat16"),
+        ({"gate_bias": torch.randn(39)}, ValueError, r"gate_bias must have shape \[40\]"),
+        ({"gate_weight": torch.randn(40)}, ValueError, "gate_weight must be a 2-dim tensor"),
+    ],
+    ids=["x-width", "up-shape", "down-layout", "dtype-mismatch", "int-input", "bias-shape", "gate-rank"],
+)
+def test_bad_input_names_the_tensor(change, error, match):
+    args = {
+        "x": torch.randn(3, 16),
+        "gate_weight": torch.randn(40, 16),
+        "up_weight": torch.randn(40, 16),
+        "down_weight": torch.randn(16, 40),
+        "gate_bias": None,
+    }
+    args.update(change)
+    with pytest.raises(error, match=match):
+        twell.ops.gated_ffn(
+            args["x"], args["gate_weight"], args["up_weight"], args["down_weight"], gate_bias=args["gate_bias"]
+        )
