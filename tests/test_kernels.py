@@ -7,7 +7,7 @@ from ffn_cases import TOL, gated_ref, make_ffn, plain_ref
 
 import twell
 from twell.format import TwELL
-from twell.kernels import dispatch, reference
+from twell.kernels import dispatch, gate, reference
 from twell.kernels.decode import decode_up_down
 from twell.kernels.gate import gate_twell, pack_dense
 from twell.kernels.updown import twell_up_down
@@ -15,6 +15,18 @@ from twell.kernels.updown import twell_up_down
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
 # empty rows, fully dense rows (overflow), typical sparse rows
 MIXED = [0.0, 0.03, 1.0, 0.1, 0.02, 0.5]
+
+
+@pytest.fixture(autouse=True)
+def poisoned_twell_buffers(monkeypatch):
+    """Kernel-allocated TwELL arrays start as NaN / -1, so any element a kernel fails to write shows."""
+    alloc = gate._alloc
+
+    def poisoned(*args):
+        values, indices, counts = alloc(*args)
+        return values.fill_(float("nan")), indices.fill_(-1), counts.fill_(-1)
+
+    monkeypatch.setattr(gate, "_alloc", poisoned)
 
 
 def _twell(values, indices, counts, shape, tile_n):
@@ -58,6 +70,8 @@ def test_gate_twell_packs_the_gate(m, k, n, dtype, bias):
     assert not (counts > 16).any(), "case was built not to overflow"
     assert rel_err(got, ref) <= TOL[dtype]
     assert torch.equal(counts.sum(1).cpu(), (got != 0).sum(1).cpu())
+    padding = torch.arange(16, device=counts.device) >= counts.unsqueeze(-1)
+    assert (values[padding] == 0).all() and (indices[padding] == 0).all(), "slots past the count are zeroed"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
