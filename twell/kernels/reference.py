@@ -17,6 +17,11 @@ def thresholded_relu(v: torch.Tensor, threshold: float) -> torch.Tensor:
     return torch.where(v <= threshold, torch.zeros((), dtype=v.dtype, device=v.device), v)
 
 
+def _records_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd records these ops (in-place updates would then break saved tensors)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _thresholded_relu_(v: torch.Tensor, threshold: float) -> torch.Tensor:
     """In-place thresholded_relu of a fresh buffer (same values, no second [M, N] buffer)."""
     if threshold == 0.0:
@@ -36,13 +41,13 @@ def gated_ffn(
     drelu: bool = False,
 ) -> torch.Tensor:
     """y = down(act(gate(x)) * up(x)); with drelu, ReLU on up(x) too. nn.Linear weight layouts."""
-    if torch.is_grad_enabled():
+    if _records_grad(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias):
         hidden = thresholded_relu(F.linear(x, gate_weight, gate_bias), threshold)
         up = F.linear(x, up_weight, up_bias)
         if drelu:
             up = torch.relu(up)
         return F.linear(hidden * up, down_weight, down_bias)
-    # inference: in place, so at most two [M, N] buffers live at once (eager dense holds three)
+    # no autograd graph: in place, so at most two [M, N] buffers live at once (eager dense holds three)
     hidden = _thresholded_relu_(F.linear(x, gate_weight, gate_bias), threshold)
     up = F.linear(x, up_weight, up_bias)
     if drelu:
@@ -62,7 +67,7 @@ def ffn(
     squared: bool = False,
 ) -> torch.Tensor:
     """y = down(act(up(x))); with squared, act is relu² (Primer / Nemotron)."""
-    if torch.is_grad_enabled():
+    if _records_grad(x, up_weight, down_weight, up_bias, down_bias):
         hidden = thresholded_relu(F.linear(x, up_weight, up_bias), threshold)
         if squared:
             hidden = hidden * hidden
