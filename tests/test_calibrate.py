@@ -204,7 +204,7 @@ def test_layout_choice_and_decision():
     decisions = calibrate(routed, candidates, [{"x": torch.zeros(1)}], config=FAST)
     assert (decisions["blocks.0"].tile_n, decisions["blocks.0"].compression) == (256, 8)
     assert decisions["blocks.0"].rewrite and decisions["blocks.0"].overflow_rows == 0.0
-    assert decisions["blocks.0"].predicted_speedup["prefill"] > 1.5
+    assert decisions["blocks.0"].predicted_speedup["prefill"] > 1.2
     # 40 actives fit the 64 slots of (512, 8) or (256, 4); most compression first, then nearest 256.
     assert (decisions["blocks.1"].tile_n, decisions["blocks.1"].compression) == (512, 8)
     assert decisions["blocks.1"].overflow_rows <= 0.01
@@ -292,13 +292,13 @@ def test_config_and_data_errors():
 # --- cost models ------------------------------------------------------------------------------------
 
 
-def test_analytic_model_reproduces_the_reference_measurements():
-    """PAPER.md, H200, K=2048, N=5632: 28 / 56 / 115 active per row -> 1.65x / 1.19x / 0.74x."""
+def test_analytic_model_reproduces_the_h200_measurements():
+    """benchmarks/NOTES.md, H200, K=2048, N=5632, 131072 tokens: ratio 0.83 at 0.5%, 1.00 at 1% density."""
     model = AnalyticCostModel()
-    for active, speedup in ((28, 1.65), (56, 1.19), (115, 0.74)):
-        ratio = model.time_ratio(kind="gated", m=131072, k=2048, n=5632, density=active / 5632, dtype=torch.bfloat16)
-        assert 1 / ratio == pytest.approx(speedup, rel=0.02)
-    assert model.break_even_density() == pytest.approx(0.0132, abs=5e-4)
+    for density, ratio in ((0.005, 0.83), (0.01, 1.00)):
+        got = model.time_ratio(kind="gated", m=131072, k=2048, n=5632, density=density, dtype=torch.bfloat16)
+        assert got == pytest.approx(ratio, abs=0.01)
+    assert model.break_even_density() == pytest.approx(0.0100, abs=5e-4)
     assert model.break_even_density(1.05) < model.break_even_density()
 
 
@@ -407,7 +407,7 @@ def test_predicted_model_speedup_is_amdahl():
 def calibrated():
     model = Stack(GatedFFN(32, 64, identity_gate=True), GatedFFN(32, 64))
     candidates = [candidate_of(model, 0), candidate_of(model, 1, rewritable=False, reason="shared hidden")]
-    decisions = calibrate(model, candidates, [{"x": sparse_input(40, 32, 0.02)}], config=FAST)
+    decisions = calibrate(model, candidates, [{"x": sparse_input(40, 32, 0.012)}], config=FAST)
     return model, candidates, decisions
 
 

@@ -16,10 +16,10 @@ rows stay under ``max_overflow``; then the cost model's predicted FFN speedup at
 rewrite when it reaches ``min_speedup``. Cost models:
 
 - ``AnalyticCostModel`` (CPU, or no GPU): a documented density threshold. The twell/dense time ratio is
-  ``a + b * density``, fitted to the reference TwELL kernel's H200 measurements in PAPER.md (K=2048,
-  N=5632: 1.65x at 0.50%, 1.19x at 0.99%, 0.74x at 2.04% density; the fit reproduces all three within
-  1%). Break-even is at 1.3% density; with the default ``min_speedup`` of 1.05, layers at or under
-  1.2% are rewritten. On the CPU twell runs plain PyTorch, so this predicts GPU behaviour, not CPU time.
+  ``a + b * density``, fitted to twell's own kernels on an H200 (benchmarks/NOTES.md, K=2048, N=5632,
+  131072 tokens: ratio 0.83 at 0.5% density (mean of two runs, 0.78 and 0.88), 1.00 at 1%). Break-even
+  is at 1.0% density; with the default ``min_speedup`` of 1.05, layers at or under 0.86% are
+  rewritten. On the CPU twell runs plain PyTorch, so this predicts GPU behaviour, not CPU time.
 - ``BenchmarkCostModel`` (CUDA): times dense PyTorch against ``torch.ops.twell.*`` at the layer's shape
   and measured density (synthetic inputs: a gate threshold at the normal quantile that keeps that
   density), cached on disk per GPU name / dtype / shape / density bucket. The timer is injectable, so
@@ -248,15 +248,16 @@ class CostModel(Protocol):
 
 @dataclass
 class AnalyticCostModel:
-    """time ratio = intercept + slope * density: the reference TwELL kernel on an H200 (see module doc).
+    """time ratio = intercept + slope * density: twell's prefill kernels on an H200 (see module doc).
 
-    The intercept is the dense gate GEMM plus fixed overheads (0.364 of the dense FFN), the slope the
-    sparse up/down stage per unit density. Fitted on prefill-sized calls; applied to decode too.
+    The intercept is the dense gate GEMM plus the pack pass and fixed overheads (0.66 of the dense
+    FFN), the slope the sparse up/down stage per unit density. Fitted on prefill-sized calls; applied
+    to decode too.
     """
 
-    intercept: float = 0.364
-    slope: float = 48.3
-    name: str = "analytic (density threshold, reference kernel on H200)"
+    intercept: float = 0.66
+    slope: float = 34.0
+    name: str = "analytic (density threshold, twell kernels on H200)"
 
     def time_ratio(self, *, kind: str, m: int, k: int, n: int, density: float, dtype: torch.dtype) -> float:
         return self.intercept + self.slope * density
