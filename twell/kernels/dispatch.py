@@ -64,7 +64,9 @@ def _run(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, 
     dense_now = _dense_calls_left.get(key, 0) > 0
     if dense_now:
         _dense_calls_left[key] -= 1
-    prefill = PREFILL_MIN_M is not None and m >= PREFILL_MIN_M
+    # the prefill path reads two numbers back to the host, which CUDA-graph capture forbids
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    prefill = PREFILL_MIN_M is not None and m >= PREFILL_MIN_M and not capturing
     if m == 0 or dense_now or (m > DECODE_MAX_M and not prefill) or x2.shape[1] > MAX_K:
         return dense_fn(x2).reshape(shape)
     wd_t = _down_rows(down_weight)
