@@ -25,8 +25,8 @@ def thresholded(h, threshold):
 
 @settings(max_examples=150, deadline=None)
 @given(
-    m=st.integers(1, 40),
-    n=st.integers(1, 300),
+    m=st.integers(0, 40),
+    n=st.integers(0, 300),
     tile_log=st.integers(3, 8),
     comp_log=st.integers(0, 3),
     density=st.sampled_from([0.0, 0.01, 0.1, 0.3, 0.7, 1.0]),
@@ -99,8 +99,9 @@ def test_nbytes_counts_every_array():
         (torch.randn(2, 4), {"tile_n": 0}, ValueError, "positive int"),
         (torch.randn(2, 4), {"tile_n": 65536, "compression": 1}, ValueError, "tile_n must be <="),
         ([[1.0]], {}, TypeError, "torch.Tensor"),
+        (torch.randn(2, 4), {"threshold": float("nan")}, ValueError, "finite"),
     ],
-    ids=["rank1", "rank3", "int-dtype", "indivisible", "zero-tile", "tile-too-wide", "not-a-tensor"],
+    ids=["rank1", "rank3", "int-dtype", "indivisible", "zero-tile", "tile-too-wide", "not-a-tensor", "nan-threshold"],
 )
 def test_bad_input_is_refused(h, kwargs, error, match):
     with pytest.raises(error, match=match):

@@ -6,7 +6,7 @@ from conftest import DEVICE, HAS_CUDA, rel_err
 from ffn_cases import TOL, gated_ref, make_ffn, plain_ref
 
 import twell
-from twell.format import TwELL
+from twell.format import TwELL, kept_mask
 from twell.kernels import dispatch, gate, reference
 from twell.kernels.decode import decode_up_down
 from twell.kernels.gate import gate_twell, pack_dense
@@ -35,25 +35,44 @@ def _twell(values, indices, counts, shape, tile_n):
     return TwELL(values, indices, counts, empty, values.new_empty(0, shape[1]), shape, tile_n)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("square", [False, True], ids=["relu", "relu2"])
 @pytest.mark.parametrize(
     "m,n,tile_n,slots", [(1, 40, 16, 4), (37, 300, 64, 8), (130, 256, 256, 32)], ids=["m1-n40", "m37-n300", "m130-n256"]
 )
-def test_pack_dense_matches_the_spec(m, n, tile_n, slots, square):
+def test_pack_dense_matches_the_spec(m, n, tile_n, slots, square, dtype):
+    """Bit-exact against format.pack, with a threshold (0.3) that fp16/bf16 cannot represent exactly."""
     g = torch.Generator().manual_seed(m * n)
     h = torch.randn(m, n, generator=g)
     h[::3] -= 3.0  # mostly-empty rows
     h[1::5] += 5.0  # fully dense rows: overflow
-    values, indices, counts = pack_dense(h.to(DEVICE), 0.1, tile_n, slots, square=square)
-    spec = twell.pack(
-        torch.where(h > 0.1, h * h, 0.0) if square else h,
-        tile_n=tile_n,
-        compression=tile_n // slots,
-        threshold=0.1 if not square else 0.0,
-    )
+    h = h.to(dtype)
+    h[0, :3] = 0.3  # exactly the rounded threshold: dropped, as torch drops it
+    values, indices, counts = pack_dense(h.to(DEVICE), 0.3, tile_n, slots, square=square)
+    kept = torch.where(kept_mask(h, 0.3), h * h, 0.0) if square else h
+    spec = twell.pack(kept, tile_n=tile_n, compression=tile_n // slots, threshold=0.0 if square else 0.3)
     assert torch.equal(counts.cpu(), spec.counts)
     assert torch.equal(indices.cpu(), spec.indices)
     assert torch.equal(values.cpu(), spec.values)
+
+
+def test_dispatch_reads_strided_biases(sparse_paths):
+    case = make_ffn(300, 40, 96, MIXED, torch.float32, DEVICE, seed=7, biases=True)
+    strided = {k: torch.stack([b, b], 1)[:, 0] for k, b in case.items() if k.endswith("bias")}
+    assert not any(b.is_contiguous() for b in strided.values())
+    for m in (1, 300):  # decode and prefill
+        y = dispatch.gated_ffn(
+            case["x"][:m],
+            case["gate_weight"],
+            case["up_weight"],
+            case["down_weight"],
+            strided["gate_bias"],
+            strided["up_bias"],
+            strided["down_bias"],
+            0.0,
+            False,
+        )
+        assert rel_err(y, gated_ref(case)[:m]) <= 1e-5
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

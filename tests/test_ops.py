@@ -88,8 +88,18 @@ def test_gradients_match_float64_reference():
         ({"x": torch.ones(3, 16, dtype=torch.int64)}, TypeError, "x must be float32, float16 or bfloat16"),
         ({"gate_bias": torch.randn(39)}, ValueError, r"gate_bias must have shape \[40\]"),
         ({"gate_weight": torch.randn(40)}, ValueError, "gate_weight must be a 2-dim tensor"),
+        ({"threshold": float("inf")}, ValueError, "threshold must be a finite float"),
     ],
-    ids=["x-width", "up-shape", "down-layout", "dtype-mismatch", "int-input", "bias-shape", "gate-rank"],
+    ids=[
+        "x-width",
+        "up-shape",
+        "down-layout",
+        "dtype-mismatch",
+        "int-input",
+        "bias-shape",
+        "gate-rank",
+        "inf-threshold",
+    ],
 )
 def test_bad_input_names_the_tensor(change, error, match):
     args = {
@@ -98,9 +108,15 @@ def test_bad_input_names_the_tensor(change, error, match):
         "up_weight": torch.randn(40, 16),
         "down_weight": torch.randn(16, 40),
         "gate_bias": None,
+        "threshold": 0.0,
     }
     args.update(change)
     with pytest.raises(error, match=match):
         twell.ops.gated_ffn(
-            args["x"], args["gate_weight"], args["up_weight"], args["down_weight"], gate_bias=args["gate_bias"]
+            args["x"],
+            args["gate_weight"],
+            args["up_weight"],
+            args["down_weight"],
+            gate_bias=args["gate_bias"],
+            threshold=args["threshold"],
         )

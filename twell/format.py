@@ -21,6 +21,7 @@ it: the dense backup is authoritative. "Kept" means ``not (h <= threshold)``: Re
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -115,6 +116,8 @@ def pack(
     if not h.is_floating_point():
         raise TypeError(f"h must be a floating-point tensor (fp32, fp16, bf16), got {h.dtype}")
     slots = check_layout(tile_n, compression)
+    if not math.isfinite(threshold):
+        raise ValueError(f"threshold must be a finite float, got {threshold}")
     m, n = h.shape
     n_tiles = -(-n // tile_n)
     keep = kept_mask(h, threshold)
@@ -145,7 +148,7 @@ def unpack(t: TwELL) -> torch.Tensor:
     tile_base = (torch.arange(n_tiles, device=out.device) * t.tile_n).view(1, n_tiles, 1)
     cols = (t.indices.long() + tile_base).masked_fill(~valid, 0)
     # Padding slots add an exact 0 to column 0 of their tile; every kept column receives one value.
-    out.scatter_add_(1, cols.view(m, -1), torch.where(valid, t.values, 0).view(m, -1))
+    out.scatter_add_(1, cols.view(m, n_tiles * slots), torch.where(valid, t.values, 0).view(m, n_tiles * slots))
     out = out[:, :n]
     if t.overflow_rows.numel():
         out[t.overflow_rows] = t.dense

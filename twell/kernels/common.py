@@ -44,3 +44,9 @@ def check_tile(tile_n: int, slots: int) -> None:
         raise ValueError(f"the Triton kernels need 16 <= tile_n <= 256, got {tile_n}")
     if slots > tile_n:
         raise ValueError(f"slots must be <= tile_n, got slots={slots}, tile_n={tile_n}")
+
+
+def threshold_in(threshold: float, dtype: torch.dtype) -> float:
+    """The threshold as torch compares it with a `dtype` tensor: rounded to that dtype (bf16(0.1) is
+    0.10009765625), so kernels keep exactly the entries torch's `v <= threshold` drops."""
+    return torch.tensor(float(threshold), dtype=torch.float64).to(dtype).item()

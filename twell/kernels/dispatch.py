@@ -59,6 +59,8 @@ def _run(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, 
     """Shared flow of the gated (up_weight given) and non-gated FFNs; dense_fn(x2d) is the exact fallback."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
+    # the kernels read biases with unit stride
+    gate_bias, up_bias, down_bias = (b.contiguous() if b is not None else None for b in (gate_bias, up_bias, down_bias))
     m = x2.shape[0]
     key = _layer_key(gate_weight, m)
     dense_now = _dense_calls_left.get(key, 0) > 0

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from twell.kernels.common import autotune_configs, check_tile, dot_precision, m_bucket
+from twell.kernels.common import autotune_configs, check_tile, dot_precision, m_bucket, threshold_in
 
 # BLOCK_N is the TwELL tile width: one GEMM tile packs exactly one TwELL tile.
 GATE_CONFIGS = [
@@ -127,6 +127,8 @@ def _gate_twell_kernel(
         b_ptrs += BLOCK_K * stride_wk
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
+    # decide on the value the dense FFN sees: the gate rounded to the output dtype
+    acc = acc.to(vals_ptr.dtype.element_ty).to(tl.float32)
     _pack_tile(acc, offs_m, tile, M, N, threshold, vals_ptr, idx_ptr, cnt_ptr, n_tiles, TILE_N, SLOTS, SQUARE)
 
 
@@ -216,7 +218,7 @@ def gate_twell(
         k,
         m_bucket(m),
         n_tiles,
-        float(threshold),
+        threshold_in(threshold, x.dtype),
         x.stride(0),
         x.stride(1),
         weight.stride(0),
@@ -247,7 +249,7 @@ def pack_dense(h: torch.Tensor, threshold: float, tile_n: int, slots: int, squar
         n,
         m_bucket(m),
         n_tiles,
-        float(threshold),
+        threshold_in(threshold, h.dtype),
         h.stride(0),
         h.stride(1),
         SQUARE=square,

@@ -8,6 +8,7 @@ compiles nothing). Autograd recomputes through the dense reference: exact gradie
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -48,7 +49,13 @@ def check_ffn_inputs(x, weights: dict, biases: dict, hidden: int) -> None:
             raise TypeError(f"{name} must match x ({x.dtype}, {x.device}), got ({b.dtype}, {b.device})")
 
 
-def check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias) -> None:
+def check_threshold(threshold: float) -> None:
+    if not math.isfinite(threshold):
+        raise ValueError(f"threshold must be a finite float, got {threshold}")
+
+
+def check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold) -> None:
+    check_threshold(threshold)
     if not isinstance(gate_weight, torch.Tensor) or gate_weight.dim() != 2:
         raise ValueError("gate_weight must be a 2-dim tensor [N, K] (nn.Linear layout)")
     n, k = gate_weight.shape
@@ -62,7 +69,8 @@ def check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down
         raise ValueError(f"x must have shape [..., {k}] (K of gate_weight), got {list(x.shape)}")
 
 
-def check_plain(x, up_weight, down_weight, up_bias, down_bias) -> None:
+def check_plain(x, up_weight, down_weight, up_bias, down_bias, threshold) -> None:
+    check_threshold(threshold)
     if not isinstance(up_weight, torch.Tensor) or up_weight.dim() != 2:
         raise ValueError("up_weight must be a 2-dim tensor [N, K] (nn.Linear layout)")
     n, k = up_weight.shape
@@ -88,13 +96,13 @@ def gated_ffn(
     threshold: float,
     drelu: bool,
 ) -> torch.Tensor:
-    check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
+    check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold)
     return reference.gated_ffn(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu)
 
 
 @gated_ffn.register_fake
 def _(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu):
-    check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
+    check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold)
     return x.new_empty(x.shape)
 
 
@@ -102,7 +110,7 @@ def _(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, thr
 def _(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu):
     from twell.kernels import dispatch
 
-    check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
+    check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold)
     return dispatch.gated_ffn(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu)
 
 
@@ -116,13 +124,13 @@ def ffn(
     threshold: float,
     squared: bool,
 ) -> torch.Tensor:
-    check_plain(x, up_weight, down_weight, up_bias, down_bias)
+    check_plain(x, up_weight, down_weight, up_bias, down_bias, threshold)
     return reference.ffn(x, up_weight, down_weight, up_bias, down_bias, threshold, squared)
 
 
 @ffn.register_fake
 def _(x, up_weight, down_weight, up_bias, down_bias, threshold, squared):
-    check_plain(x, up_weight, down_weight, up_bias, down_bias)
+    check_plain(x, up_weight, down_weight, up_bias, down_bias, threshold)
     return x.new_empty(x.shape)
 
 
@@ -130,7 +138,7 @@ def _(x, up_weight, down_weight, up_bias, down_bias, threshold, squared):
 def _(x, up_weight, down_weight, up_bias, down_bias, threshold, squared):
     from twell.kernels import dispatch
 
-    check_plain(x, up_weight, down_weight, up_bias, down_bias)
+    check_plain(x, up_weight, down_weight, up_bias, down_bias, threshold)
     return dispatch.ffn(x, up_weight, down_weight, up_bias, down_bias, threshold, squared)
 
 
