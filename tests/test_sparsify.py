@@ -270,3 +270,50 @@ def test_errors(tmp_path):
     with pytest.raises(ValueError, match="no decisions to save"):
         twell.save_plan(twell.sparsify(model), tmp_path / "plan.json")
     assert twell.restore(build("llama")) is not None  # nothing to restore: unchanged
+
+
+class _HandMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up, self.down = torch.nn.Linear(16, 48), torch.nn.Linear(16, 48), torch.nn.Linear(48, 16)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.gate(x)) * self.up(x))
+
+
+class _InlineBlock(torch.nn.Module):  # the FFN written inline, as OPT's decoder layer does
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = torch.nn.Linear(16, 48), torch.nn.ReLU(), torch.nn.Linear(48, 16)
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(x)))
+
+
+@pytest.mark.parametrize("module", [_HandMLP, _InlineBlock], ids=["module", "inline"])
+def test_autocast_and_mixed_dtypes_run_like_the_original(module):
+    """A bf16 activation reaching fp32 weights under autocast: the op (one dtype) cannot take it, so
+    the rewritten FFN computes as the original linears do."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(module()).eval()
+    x = torch.randn(5, 16, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        expected = model(x)
+        twell.sparsify(model)
+        assert any(r.rewritten for r in twell.report(model).records)
+        got = model(x)
+    assert torch.equal(got, expected)
+
+
+def test_hook_added_after_sparsify_takes_effect():
+    model = build("llama")
+    ids = token_ids()
+    twell.sparsify(model)
+    before = logits(model, ids)
+    handle = model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, out: out * 0)
+    hooked = logits(model, ids)
+    handle.remove()
+    twell.restore(model)
+    model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, out: out * 0)
+    assert not torch.allclose(hooked, before)
+    assert torch.allclose(hooked, logits(model, ids), atol=1e-5)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from twell import ops
@@ -88,6 +89,33 @@ _FORWARD_HOOKS = (
 )
 
 
+def dense_ffn(spec: FFNSpec, gate: nn.Module, up: nn.Module | None, down: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """run_ffn's function in plain torch ops, for calls the op cannot take (autocast, mixed dtypes):
+    F.linear follows autocast as the original linears did; kept means not (v <= threshold)."""
+    gate_weight, gate_bias = _rows(gate, spec.gate_rows)
+    hidden = F.linear(x, gate_weight, gate_bias)
+    hidden = hidden.masked_fill(hidden <= spec.threshold, 0.0)
+    if spec.kind == "plain":
+        return F.linear(hidden * hidden if spec.squared else hidden, down.weight, down.bias)
+    up_weight, up_bias = _rows(up, spec.up_rows)
+    up_out = F.linear(x, up_weight, up_bias)
+    return F.linear(hidden * (torch.relu(up_out) if spec.drelu else up_out), down.weight, down.bias)
+
+
+def _plain_linear(m: nn.Module) -> bool:
+    """An nn.Linear whose call is exactly F.linear: no subclass forward, instance forward or hooks."""
+    return (
+        type(m).forward is nn.Linear.forward
+        and "forward" not in m.__dict__
+        and not any(getattr(m, hooks) for hooks in _FORWARD_HOOKS)
+    )
+
+
+def _op_dtype(x: torch.Tensor, linear: nn.Module) -> bool:
+    """The op computes in x's dtype: only valid when the weights share it and autocast is off."""
+    return x.dtype == linear.weight.dtype and not torch.is_autocast_enabled(x.device.type)
+
+
 class _StandIn(nn.Module):
     """Holds the original's parameters, buffers and children (same objects, same names)."""
 
@@ -139,11 +167,11 @@ class SparseFFN(_StandIn):
         gate, down = getattr(self, spec.gate), getattr(self, spec.down)
         up = getattr(self, spec.up) if spec.up is not None else None
         # Calls the ops cannot express run the original forward: extra arguments (another code path
-        # than the one matched), dropout in training mode, and linears replaced since (e.g. by LoRA
-        # adapters, whose extra terms the op would drop). Its forward, not its __call__: the hooks
-        # (shared) have run for this call already.
-        exact = all(type(m).forward is nn.Linear.forward for m in (gate, up, down) if m is not None)
-        if x is None or (spec.dropout and self.training) or not exact:
+        # than the one matched), dropout in training mode, linears replaced, hooked or given an
+        # instance forward since (LoRA adapters, offloading hooks), autocast or mixed dtypes. Its
+        # forward, not its __call__: the hooks (shared) have run for this call already.
+        exact = all(_plain_linear(m) for m in (gate, up, down) if m is not None)
+        if x is None or (spec.dropout and self.training) or not exact or not _op_dtype(x, gate):
             return self.sync_original().forward(*args, **kwargs)
         return run_ffn(spec, gate, up, down, x)
 
@@ -185,7 +213,10 @@ class InlineFFN(_StandIn):
         self.__dict__["up"] = up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return run_ffn(self.spec, self.__dict__["gate"], self.__dict__["up"], self, x)
+        gate, up = self.__dict__["gate"], self.__dict__["up"]
+        if not _op_dtype(x, gate):
+            return dense_ffn(self.spec, gate, up, self, x)
+        return run_ffn(self.spec, gate, up, self, x)
 
     def extra_repr(self) -> str:
         return f"twell inline {self.spec.kind}, threshold={self.spec.threshold}, drelu={self.spec.drelu}"
