@@ -27,7 +27,7 @@ import triton
 from triton.testing import do_bench
 
 import twell
-from twell.kernels import dispatch, reference
+from twell.kernels import dispatch, policy, reference
 from twell.kernels.gate import gate_twell, pack_dense
 from twell.kernels.updown import twell_up_down
 
@@ -53,7 +53,9 @@ def make_inputs(m, k, n, density, pattern, seed=0, dtype=torch.bfloat16):
     sigma = w_gate.norm(dim=1)
     shift = -sigma * normal.icdf((1 - rates).clamp(1e-7, 1 - 1e-7))
     shift[rates == 0] = -50.0 * sigma[rates == 0]
-    # store down_weight transposed (a [K, N] view of an [N, K] buffer): the layout twell's rewrite keeps
+    # down_weight stored transposed (a [K, N] view of an [N, K] buffer), so the timing leaves out the
+    # per-call transposed copy the dispatcher makes of an nn.Linear-layout weight (K*N elements, ~10 us
+    # at K=2048, N=5632; what sparsify's modules pay today)
     w_down_t = w_down.t().contiguous()
     return {
         "x": x.to(dtype),
@@ -141,36 +143,36 @@ def bench_point(k, n, m, density, pattern, compiled) -> dict:
         "rel_err": err,
         "dense_peak_mb": peak_mb(lambda: dense_ffn(**inp)),
         "twell_peak_mb": peak_mb(lambda: twell_ffn(**inp)),
-        "path": "decode" if m <= dispatch.DECODE_MAX_M else "prefill",
+        "path": policy.route(m, k),
         "dense_after": bool(dispatch._dense_calls_left),
     }
     # every path the dispatcher can take, forced, to set its thresholds from data
     for path, (decode_max, prefill_min) in {"decode": (1 << 30, 1 << 31), "prefill": (0, 1)}.items():
         if (path == "decode" and m > 1024) or (path == "prefill" and m < 128):
             continue
-        saved = dispatch.DECODE_MAX_M, dispatch.PREFILL_MIN_M
-        dispatch.DECODE_MAX_M, dispatch.PREFILL_MIN_M = decode_max, prefill_min
+        saved = policy.DECODE_MAX_M, policy.PREFILL_MIN_M
+        policy.DECODE_MAX_M, policy.PREFILL_MIN_M = decode_max, prefill_min
         try:
             dispatch._dense_calls_left.clear()
             row[f"{path}_err"] = rel_err_sample(twell_ffn(**inp), inp)
             dispatch._dense_calls_left.clear()
             row[f"{path}_ms"] = timed(lambda: twell_ffn(**inp), graph and path == "decode")  # prefill syncs
         finally:
-            dispatch.DECODE_MAX_M, dispatch.PREFILL_MIN_M = saved
+            policy.DECODE_MAX_M, policy.PREFILL_MIN_M = saved
     if m >= 8192:  # stage breakdown of the prefill path
         x, wg, bg = inp["x"], inp["gate_weight"], inp["gate_bias"]
-        slots = dispatch.SLOTS
+        slots = policy.SLOTS
         row["cublas_gate_ms"] = do_bench(lambda: F.linear(x, wg, bg), return_mode="median")
         pre = F.linear(x, wg, bg)
-        row["pack_ms"] = do_bench(lambda: pack_dense(pre, 0.0, dispatch.TILE_N, slots), return_mode="median")
+        row["pack_ms"] = do_bench(lambda: pack_dense(pre, 0.0, policy.TILE_N, slots), return_mode="median")
         del pre
         for tile_n in (256, 128):
             row[f"fused_gate{tile_n}_ms"] = do_bench(
                 lambda t=tile_n: gate_twell(x, wg, bg, 0.0, t, t // 8), return_mode="median"
             )
-        values, indices, counts = gate_twell(x, wg, bg, 0.0, dispatch.TILE_N, slots)
+        values, indices, counts = gate_twell(x, wg, bg, 0.0, policy.TILE_N, slots)
         per_row = counts.sum(1)
-        skip = ((counts > slots).any(1) | (per_row > dispatch.entries_cap(n))).to(torch.int8)
+        skip = ((counts > slots).any(1) | (per_row > policy.entries_cap(n))).to(torch.int8)
         max_entries = int(torch.where(skip.bool(), 0, per_row).max())
         wd_t = inp["down_weight"].t()
         row["updown_ms"] = do_bench(
@@ -184,7 +186,7 @@ def bench_point(k, n, m, density, pattern, compiled) -> dict:
                 None,
                 wd_t,
                 None,
-                tile_n=dispatch.TILE_N,
+                tile_n=policy.TILE_N,
                 max_entries=max_entries,
             ),
             return_mode="median",

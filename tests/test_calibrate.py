@@ -25,6 +25,7 @@ from twell.calibrate import (
     predicted_model_speedup,
     save_plan,
 )
+from twell.kernels import policy
 
 
 @dataclass
@@ -351,7 +352,7 @@ def test_benchmark_tokens_sets_the_prefill_shape():
     model = Stack(GatedFFN(32, 64, identity_gate=True))
     batches = [{"x": sparse_input(3 * 7, 32, 0.02).view(3, 7, 32)}, {"x": torch.ones(5, 1, 32)}]
     calibrate(model, [candidate_of(model, 0)], batches, config={**FAST, "cost_model": Recording(0.5)})
-    assert seen == [(21, 32, 64, "gated"), (5, 32, 64, "gated")]
+    assert seen == [(policy.PREFILL_MIN_M, 32, 64, "gated"), (5, 32, 64, "gated")]  # prefill at serving size
     seen.clear()
     config = {**FAST, "cost_model": Recording(0.5), "benchmark_tokens": 8192}
     calibrate(model, [candidate_of(model, 0)], batches, config=config)

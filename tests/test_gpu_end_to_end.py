@@ -7,15 +7,15 @@ import torch
 from conftest import rel_err
 
 import twell
-from twell.kernels import dispatch
+from twell.kernels import dispatch, policy
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 300], ids=["decode", "prefill"])
 def test_sparsified_llama_matches_on_gpu(monkeypatch, tokens):
     transformers = pytest.importorskip("transformers")
-    monkeypatch.setattr(dispatch, "DECODE_MAX_M", 64)
-    monkeypatch.setattr(dispatch, "PREFILL_MIN_M", 65)
+    monkeypatch.setattr(policy, "DECODE_MAX_M", 64)
+    monkeypatch.setattr(policy, "PREFILL_MIN_M", 65)
     dispatch._dense_calls_left.clear()
     calls = []
     monkeypatch.setattr(dispatch, "decode_up_down", lambda *a, **k: calls.append("decode") or decode(*a, **k))

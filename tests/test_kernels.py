@@ -7,7 +7,7 @@ from ffn_cases import TOL, gated_ref, make_ffn, plain_ref
 
 import twell
 from twell.format import TwELL, kept_mask
-from twell.kernels import dispatch, gate, reference
+from twell.kernels import dispatch, gate, policy, reference
 from twell.kernels.decode import decode_up_down
 from twell.kernels.gate import gate_twell, pack_dense
 from twell.kernels.updown import twell_up_down
@@ -153,8 +153,8 @@ def test_decode_matches_reference(m, k, n, dtype, variant):
 @pytest.fixture
 def sparse_paths(monkeypatch):
     """Route calls to the kernels whatever the measured defaults: decode up to 256 tokens, prefill above."""
-    monkeypatch.setattr(dispatch, "DECODE_MAX_M", 256)
-    monkeypatch.setattr(dispatch, "PREFILL_MIN_M", 257)
+    monkeypatch.setattr(policy, "DECODE_MAX_M", 256)
+    monkeypatch.setattr(policy, "PREFILL_MIN_M", 257)
     dispatch._dense_calls_left.clear()
 
 
@@ -196,9 +196,9 @@ def test_dense_layers_fall_back_to_dense(sparse_paths):
     case = make_ffn(300, 24, 64, [0.5], torch.float32, DEVICE, seed=3)
     args = (case["gate_weight"], case["up_weight"], case["down_weight"], None, None, None, 0.0, False)
     first = dispatch.gated_ffn(case["x"], *args)
-    assert list(dispatch._dense_calls_left.values()) == [dispatch.DENSE_RETRY]
+    assert list(dispatch._dense_calls_left.values()) == [policy.DENSE_RETRY]
     second = dispatch.gated_ffn(case["x"], *args)
-    assert list(dispatch._dense_calls_left.values()) == [dispatch.DENSE_RETRY - 1]
+    assert list(dispatch._dense_calls_left.values()) == [policy.DENSE_RETRY - 1]
     ref = gated_ref(case)
     assert rel_err(first, ref) <= 1e-5 and rel_err(second, ref) <= 1e-5
 

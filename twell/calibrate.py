@@ -15,11 +15,14 @@ Decision, per layer: the TwELL layout (tile width, compression) with the fewest 
 rows stay under ``max_overflow``; then the cost model's predicted FFN speedup at the measured density;
 rewrite when it reaches ``min_speedup``. Cost models:
 
-- ``AnalyticCostModel`` (CPU, or no GPU): a documented density threshold. The twell/dense time ratio is
-  ``a + b * density``, fitted to twell's own kernels on an H200 (benchmarks/NOTES.md, K=2048, N=5632,
-  131072 tokens: ratio 0.83 at 0.5% density (mean of two runs, 0.78 and 0.88), 1.00 at 1%). Break-even
-  is at 1.0% density; with the default ``min_speedup`` of 1.05, layers at or under 0.86% are
-  rewritten. On the CPU twell runs plain PyTorch, so this predicts GPU behaviour, not CPU time.
+- ``AnalyticCostModel`` (CPU, or no GPU): a documented density threshold. Calls the dispatcher runs
+  dense (twell.kernels.policy: too few tokens, decode, K too wide, density past DENSE_ABOVE = 0.8%)
+  have ratio 1. Otherwise the twell/dense time ratio is ``a + b * density``, fitted to twell's own
+  kernels on an H200 (benchmarks/NOTES.md, K=2048, N=5632, 131072 tokens: ratio 0.83 at 0.5% density,
+  mean of two timings 0.78 and 0.88; 1.00 at 1%). The fit is for K=2048: at K=4096, N=14336 the
+  measured ratio at 0.5% is 0.95 (1.05x), so it is optimistic for wider models. With the default
+  ``min_speedup`` of 1.05, prefill-dominated layers at or under 0.8% are rewritten. On the CPU twell
+  runs plain PyTorch, so this predicts GPU behaviour, not CPU time.
 - ``BenchmarkCostModel`` (CUDA): times dense PyTorch against ``torch.ops.twell.*`` at the layer's shape
   and measured density (synthetic inputs: a gate threshold at the normal quantile that keeps that
   density), cached on disk per GPU name / dtype / shape / density bucket. The timer is injectable, so
@@ -44,6 +47,7 @@ from typing import Any, Protocol
 import torch
 
 from twell.format import DEFAULT_TILE_N, check_layout, kept_mask
+from twell.kernels import policy
 
 PLAN_FORMAT = "twell-plan"
 PLAN_VERSION = 1
@@ -66,7 +70,8 @@ class CalibrationConfig:
     timing_repeats: repetitions (best of) when timing the model and each FFN on the first batch, for the
         FFN share of model time; 0 disables.
     benchmark_tokens: tokens per call (M) at which the cost model predicts prefill calls; None: the
-        median of the calibration's own calls (serving batches are often larger than calibration's).
+        median of the calibration's own calls, raised to the size from which twell's prefill kernels
+        run (twell.kernels.policy.PREFILL_MIN_M: serving prefills are larger than calibration's).
     cost_model: "auto" (benchmark on CUDA, analytic elsewhere), "analytic", "benchmark", or an object
         with ``name`` and ``time_ratio(...)`` (see CostModel).
     cache_dir: where the benchmark cost model keeps its timings (default: $TWELL_CACHE_DIR, else
@@ -260,6 +265,9 @@ class AnalyticCostModel:
     name: str = "analytic (density threshold, twell kernels on H200)"
 
     def time_ratio(self, *, kind: str, m: int, k: int, n: int, density: float, dtype: torch.dtype) -> float:
+        # calls the dispatcher sends to the dense route cost what dense costs (eager parity, measured)
+        if policy.route(m, k) != "prefill" or density > policy.DENSE_ABOVE:
+            return 1.0
         return self.intercept + self.slope * density
 
     def break_even_density(self, speedup: float = 1.0) -> float:
@@ -494,7 +502,7 @@ def _decide(candidate, recorder: _LayerRecorder, cfg: CalibrationConfig, cost: C
         stats = decision.stats[phase]
         ratio = cost.time_ratio(
             kind=candidate.kind,
-            m=cfg.benchmark_tokens if phase == "prefill" and cfg.benchmark_tokens else stats["rows_per_call_median"],
+            m=_predicted_tokens(cfg, phase, stats["rows_per_call_median"]),
             k=decision.model_size,
             n=decision.hidden_size,
             density=stats["density"],
@@ -512,6 +520,15 @@ def _decide(candidate, recorder: _LayerRecorder, cfg: CalibrationConfig, cost: C
         f"{speedup:.2f}x (rewrite from {cfg.min_speedup:.2f}x)"
     )
     return decision
+
+
+def _predicted_tokens(cfg: CalibrationConfig, phase: str, observed: int) -> int:
+    """Tokens per call the cost model predicts for: decode as observed; prefill at benchmark_tokens,
+    else at least the size from which the prefill kernels run (calibration batches are smaller than
+    serving prefills)."""
+    if phase != "prefill":
+        return observed
+    return cfg.benchmark_tokens or max(observed, policy.PREFILL_MIN_M or 0)
 
 
 def predicted_model_speedup(decisions: Mapping[str, Decision], phase: str = "prefill") -> dict:

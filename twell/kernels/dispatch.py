@@ -1,5 +1,6 @@
 """Per-call choice of path on CUDA: decode kernels, TwELL prefill kernels, or dense.
 
+Thresholds and layout live in twell.kernels.policy.
 - M <= DECODE_MAX_M tokens: dense gate + decode kernels (read only active rows of W_u / W_d; no host
   synchronisation, so CUDA graphs can capture it).
 - M >= PREFILL_MIN_M: gate packed to TwELL (GATE_ROUTE: cuBLAS GEMM + pack kernel, or the Triton GEMM
@@ -16,30 +17,10 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from twell.kernels import reference
+from twell.kernels import policy, reference
 from twell.kernels.decode import decode_up_down
 from twell.kernels.gate import gate_twell, pack_dense
-from twell.kernels.updown import ROWVEC_MAX_K, twell_up_down
-
-TILE_N = 256
-SLOTS = 32  # compression 8, as the reference code
-# Path thresholds, measured on an H200 (benchmarks/NOTES.md): prefill wins from tens of thousands of
-# tokens at <= ~0.5% density (1.25x at K=2048, M=131072); decode loses to dense at K=2048 (0.94x at M=1)
-# and is not enabled by default. Tests and benchmarks set these to route calls to the kernels.
-DECODE_MAX_M = 0
-PREFILL_MIN_M: int | None = 32768
-MAX_K = ROWVEC_MAX_K  # wider models run dense: the up+down kernel keeps a whole row in registers
-GATE_ROUTE = "cublas"  # "fused": Triton GEMM with packing epilogue, 2.2-4.8x slower than cuBLAS so far
-DENSE_ABOVE = 0.008  # mean density above which sparse loses to dense: 1.25x at 0.5%, 0.9x at 1% (NOTES.md)
-DENSE_RETRY = 64
-
-
-def entries_cap(n: int) -> int:
-    """Entries past which a row is cheaper in the dense batch: a dense row costs 6KN FLOPs (~650 TFLOP/s),
-    a sparse one 4K bytes of weight rows per entry (~8 TB/s measured), so the cap is ~N/54 (~104 at
-    N=5632, where 128 measured about even)."""
-    return max(32, n // 48)
-
+from twell.kernels.updown import twell_up_down
 
 # layer key -> calls left to run dense
 _dense_calls_left: dict[tuple, int] = {}
@@ -66,14 +47,12 @@ def _run(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, 
     dense_now = _dense_calls_left.get(key, 0) > 0
     if dense_now:
         _dense_calls_left[key] -= 1
-    # the prefill path reads two numbers back to the host, which CUDA-graph capture forbids
-    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    prefill = PREFILL_MIN_M is not None and m >= PREFILL_MIN_M and not capturing
-    if m == 0 or dense_now or (m > DECODE_MAX_M and not prefill) or x2.shape[1] > MAX_K:
+    path = policy.route(m, x2.shape[1], capturing=x.is_cuda and torch.cuda.is_current_stream_capturing())
+    if dense_now or path == "dense":
         return dense_fn(x2).reshape(shape)
     wd_t = _down_rows(down_weight)
 
-    if m <= DECODE_MAX_M:
+    if path == "decode":
         hidden = reference.thresholded_relu(F.linear(x2, gate_weight, gate_bias), threshold)
         if square:
             hidden = hidden * hidden
@@ -83,15 +62,16 @@ def _run(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, 
         return y.to(x.dtype).reshape(shape)
 
     n = gate_weight.shape[0]
-    if GATE_ROUTE == "fused":
-        values, indices, counts = gate_twell(x2, gate_weight, gate_bias, threshold, TILE_N, SLOTS, square=square)
+    tile_n, slots = policy.TILE_N, policy.SLOTS
+    if policy.GATE_ROUTE == "fused":
+        values, indices, counts = gate_twell(x2, gate_weight, gate_bias, threshold, tile_n, slots, square=square)
     else:
         pre = F.linear(x2, gate_weight, gate_bias)
-        values, indices, counts = pack_dense(pre, threshold, TILE_N, SLOTS, square=square)
+        values, indices, counts = pack_dense(pre, threshold, tile_n, slots, square=square)
         del pre
     per_row = counts.sum(1)
-    entries_max = min(entries_cap(n), counts.shape[1] * SLOTS)
-    skip = (counts > SLOTS).any(1) | (per_row > entries_max)
+    entries_max = min(policy.entries_cap(n), counts.shape[1] * slots)
+    skip = (counts > slots).any(1) | (per_row > entries_max)
     # The host needs two numbers (rows left to the dense path, total density). Copy them out before the
     # up+down kernel is queued and wait only for that copy: the GPU stays busy meanwhile.
     stats = torch.stack([skip.sum(), per_row.sum()])
@@ -110,15 +90,15 @@ def _run(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, 
         up_bias,
         wd_t,
         down_bias,
-        tile_n=TILE_N,
+        tile_n=tile_n,
         max_entries=entries_max,
         drelu=drelu,
     )
     if ready is not None:
         ready.synchronize()
     n_skip, total = stats.tolist()
-    if total > DENSE_ABOVE * m * n:
-        _dense_calls_left[key] = DENSE_RETRY
+    if total > policy.DENSE_ABOVE * m * n:
+        _dense_calls_left[key] = policy.DENSE_RETRY
     if n_skip:
         rows = torch.nonzero(skip).flatten()
         y[rows] = dense_fn(x2[rows])

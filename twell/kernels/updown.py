@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from twell.kernels import policy
 from twell.kernels.common import interpreting
 
 CHUNK = 16  # entries flattened at a time
@@ -54,7 +55,6 @@ ROWVEC_CONFIGS = [
     (4, 4),
     (2, 3),
 ]
-ROWVEC_MAX_K = 8192  # x row + y row + two weight rows live in registers
 
 
 @triton.autotune(
@@ -158,9 +158,12 @@ def twell_up_down(
     """y [M, K] from x [M, K] and TwELL arrays; rows with skip[m] != 0 are not written.
 
     up_weight: [N, K] or None (non-gated: h = gate values); down_weight_t: [N, K] (= down_weight.t()).
-    max_entries: >= the largest entry count among rows not skipped (sizes the per-row scratch).
+    max_entries: >= the largest entry count among rows not skipped (sizes the per-row scratch; the
+    dispatcher skips every row past it). K <= policy.MAX_K: whole rows are held in registers.
     """
     m, k = x.shape
+    if k > policy.MAX_K:
+        raise ValueError(f"twell_up_down needs K <= {policy.MAX_K} (rows live in registers), got K={k}")
     n_tiles, slots = values.shape[1], values.shape[2]
     y = torch.empty_like(x) if out is None else out
     width = max(max_entries, 1)
