@@ -509,3 +509,22 @@ def test_decode_steps_on_a_hugging_face_model(with_mask):
         assert 0 < decision.time_share["prefill"] < 1 and 0 < decision.time_share["decode"] < 1
     no_decode = calibrate(model, candidates, [batch], config={**FAST, "decode_steps": 0})
     assert all("decode" not in d.stats for d in no_decode.values())
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        ({"min_speedup": "1.1"}, "min_speedup must be a number"),
+        ({"min_speedup": float("nan")}, "positive finite"),
+        ({"tile_widths": 256}, "tile_widths must be a sequence"),
+        ({"cost_model": "analytical"}, "cost_model must be"),
+    ],
+    ids=["speedup-string", "speedup-nan", "tile-widths-int", "cost-model-typo"],
+)
+def test_bad_config_fails_before_the_model_runs(config, match):
+    calls = []
+    model = Stack(GatedFFN(32, 64, identity_gate=True))
+    model.register_forward_pre_hook(lambda *_: calls.append(1))
+    with pytest.raises(ValueError, match=match):
+        calibrate(model, [candidate_of(model, 0)], [{"x": sparse_input(4, 32, 0.02)}], config={**FAST, **config})
+    assert not calls

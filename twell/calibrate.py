@@ -104,7 +104,15 @@ class CalibrationConfig:
             cfg = cls(**config)
         else:
             raise TypeError(f"config must be a CalibrationConfig, a dict or None, got {type(config).__name__}")
+        for name in ("tile_widths", "compressions"):
+            values = getattr(cfg, name)
+            if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+                raise ValueError(f"{name} must be a sequence of ints, got {values!r}")
         cfg.layouts()
+        if isinstance(cfg.min_speedup, bool) or not isinstance(cfg.min_speedup, (int, float)):
+            raise ValueError(f"min_speedup must be a number, got {cfg.min_speedup!r}")
+        if not math.isfinite(cfg.min_speedup) or cfg.min_speedup <= 0:
+            raise ValueError(f"min_speedup must be a positive finite number, got {cfg.min_speedup!r}")
         if not 0.0 <= cfg.max_overflow < 1.0:
             raise ValueError(f"max_overflow must be in [0, 1), got {cfg.max_overflow}")
         for name in ("decode_steps", "timing_repeats"):
@@ -740,6 +748,8 @@ def calibrate(model: torch.nn.Module, candidates, data, *, config=None) -> dict[
         raise ValueError("calibration data is empty: give at least one batch")
 
     measured = [c for c in candidates if c.rewritable]
+    # resolved before the model runs, so a bad cost_model fails fast
+    cost = resolve_cost_model(cfg.cost_model, device, cfg.cache_dir) if measured else AnalyticCostModel()
     driver = {"phase": "prefill"}
     recorders = {c.path: _LayerRecorder(c, cfg, driver) for c in measured}
     was_training = model.training
@@ -761,7 +771,6 @@ def calibrate(model: torch.nn.Module, candidates, data, *, config=None) -> dict[
     finally:
         model.train(was_training)
 
-    cost = resolve_cost_model(cfg.cost_model, device, cfg.cache_dir) if measured else AnalyticCostModel()
     decisions = {}
     for c in candidates:
         if c.rewritable:

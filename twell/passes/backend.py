@@ -127,7 +127,11 @@ def twell_backend(gm: fx.GraphModule, example_inputs, **kwargs):
     return compile_fx(gm, example_inputs, config_patches=options or None)
 
 
-_SOURCES = tuple(str(Path(__file__).with_name(name)) for name in ("backend.py", "match.py"))
+# What the rewritten graph depends on: the pass, and the op schemas it emits.
+_SOURCES = (
+    *(str(Path(__file__).with_name(name)) for name in ("backend.py", "match.py")),
+    str(Path(__file__).parent.parent / "kernels" / "ops.py"),
+)
 
 
 class TwellInductorPass(CustomGraphPass):
