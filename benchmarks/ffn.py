@@ -144,7 +144,7 @@ def bench_point(k, n, m, density, pattern, compiled) -> dict:
         "dense_peak_mb": peak_mb(lambda: dense_ffn(**inp)),
         "twell_peak_mb": peak_mb(lambda: twell_ffn(**inp)),
         "path": policy.route(m, k),
-        "dense_after": bool(dispatch._dense_calls_left),
+        "dense_after": any(v for d in dispatch._dense_calls_left.values() for v in d.values()),
     }
     # every path the dispatcher can take, forced, to set its thresholds from data
     for path, (decode_max, prefill_min) in {"decode": (1 << 30, 1 << 31), "prefill": (0, 1)}.items():

@@ -1,5 +1,7 @@
 """Triton kernels against float64 references (CPU: Triton's interpreter, fp32/fp16; GPU: bf16 too)."""
 
+import gc
+
 import pytest
 import torch
 from conftest import DEVICE, HAS_CUDA, rel_err
@@ -196,9 +198,9 @@ def test_dense_layers_fall_back_to_dense(sparse_paths):
     case = make_ffn(300, 24, 64, [0.5], torch.float32, DEVICE, seed=3)
     args = (case["gate_weight"], case["up_weight"], case["down_weight"], None, None, None, 0.0, False)
     first = dispatch.gated_ffn(case["x"], *args)
-    assert list(dispatch._dense_calls_left.values()) == [policy.DENSE_RETRY]
+    assert [v for d in dispatch._dense_calls_left.values() for v in d.values()] == [policy.DENSE_RETRY]
     second = dispatch.gated_ffn(case["x"], *args)
-    assert list(dispatch._dense_calls_left.values()) == [policy.DENSE_RETRY - 1]
+    assert [v for d in dispatch._dense_calls_left.values() for v in d.values()] == [policy.DENSE_RETRY - 1]
     ref = gated_ref(case)
     assert rel_err(first, ref) <= 1e-5 and rel_err(second, ref) <= 1e-5
 
@@ -210,3 +212,15 @@ def test_default_dispatch_runs_dense_where_kernels_lose():
         case = make_ffn(m, 24, 64, [0.05], torch.float32, DEVICE, seed=m)
         args = (case["gate_weight"], case["up_weight"], case["down_weight"], None, None, None, 0.0, False)
         assert torch.equal(dispatch.gated_ffn(case["x"], *args), reference.gated_ffn(case["x"], *args))
+
+
+def test_dense_streaks_go_with_their_weight():
+    """Per-layer dense state is dropped when the weight is freed (no leak, no inheritance by address)."""
+    dispatch._dense_calls_left.clear()
+    weight = torch.nn.Parameter(torch.randn(8, 4))
+    streaks, key = dispatch._streaks(weight[2:6], 300)  # a view (fused gate_up rows) keys by its base
+    streaks[key] = 5
+    assert dispatch._streaks(weight[2:6], 300) == (streaks, key)
+    del weight, streaks
+    gc.collect()
+    assert not dispatch._dense_calls_left

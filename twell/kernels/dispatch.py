@@ -13,6 +13,8 @@ Thresholds and layout live in twell.kernels.policy.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -22,12 +24,18 @@ from twell.kernels.decode import decode_up_down
 from twell.kernels.gate import gate_twell, pack_dense
 from twell.kernels.updown import twell_up_down
 
-# layer key -> calls left to run dense
-_dense_calls_left: dict[tuple, int] = {}
+# id(weight behind any view) -> {(shape, offset, token bucket): calls left to run dense}; an entry goes
+# when its tensor is freed, so a new tensor at a reused address starts clean
+_dense_calls_left: dict[int, dict] = {}
 
 
-def _layer_key(weight: torch.Tensor, m: int) -> tuple:
-    return (weight.data_ptr(), tuple(weight.shape), triton.next_power_of_2(m))
+def _streaks(weight: torch.Tensor, m: int) -> tuple[dict, tuple]:
+    base = weight._base if weight._base is not None else weight
+    if id(base) not in _dense_calls_left:
+        _dense_calls_left[id(base)] = {}
+        weakref.finalize(base, _dense_calls_left.pop, id(base), None)
+    key = (tuple(weight.shape), weight.storage_offset(), triton.next_power_of_2(m))
+    return _dense_calls_left[id(base)], key
 
 
 def _down_rows(down_weight: torch.Tensor) -> torch.Tensor:
@@ -43,10 +51,10 @@ def _run(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, 
     # the kernels read biases with unit stride
     gate_bias, up_bias, down_bias = (b.contiguous() if b is not None else None for b in (gate_bias, up_bias, down_bias))
     m = x2.shape[0]
-    key = _layer_key(gate_weight, m)
-    dense_now = _dense_calls_left.get(key, 0) > 0
+    streaks, key = _streaks(gate_weight, m)
+    dense_now = streaks.get(key, 0) > 0
     if dense_now:
-        _dense_calls_left[key] -= 1
+        streaks[key] -= 1
     path = policy.route(m, x2.shape[1], capturing=x.is_cuda and torch.cuda.is_current_stream_capturing())
     if dense_now or path == "dense":
         return dense_fn(x2).reshape(shape)
@@ -98,7 +106,7 @@ def _run(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, 
         ready.synchronize()
     n_skip, total = stats.tolist()
     if total > policy.DENSE_ABOVE * m * n:
-        _dense_calls_left[key] = policy.DENSE_RETRY
+        streaks[key] = policy.DENSE_RETRY
     if n_skip:
         rows = torch.nonzero(skip).flatten()
         y[rows] = dense_fn(x2[rows])
