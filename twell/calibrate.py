@@ -111,8 +111,8 @@ class CalibrationConfig:
         cfg.layouts()
         if isinstance(cfg.min_speedup, bool) or not isinstance(cfg.min_speedup, (int, float)):
             raise ValueError(f"min_speedup must be a number, got {cfg.min_speedup!r}")
-        if not math.isfinite(cfg.min_speedup) or cfg.min_speedup <= 0:
-            raise ValueError(f"min_speedup must be a positive finite number, got {cfg.min_speedup!r}")
+        if not math.isfinite(cfg.min_speedup) or cfg.min_speedup < 0:  # 0: rewrite every layer that fits
+            raise ValueError(f"min_speedup must be a finite number >= 0, got {cfg.min_speedup!r}")
         if not 0.0 <= cfg.max_overflow < 1.0:
             raise ValueError(f"max_overflow must be in [0, 1), got {cfg.max_overflow}")
         for name in ("decode_steps", "timing_repeats"):
