@@ -13,17 +13,11 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def autotune_configs(table, to_meta, warps_stages: bool = True) -> list[triton.Config]:
-    """triton.Config list from rows (..., num_warps, num_stages); the first row alone when interpreting."""
+def autotune_configs(table, to_meta) -> list[triton.Config]:
+    """triton.Config list from rows (..., num_warps, num_stages), meta-parameters from to_meta(*row);
+    the first row alone when interpreting."""
     rows = table[:1] if interpreting() else table
-    configs = []
-    for row in rows:
-        meta = to_meta(*row)
-        if warps_stages:
-            configs.append(triton.Config(meta, num_warps=row[-2], num_stages=row[-1]))
-        else:
-            configs.append(triton.Config(meta))
-    return configs
+    return [triton.Config(to_meta(*row), num_warps=row[-2], num_stages=row[-1]) for row in rows]
 
 
 def m_bucket(m: int) -> int:

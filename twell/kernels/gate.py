@@ -68,11 +68,10 @@ def _pack_tile(
     tl.store(cnt_ptr + offs_m.to(tl.int64) * n_tiles + tile, cnt, mask=row_ok)
 
 
-def _gate_configs():
-    return autotune_configs(GATE_CONFIGS, lambda bm, bk, w, s: {"BLOCK_M": bm, "BLOCK_K": bk}, warps_stages=True)
-
-
-@triton.autotune(configs=_gate_configs(), key=["M_BUCKET", "N", "K", "TILE_N"])
+@triton.autotune(
+    configs=autotune_configs(GATE_CONFIGS, lambda bm, bk, w, s: {"BLOCK_M": bm, "BLOCK_K": bk}),
+    key=["M_BUCKET", "N", "K", "TILE_N"],
+)
 @triton.jit
 def _gate_twell_kernel(
     x_ptr,

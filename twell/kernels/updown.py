@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from twell.kernels import policy
-from twell.kernels.common import interpreting
+from twell.kernels.common import autotune_configs
 
 CHUNK = 16  # entries flattened at a time
 
@@ -58,7 +58,7 @@ ROWVEC_CONFIGS = [
 
 
 @triton.autotune(
-    configs=[triton.Config({}, num_warps=w, num_stages=s) for w, s in ROWVEC_CONFIGS[: 1 if interpreting() else None]],
+    configs=autotune_configs(ROWVEC_CONFIGS, lambda w, s: {}),
     key=["K", "TILE_N", "SLOTS", "HAS_UP"],
 )
 @triton.jit
