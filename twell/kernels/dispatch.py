@@ -51,12 +51,13 @@ def _run(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, 
     # the kernels read biases with unit stride
     gate_bias, up_bias, down_bias = (b.contiguous() if b is not None else None for b in (gate_bias, up_bias, down_bias))
     m = x2.shape[0]
-    streaks, key = _streaks(gate_weight, m)
-    dense_now = streaks.get(key, 0) > 0
-    if dense_now:
-        streaks[key] -= 1
     path = policy.route(m, x2.shape[1], capturing=x.is_cuda and torch.cuda.is_current_stream_capturing())
-    if dense_now or path == "dense":
+    if path == "prefill":  # only prefill calls set or spend a layer's dense streak
+        streaks, key = _streaks(gate_weight, m)
+        if streaks.get(key, 0) > 0:
+            streaks[key] -= 1
+            path = "dense"
+    if path == "dense":
         return dense_fn(x2).reshape(shape)
     wd_t = _down_rows(down_weight)
 
