@@ -1,12 +1,18 @@
 """FFN block benchmark: dense PyTorch (eager and torch.compile, the faster counts) against twell.
 
-Run on a GPU:  PYTHONPATH=. python benchmarks/ffn.py [--shapes 2048x5632,4096x14336] [--quick]
+Run on a GPU:  PYTHONPATH=. python benchmarks/ffn.py [--shapes 2048x5632,4096x14336] [--ms 1,16]
 Checks correctness at every measured point (relative error of twell against a float64 reference on a
 row sample) and writes JSON to benchmarks/results/ (or --out).
 
-Inputs (issue 3): x ~ N(0, 1) rows scaled by exp(0.12 z), z ~ N(0, 1); the gate bias shifts each
-neuron so that it fires with probability p_n on an unscaled row. "uniform": p_n = density for all n;
-"skewed": 30% of neurons never fire, the rest have log-normal rates (sigma 1.5) with the same mean.
+Both sides are what users run: a Llama-style ReLU-gated FFN module, dense (eager and compiled) and after
+twell.sparsify (its modules, its weight layouts). Calls of up to 256 tokens are timed as CUDA-graph
+replays, as serving stacks run them.
+
+Inputs: "exact": every row has exactly round(density * N) active neurons (the best case of a
+fixed-slot format). Otherwise x ~ N(0, 1) rows scaled by exp(0.12 z), z ~ N(0, 1), and the gate bias
+shifts each neuron so that it fires with probability p_n on an unscaled row. "uniform": p_n = density
+for all n; "skewed": 30% of neurons never fire, the rest have log-normal rates (sigma 1.5) with the
+same mean.
 Floors: gate GEMM alone (cuBLAS), and bytes over the measured copy bandwidth.
 """
 
@@ -36,42 +42,63 @@ DENSITIES = [0.005, 0.01, 0.02, 0.05]
 GRAPH_MAX_M = 256  # decode-sized calls are timed as CUDA-graph replays, as serving stacks run them
 
 
+class GatedFFN(torch.nn.Module):
+    """A Llama-style ReLU-gated FFN; the gate bias sets each neuron's firing rate."""
+
+    def __init__(self, k, n):
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(k, n)
+        self.up_proj = torch.nn.Linear(k, n, bias=False)
+        self.down_proj = torch.nn.Linear(n, k, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.relu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(torch.nn.Module):
+    """What sparsify rewrites: a module holding the FFN (here the whole forward)."""
+
+    def __init__(self, k, n):
+        super().__init__()
+        self.mlp = GatedFFN(k, n)
+
+    def forward(self, x):
+        return self.mlp(x)
+
+
 def make_inputs(m, k, n, density, pattern, seed=0, dtype=torch.bfloat16):
+    """x [M, K] and a Block whose FFN fires at `density` with the given pattern (module docstring)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(m, k, device="cuda", generator=g)
-    x *= torch.exp(0.12 * torch.randn(m, 1, device="cuda", generator=g))
     w_gate = torch.randn(n, k, device="cuda", generator=g) / math.sqrt(k)
-    w_up = torch.randn(n, k, device="cuda", generator=g) / math.sqrt(k)
-    w_down = torch.randn(k, n, device="cuda", generator=g) / math.sqrt(n)
-    if pattern == "uniform":
-        rates = torch.full((n,), density, device="cuda")
+    shift = torch.zeros(n, device="cuda")
+    if pattern == "exact":  # every row exactly round(density * N) active: the last input feature is
+        # a per-row offset (its gate weights are one) halfway between the r-th and (r+1)-th pre-activations
+        r = max(1, round(density * n))
+        x[:, -1] = 0.0
+        w_gate[:, -1] = 1.0
+        top = torch.topk(x @ w_gate.T, r + 1, dim=1).values
+        x[:, -1] = -(top[:, r - 1] + top[:, r]) / 2
     else:
-        rates = torch.exp(1.5 * torch.randn(n, device="cuda", generator=g))
-        rates[torch.rand(n, device="cuda", generator=g) < 0.3] = 0.0
-        rates = (rates * density * n / rates.sum()).clamp(max=0.5)
-    normal = torch.distributions.Normal(0.0, 1.0)
-    sigma = w_gate.norm(dim=1)
-    shift = -sigma * normal.icdf((1 - rates).clamp(1e-7, 1 - 1e-7))
-    shift[rates == 0] = -50.0 * sigma[rates == 0]
-    # down_weight stored transposed (a [K, N] view of an [N, K] buffer), so the timing leaves out the
-    # per-call transposed copy the dispatcher makes of an nn.Linear-layout weight (K*N elements, ~10 us
-    # at K=2048, N=5632; what sparsify's modules pay today)
-    w_down_t = w_down.t().contiguous()
-    return {
-        "x": x.to(dtype),
-        "gate_weight": w_gate.to(dtype),
-        "up_weight": w_up.to(dtype),
-        "down_weight": w_down_t.to(dtype).t(),
-        "gate_bias": shift.to(dtype),
-    }
-
-
-def dense_ffn(x, gate_weight, up_weight, down_weight, gate_bias):
-    return F.linear(F.relu(F.linear(x, gate_weight, gate_bias)) * F.linear(x, up_weight), down_weight)
-
-
-def twell_ffn(x, gate_weight, up_weight, down_weight, gate_bias):
-    return twell.ops.gated_ffn(x, gate_weight, up_weight, down_weight, gate_bias=gate_bias)
+        x *= torch.exp(0.12 * torch.randn(m, 1, device="cuda", generator=g))
+        if pattern == "uniform":
+            rates = torch.full((n,), density, device="cuda")
+        else:
+            rates = torch.exp(1.5 * torch.randn(n, device="cuda", generator=g))
+            rates[torch.rand(n, device="cuda", generator=g) < 0.3] = 0.0
+            rates = (rates * density * n / rates.sum()).clamp(max=0.5)
+        normal = torch.distributions.Normal(0.0, 1.0)
+        sigma = w_gate.norm(dim=1)
+        shift = -sigma * normal.icdf((1 - rates).clamp(1e-7, 1 - 1e-7))
+        shift[rates == 0] = -50.0 * sigma[rates == 0]
+    block = Block(k, n).to("cuda")
+    with torch.no_grad():
+        mlp = block.mlp
+        mlp.gate_proj.weight.copy_(w_gate)
+        mlp.gate_proj.bias.copy_(shift)
+        mlp.up_proj.weight.copy_(torch.randn(n, k, device="cuda", generator=g) / math.sqrt(k))
+        mlp.down_proj.weight.copy_(torch.randn(k, n, device="cuda", generator=g) / math.sqrt(n))
+    return x.to(dtype), block.to(dtype).eval()
 
 
 def timed(fn, graph: bool) -> float:
@@ -100,10 +127,20 @@ def peak_mb(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def rel_err_sample(out, inp, rows=1024):
+def weights(block) -> dict:
+    mlp = block.mlp
+    return {
+        "gate_weight": mlp.gate_proj.weight,
+        "gate_bias": mlp.gate_proj.bias,
+        "up_weight": mlp.up_proj.weight,
+        "down_weight": mlp.down_proj.weight,
+    }
+
+
+def rel_err_sample(out, x, block, rows=1024):
     idx = torch.linspace(0, out.shape[0] - 1, min(rows, out.shape[0]), device="cuda").long()
-    c = {name: t.double() for name, t in inp.items()}
-    ref = reference.gated_ffn(c["x"][idx], c["gate_weight"], c["up_weight"], c["down_weight"], c["gate_bias"])
+    c = {name: t.double() for name, t in weights(block).items()}
+    ref = reference.gated_ffn(x[idx].double(), c["gate_weight"], c["up_weight"], c["down_weight"], c["gate_bias"])
     return ((out[idx].double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
@@ -116,84 +153,96 @@ def ceilings() -> dict:
     return {"copy_tb_s": 2 * 2**30 / copy_ms / 1e9, "gemm_tflop_s": 2 * 8192**3 / gemm_ms / 1e9}
 
 
-def bench_point(k, n, m, density, pattern, compiled) -> dict:
-    inp = make_inputs(m, k, n, density, pattern, seed=m + n)
-    dispatch._dense_calls_left.clear()
+def bench_point(k, n, m, density, pattern) -> dict:
+    """One point: the dense module (eager, and torch.compile) against the same module after
+    twell.sparsify, called exactly as a user calls it (W_down in the layout sparsify gives it)."""
+    x, block = make_inputs(m, k, n, density, pattern, seed=m + n)
     graph = m <= GRAPH_MAX_M
-    out = twell_ffn(**inp)
-    err = rel_err_sample(out, inp)
-    dense_ms = timed(lambda: dense_ffn(**inp), graph)
-    compiled_ms = timed(lambda: compiled(**inp), graph)
-    dispatch._dense_calls_left.clear()
-    twell_ms = timed(lambda: twell_ffn(**inp), graph)
-    gate = F.relu(F.linear(inp["x"], inp["gate_weight"], inp["gate_bias"]))
-    nnz = (gate != 0).sum(1).float()
-    row = {
-        "K": k,
-        "N": n,
-        "M": m,
-        "density": density,
-        "pattern": pattern,
-        "nnz_mean": nnz.mean().item(),
-        "nnz_max": nnz.max().item(),
-        "dense_eager_ms": dense_ms,
-        "dense_compiled_ms": compiled_ms,
-        "twell_ms": twell_ms,
-        "speedup": min(dense_ms, compiled_ms) / twell_ms,
-        "rel_err": err,
-        "dense_peak_mb": peak_mb(lambda: dense_ffn(**inp)),
-        "twell_peak_mb": peak_mb(lambda: twell_ffn(**inp)),
-        "path": policy.route(m, k),
-        "dense_after": any(v for d in dispatch._dense_calls_left.values() for v in d.values()),
-    }
-    # every path the dispatcher can take, forced, to set its thresholds from data
-    for path, (decode_max, prefill_min) in {"decode": (1 << 30, 1 << 31), "prefill": (0, 1)}.items():
-        if (path == "decode" and m > 1024) or (path == "prefill" and m < 128):
-            continue
-        saved = policy.DECODE_MAX_M, policy.PREFILL_MIN_M
-        policy.DECODE_MAX_M, policy.PREFILL_MIN_M = decode_max, prefill_min
-        try:
-            dispatch._dense_calls_left.clear()
-            row[f"{path}_err"] = rel_err_sample(twell_ffn(**inp), inp)
-            dispatch._dense_calls_left.clear()
-            row[f"{path}_ms"] = timed(lambda: twell_ffn(**inp), graph and path == "decode")  # prefill syncs
-        finally:
-            policy.DECODE_MAX_M, policy.PREFILL_MIN_M = saved
-    if m >= 8192:  # stage breakdown of the prefill path
-        x, wg, bg = inp["x"], inp["gate_weight"], inp["gate_bias"]
-        slots = policy.SLOTS
-        row["cublas_gate_ms"] = do_bench(lambda: F.linear(x, wg, bg), return_mode="median")
-        pre = F.linear(x, wg, bg)
-        row["pack_ms"] = do_bench(lambda: pack_dense(pre, 0.0, policy.TILE_N, slots), return_mode="median")
-        del pre
-        for tile_n in (256, 128):
-            row[f"fused_gate{tile_n}_ms"] = do_bench(
-                lambda t=tile_n: gate_twell(x, wg, bg, 0.0, t, t // 8), return_mode="median"
-            )
-        values, indices, counts = gate_twell(x, wg, bg, 0.0, policy.TILE_N, slots)
-        per_row = counts.sum(1)
-        skip = ((counts > slots).any(1) | (per_row > policy.entries_cap(n))).to(torch.int8)
-        max_entries = int(torch.where(skip.bool(), 0, per_row).max())
-        wd_t = inp["down_weight"].t()
-        row["updown_ms"] = do_bench(
-            lambda: twell_up_down(
-                x,
-                values,
-                indices,
-                counts,
-                skip,
-                inp["up_weight"],
-                None,
-                wd_t,
-                None,
-                tile_n=policy.TILE_N,
-                max_entries=max_entries,
-            ),
-            return_mode="median",
-        )
-        pairs = int(torch.where(skip.bool(), 0, per_row).sum())
-        row["updown_l2_tb_s"] = pairs * 2 * k * 2 / row["updown_ms"] / 1e9
-        row["dense_rows"] = int(skip.sum())
+    with torch.no_grad():
+        dense_ms = timed(lambda: block(x), graph)
+        compiled = torch.compile(block, dynamic=False)
+        compiled_ms = timed(lambda: compiled(x), graph)
+        torch._dynamo.reset()
+        twell.sparsify(block)
+        dispatch._dense_calls_left.clear()
+        out = block(x)
+        err = rel_err_sample(out, x, block)
+        dispatch._dense_calls_left.clear()
+        twell_ms = timed(lambda: block(x), graph)
+        w = weights(block)
+        gate = F.relu(F.linear(x, w["gate_weight"], w["gate_bias"]))
+        nnz = (gate != 0).sum(1).float()
+        del gate
+        row = {
+            "K": k,
+            "N": n,
+            "M": m,
+            "density": density,
+            "pattern": pattern,
+            "nnz_mean": nnz.mean().item(),
+            "nnz_max": nnz.max().item(),
+            "dense_eager_ms": dense_ms,
+            "dense_compiled_ms": compiled_ms,
+            "twell_ms": twell_ms,
+            "speedup": min(dense_ms, compiled_ms) / twell_ms,
+            "rel_err": err,
+            "twell_peak_mb": peak_mb(lambda: block(x)),
+            "path": policy.route(m, k),
+            "dense_after": any(v for d in dispatch._dense_calls_left.values() for v in d.values()),
+        }
+        twell.restore(block)
+        row["dense_peak_mb"] = peak_mb(lambda: block(x))
+        twell.sparsify(block)
+        # every path the dispatcher can take, forced, to set its thresholds from data
+        for path, (decode_max, prefill_min) in {"decode": (1 << 30, 1 << 31), "prefill": (0, 1)}.items():
+            if (path == "decode" and m > 1024) or (path == "prefill" and m < 128):
+                continue
+            saved = policy.DECODE_MAX_M, policy.PREFILL_MIN_M
+            policy.DECODE_MAX_M, policy.PREFILL_MIN_M = decode_max, prefill_min
+            try:
+                dispatch._dense_calls_left.clear()
+                row[f"{path}_err"] = rel_err_sample(block(x), x, block)
+                dispatch._dense_calls_left.clear()
+                row[f"{path}_ms"] = timed(lambda: block(x), graph and path == "decode")  # prefill syncs
+            finally:
+                policy.DECODE_MAX_M, policy.PREFILL_MIN_M = saved
+        if m >= 8192:
+            row.update(prefill_stages(x, w, n))
+    return row
+
+
+def prefill_stages(x, w, n) -> dict:
+    """Stage breakdown of the prefill path (its kernels called directly, same inputs)."""
+    wg, bg = w["gate_weight"], w["gate_bias"]
+    slots = policy.SLOTS
+    row = {"cublas_gate_ms": do_bench(lambda: F.linear(x, wg, bg), return_mode="median")}
+    pre = F.linear(x, wg, bg)
+    row["pack_ms"] = do_bench(lambda: pack_dense(pre, 0.0, policy.TILE_N, slots), return_mode="median")
+    row["fused_gate_ms"] = do_bench(lambda: gate_twell(x, wg, bg, 0.0, policy.TILE_N, slots), return_mode="median")
+    values, indices, counts = gate_twell(x, wg, bg, 0.0, policy.TILE_N, slots)
+    per_row = counts.sum(1)
+    skip = ((counts > slots).any(1) | (per_row > policy.entries_cap(n))).to(torch.int8)
+    max_entries = int(torch.where(skip.bool(), 0, per_row).max())
+    wd_t = w["down_weight"].t()
+    row["updown_ms"] = do_bench(
+        lambda: twell_up_down(
+            x,
+            values,
+            indices,
+            counts,
+            skip,
+            w["up_weight"],
+            None,
+            wd_t,
+            None,
+            tile_n=policy.TILE_N,
+            max_entries=max_entries,
+        ),
+        return_mode="median",
+    )
+    pairs = int(torch.where(skip.bool(), 0, per_row).sum())
+    row["updown_l2_tb_s"] = pairs * 2 * x.shape[1] * 2 / row["updown_ms"] / 1e9
+    row["dense_rows"] = int(skip.sum())
     return row
 
 
@@ -209,12 +258,11 @@ def main():
     parser.add_argument("--shapes", default="2048x5632,4096x14336")
     parser.add_argument("--ms", default=",".join(map(str, MS)))
     parser.add_argument("--densities", default=",".join(map(str, DENSITIES)))
-    parser.add_argument("--patterns", default="uniform,skewed")
-    parser.add_argument("--skewed-densities", default="0.005,0.01")
+    parser.add_argument("--patterns", default="exact,uniform,skewed")
+    parser.add_argument("--other-densities", default="0.005,0.01", help="densities of the exact and skewed patterns")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
-    compiled = torch.compile(dense_ffn, dynamic=True)
     result = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -226,7 +274,7 @@ def main():
         "points": [],
     }
     print(json.dumps(result["ceilings"]))
-    columns = "K N M dens pat nnz max dense twell x err dec pre gateC pack fus256 fus128 updn TB/s drows memD memT"
+    columns = "K N M dens pat nnz max dense twell x err dec pre gateC pack fused updn TB/s drows memD memT"
     header = " ".join(f"{c:>7}" for c in columns.split())
     lines = [header]
     print(header, flush=True)
@@ -234,9 +282,9 @@ def main():
         k, n = map(int, shape.split("x"))
         for m in map(int, args.ms.split(",")):
             for pattern in args.patterns.split(","):
-                dens = args.densities if pattern == "uniform" else args.skewed_densities
+                dens = args.densities if pattern == "uniform" else args.other_densities
                 for density in map(float, dens.split(",")):
-                    row = bench_point(k, n, m, density, pattern, compiled)
+                    row = bench_point(k, n, m, density, pattern)
                     torch.cuda.empty_cache()
                     result["points"].append(row)
                     line = (
@@ -245,7 +293,7 @@ def main():
                         f"{row['twell_ms']:>8.3f} {row['speedup']:>5.2f} {row['rel_err']:>8.1e} "
                         f"{row.get('decode_ms', 0):>7.3f} {row.get('prefill_ms', 0):>7.3f} "
                         f"{row.get('cublas_gate_ms', 0):>6.2f} {row.get('pack_ms', 0):>5.2f} "
-                        f"{row.get('fused_gate256_ms', 0):>6.2f} {row.get('fused_gate128_ms', 0):>6.2f} "
+                        f"{row.get('fused_gate_ms', 0):>6.2f} "
                         f"{row.get('updown_ms', 0):>6.2f} "
                         f"{row.get('updown_l2_tb_s', 0):>5.1f} "
                         f"{row.get('dense_rows', 0):>6} {row['dense_peak_mb']:>7.0f} {row['twell_peak_mb']:>7.0f}"

@@ -43,7 +43,10 @@ def make_ffn(m, k, n, densities, dtype, device="cpu", seed=0, biases=False, gate
         case["gate_bias"] = case["gate_bias"] * 0.01
     if not gated:
         case["up_weight"], case["up_bias"] = case.pop("gate_weight"), case.pop("gate_bias")
-    return {name: (t.to(dtype=dtype, device=device) if t is not None else None) for name, t in case.items()}
+    case = {name: (t.to(dtype=dtype, device=device) if t is not None else None) for name, t in case.items()}
+    # down_weight [K, N] stored as its transpose, as sparsify stores it: the layout the kernels read
+    case["down_weight"] = case["down_weight"].t().contiguous().t()
+    return case
 
 
 def gated_ref(case, threshold=0.0, drelu=False):

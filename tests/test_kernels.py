@@ -10,7 +10,7 @@ from ffn_cases import TOL, gated_ref, make_ffn, plain_ref
 import twell
 from twell.format import TwELL, kept_mask
 from twell.kernels import dispatch, gate, policy, reference
-from twell.kernels.decode import decode_up_down
+from twell.kernels.decode import decode_ffn
 from twell.kernels.gate import gate_twell, pack_dense
 from twell.kernels.updown import twell_up_down
 
@@ -130,26 +130,66 @@ def test_up_down_matches_reference(m, k, n, dtype, variant):
     assert rel_err(out[kept], ref[kept]) <= TOL[dtype]
 
 
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """torch.empty / empty_like return NaN (floats) or -1 (ints): any element a kernel reads before
+    writing it, or fails to write, shows in the result."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        return t.fill_(float("nan") if t.is_floating_point() else -1)
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
+
+
+DECODE_CASES = {
+    # m, k, n, densities, gate_up_config, down_config
+    "m1": (1, 16, 64, MIXED[1:2], (16, 16, 4, 1), (16, 2, 16, 4)),
+    "m1-empty": (1, 40, 100, [0.0], (16, 32, 4, 1), (16, 2, 16, 4)),
+    "m16-groups": (16, 40, 200, MIXED, (16, 32, 4, 1), (32, 2, 16, 4)),
+    "m70-blocks": (70, 130, 100, MIXED, (32, 64, 4, 1), (64, 1, 16, 4)),
+    "m3-dense": (3, 24, 48, [1.0], (16, 16, 4, 1), (16, 2, 16, 4)),
+}
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("variant", ["gated", "drelu", "plain"])
-@pytest.mark.parametrize("m,k,n", [(1, 16, 64), (16, 40, 200), (70, 130, 100)], ids=["m1", "m16", "m70"])
-def test_decode_matches_reference(m, k, n, dtype, variant):
-    gated = variant != "plain"
-    case = make_ffn(m, k, n, MIXED, dtype, DEVICE, seed=m * k, biases=True, gated=gated)
-    c = {k_: (t.double() if t is not None else None) for k_, t in case.items()}
+@pytest.mark.parametrize("variant", ["gated", "drelu", "plain", "relu2", "nobias"])
+@pytest.mark.parametrize("case_id", list(DECODE_CASES))
+def test_decode_matches_reference(case_id, dtype, variant, poisoned_empty):
+    """Several neuron groups (partials summed by the last program) and token blocks, empty and full
+    active lists, awkward K and N; every output and scratch element poisoned before the kernels run."""
+    m, k, n, densities, gate_up_config, down_config = DECODE_CASES[case_id]
+    gated = variant in ("gated", "drelu", "nobias")
+    case = make_ffn(m, k, n, densities, dtype, DEVICE, seed=m * k, biases=variant != "nobias", gated=gated)
     gate_w, gate_b = ("gate_weight", "gate_bias") if gated else ("up_weight", "up_bias")
-    hidden = torch.relu(torch.nn.functional.linear(case["x"], case[gate_w], case[gate_b]))
-    y = decode_up_down(
+    y = decode_ffn(
         case["x"],
-        hidden,
+        case[gate_w],
+        case[gate_b],
         case["up_weight"] if gated else None,
         case["up_bias"] if gated else None,
-        case["down_weight"].t().contiguous(),
+        case["down_weight"].t(),
+        case["down_bias"],
+        0.0,
         drelu=variant == "drelu",
+        square=variant == "relu2",
+        gate_up_config=gate_up_config,
+        down_config=down_config,
     )
-    y = y + c["down_bias"]
-    ref = gated_ref(case, drelu=variant == "drelu") if gated else plain_ref(case)
-    assert rel_err(y, ref) <= TOL[dtype]
+    ref = gated_ref(case, drelu=variant == "drelu") if gated else plain_ref(case, squared=variant == "relu2")
+    assert y.dtype == dtype and y.shape == (m, k)
+    assert rel_err(y, ref) <= TOL[dtype] * (4 if variant == "relu2" else 1)
+
+
+def test_decode_is_deterministic():
+    """Partials of several neuron groups are summed in a fixed order: the same bits on every call."""
+    case = make_ffn(16, 40, 200, MIXED, torch.float32, DEVICE, seed=5, biases=True)
+    args = (case["x"], case["gate_weight"], case["gate_bias"], case["up_weight"], case["up_bias"])
+    runs = [
+        decode_ffn(*args, case["down_weight"].t(), case["down_bias"], 0.0, down_config=(32, 2, 16, 4)) for _ in "ab"
+    ]
+    assert torch.equal(runs[0], runs[1])
 
 
 @pytest.fixture
@@ -206,12 +246,24 @@ def test_dense_layers_fall_back_to_dense(sparse_paths):
 
 
 def test_default_dispatch_runs_dense_where_kernels_lose():
-    """Below the measured thresholds (small M), calls take the dense path: exact, never slower."""
+    """Between the decode and prefill thresholds, calls take the dense path: exact, never slower."""
     dispatch._dense_calls_left.clear()
-    for m in (1, 300):
-        case = make_ffn(m, 24, 64, [0.05], torch.float32, DEVICE, seed=m)
-        args = (case["gate_weight"], case["up_weight"], case["down_weight"], None, None, None, 0.0, False)
-        assert torch.equal(dispatch.gated_ffn(case["x"], *args), reference.gated_ffn(case["x"], *args))
+    m = policy.DECODE_MAX_M + 1
+    assert m < policy.PREFILL_MIN_M
+    case = make_ffn(m, 24, 64, [0.05], torch.float32, DEVICE, seed=m)
+    args = (case["gate_weight"], case["up_weight"], case["down_weight"], None, None, None, 0.0, False)
+    assert torch.equal(dispatch.gated_ffn(case["x"], *args), reference.gated_ffn(case["x"], *args))
+
+
+@pytest.mark.parametrize("m", [1, 300], ids=["decode", "prefill"])
+def test_nn_linear_layout_runs_dense(m, sparse_paths, monkeypatch):
+    """A down weight in the plain nn.Linear layout is never copied per call: the call runs dense."""
+    case = make_ffn(m, 24, 64, [0.05], torch.float32, DEVICE, seed=m)
+    down = case["down_weight"].contiguous()
+    monkeypatch.setattr(dispatch, "decode_ffn", None)  # any kernel call would fail
+    monkeypatch.setattr(dispatch, "twell_up_down", None)
+    args = (case["gate_weight"], case["up_weight"], down, None, None, None, 0.0, False)
+    assert torch.equal(dispatch.gated_ffn(case["x"], *args), reference.gated_ffn(case["x"], *args))
 
 
 def test_dense_streaks_go_with_their_weight():

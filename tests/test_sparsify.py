@@ -88,6 +88,7 @@ def test_relu_family(family):
     expected = logits(model, ids)
     before = snapshot(model)
     storage = {k: v.data_ptr() for k, v in model.state_dict().items()}
+    params = {k: id(p) for k, p in model.named_parameters()}
 
     candidates = find_ffns(model)
     assert len(candidates) == LAYERS
@@ -97,8 +98,13 @@ def test_relu_family(family):
     assert twell.sparsify(model) is model
     assert sum(isinstance(m, TWELL_MODULES) for m in model.modules()) >= LAYERS
     torch.testing.assert_close(logits(model, ids), expected, atol=1e-5, rtol=1e-5)
-    # Same keys, shapes and storage: save_pretrained writes an ordinary checkpoint, no second copy.
-    assert {k: v.data_ptr() for k, v in model.state_dict().items()} == storage
+    # Same keys, shapes and tensor objects, no second copy: the storage is the same except the down
+    # projections', re-laid once so that the kernels read rows of down_weight^T
+    now = {k: v.data_ptr() for k, v in model.state_dict().items()}
+    assert list(now) == list(storage)
+    moved = {k for k in storage if now[k] != storage[k]}
+    assert len(moved) == LAYERS and all(model.get_parameter(k).t().is_contiguous() for k in moved), moved
+    assert {k: id(p) for k, p in model.named_parameters()} == params
     report = twell.report(model)
     assert [r.path for r in report] == [c.path for c in candidates]
     assert all(r.rewritten and r.reason == "" for r in report)
@@ -112,6 +118,7 @@ def test_relu_family(family):
     assert not any(isinstance(m, TWELL_MODULES) for m in model.modules())
     after = model.state_dict()
     assert list(after) == list(before)
+    assert all(v.is_contiguous() for v in after.values()), "restore puts the nn.Linear layout back"
     assert all(torch.equal(after[k], v) and after[k].dtype == v.dtype for k, v in before.items())
     assert torch.equal(logits(model, ids), expected)
 
@@ -205,11 +212,19 @@ def test_save_pretrained_while_sparsified(tmp_path):
     model = build("phi3")
     ids = token_ids()
     expected = logits(model, ids)
+    model.save_pretrained(tmp_path / "dense")
     twell.sparsify(model)
-    model.save_pretrained(tmp_path)
-    loaded = transformers.Phi3ForCausalLM.from_pretrained(tmp_path).eval()
+    model.save_pretrained(tmp_path / "sparse")
+    # the re-laid down weights are saved in the ordinary layout: the very same file
+    files = [p.name for p in (tmp_path / "dense").glob("*.safetensors")]
+    assert files and all((tmp_path / "dense" / f).read_bytes() == (tmp_path / "sparse" / f).read_bytes() for f in files)
+    loaded = transformers.Phi3ForCausalLM.from_pretrained(tmp_path / "sparse").eval()
     assert not any(isinstance(m, TWELL_MODULES) for m in loaded.modules())
     assert torch.equal(logits(loaded, ids), expected)
+    # loading weights into the sparsified model keeps the kernels' layout and the values
+    model.load_state_dict(loaded.state_dict())
+    assert torch.equal(logits(model, ids), expected)
+    assert all(m.down_proj.weight.t().is_contiguous() for m in (layer.mlp for layer in model.model.layers))
 
 
 def test_dtype_change_after_sparsify_reaches_restored_modules():

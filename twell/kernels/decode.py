@@ -1,12 +1,16 @@
-"""Decode path: few tokens, memory-bound. Read all of W_g, but only the active rows of W_u and W_d.
+"""Decode path: few tokens, bound by bytes. All of W_g is read, but only the active rows of W_u and W_d.
 
-The gate runs dense (a GEMV-shaped cuBLAS call; it must read all of W_g anyway). Then two kernels,
-each over a grid of (neuron block, K block, token block) so that even one token spreads over every
-multiprocessor; a program whose tokens activate none of its neurons exits at once, and the others
-load only the active neurons' weight rows (masked loads of inactive rows move no bytes):
-    up:   u += x[:, kblk] W_u[nblk, kblk]^T            (fp32 atomics into u [M, N])
-    down: y += (g * u)[:, nblk] W_d^T[nblk, kblk]       (fp32 atomics into y [M, K])
-No host synchronisation: CUDA graphs capture it.
+Two kernels per call, no host synchronisation and no memset (CUDA graphs capture it):
+1. gate + up, one program per (block of BLOCK_N neurons, block of tokens): g = x W_g[blk]^T (+ bias),
+   kept = not (g <= threshold); the block's active neurons (kept for some token of the block) load
+   their W_u rows (masked loads of inactive rows move no bytes) and h = act(g) * u is written, rounded
+   like the dense FFN rounds it. The block's active neuron ids are compacted to the front of its
+   segment of `ids`, their number to `counts`.
+2. down, one program per (K block, group of GROUP neuron blocks, token block): the group's active
+   entries are flattened (prefix sum over GROUP counts), y_part = h[:, ids] W_d^T[ids, kblk] in fp32.
+   With one group the program writes y directly; otherwise partials go to a scratch buffer and the
+   last program of each (K block, token block) to arrive (a counter, zeroed by kernel 1 and reset by
+   that program) sums them in group order: deterministic, no atomics on data.
 """
 
 from __future__ import annotations
@@ -15,187 +19,286 @@ import torch
 import triton
 import triton.language as tl
 
-from twell.kernels.common import dot_precision
-
-UP_BLOCK_N, UP_BLOCK_K = 64, 512
-DOWN_BLOCK_N, DOWN_BLOCK_K = 128, 128
-INNER_K = 128
+from twell.kernels.common import dot_precision, threshold_in
 
 
 @triton.jit
-def _active(h_ptr, offs_m, offs_n, M, N, stride_hm, stride_hn):
-    m_ok = offs_m < M
-    g = tl.load(
-        h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_n[None, :] * stride_hn,
-        mask=m_ok[:, None] & (offs_n < N)[None, :],
-        other=0.0,
-    )
-    active = tl.max((g != 0).to(tl.int32), axis=0) > 0  # [BLOCK_N]: neuron used by some token of the block
-    return g, active, m_ok
-
-
-@triton.jit
-def _decode_up_kernel(
+def _decode_gate_up_kernel(
     x_ptr,
-    h_ptr,
+    wg_ptr,
+    bg_ptr,
     wu_ptr,
-    u_ptr,
+    bu_ptr,
+    h_ptr,
+    ids_ptr,
+    cnt_ptr,
+    sem_ptr,
+    n_sems,
     M,
     N,
     K,
+    threshold,
     stride_xm,
     stride_xk,
-    stride_hm,
-    stride_hn,
+    stride_gn,
+    stride_gk,
     stride_un,
     stride_uk,
+    HAS_UP: tl.constexpr,
+    HAS_GATE_BIAS: tl.constexpr,
+    HAS_UP_BIAS: tl.constexpr,
+    DRELU: tl.constexpr,
+    SQUARE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    INNER_K: tl.constexpr,
+    SEM_BLOCK: tl.constexpr,
 ):
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_start = tl.program_id(1) * BLOCK_K
-    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-    g, active, m_ok = _active(h_ptr, offs_m, offs_n, M, N, stride_hm, stride_hn)
-    if tl.max(active.to(tl.int32), axis=0) == 0:
-        return
-    u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_start, k_start + BLOCK_K, INNER_K):
-        offs_k = k0 + tl.arange(0, INNER_K)
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    n_blocks = tl.num_programs(0)
+    if pid_n == 0 and pid_m == 0:  # the down kernel's arrival counters start at zero
+        for s0 in range(0, n_sems, SEM_BLOCK):
+            offs_s = s0 + tl.arange(0, SEM_BLOCK)
+            tl.store(sem_ptr + offs_s, tl.zeros([SEM_BLOCK], tl.int32), mask=offs_s < n_sems)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    rows = offs_m.to(tl.int64)
+    cols = offs_n.to(tl.int64)
+    dtype = h_ptr.dtype.element_ty
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         xt = tl.load(
-            x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-            mask=m_ok[:, None] & k_ok[None, :],
-            other=0.0,
+            x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk, m_ok[:, None] & k_ok[None, :], 0.0
         )
         wt = tl.load(
-            wu_ptr + offs_n.to(tl.int64)[None, :] * stride_un + offs_k[:, None] * stride_uk,
-            mask=active[None, :] & k_ok[:, None],
-            other=0.0,
+            wg_ptr + cols[None, :] * stride_gn + offs_k[:, None] * stride_gk, n_ok[None, :] & k_ok[:, None], 0.0
         )
-        u = tl.dot(xt, wt, u, input_precision=DOT_PRECISION)
-    tl.atomic_add(u_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :], u, mask=m_ok[:, None] & active[None, :])
+        acc = tl.dot(xt, wt, acc, input_precision=DOT_PRECISION)
+    if HAS_GATE_BIAS:
+        acc += tl.load(bg_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    g = acc.to(dtype).to(tl.float32)  # the dense gate's rounding
+    kept = ((g > threshold) | (g != g)) & m_ok[:, None] & n_ok[None, :]  # not (g <= t): NaN kept, as by relu
+    h = tl.where(kept, g, 0.0)
+    if SQUARE:
+        h = (h * h).to(dtype).to(tl.float32)
+    active = tl.max(kept.to(tl.int32), axis=0) > 0
+    n_active = tl.sum(active.to(tl.int32), axis=0)
+    if HAS_UP:
+        if n_active > 0:
+            u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = offs_k < K
+                xt = tl.load(
+                    x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk, m_ok[:, None] & k_ok[None, :], 0.0
+                )
+                wt = tl.load(
+                    wu_ptr + cols[None, :] * stride_un + offs_k[:, None] * stride_uk,
+                    active[None, :] & k_ok[:, None],
+                    0.0,
+                )
+                u = tl.dot(xt, wt, u, input_precision=DOT_PRECISION)
+            if HAS_UP_BIAS:
+                u += tl.load(bu_ptr + offs_n, mask=active, other=0.0).to(tl.float32)[None, :]
+            u = u.to(dtype).to(tl.float32)
+            if DRELU:
+                u = tl.where(u <= 0.0, 0.0, u)
+            h = tl.where(kept, h * u, 0.0)
+    tl.store(h_ptr + rows[:, None] * N + cols[None, :], h.to(dtype), mask=m_ok[:, None] & n_ok[None, :])
+    slot = tl.cumsum(active.to(tl.int32), axis=0) - 1
+    seg = pid_m.to(tl.int64) * n_blocks * BLOCK_N + pid_n * BLOCK_N
+    tl.store(ids_ptr + seg + slot, offs_n, mask=active)
+    tl.store(cnt_ptr + pid_m * n_blocks + pid_n, n_active)
 
 
 @triton.jit
 def _decode_down_kernel(
     h_ptr,
-    u_ptr,
-    bu_ptr,
+    ids_ptr,
+    cnt_ptr,
     wd_ptr,
+    bd_ptr,
     y_ptr,
+    part_ptr,
+    sem_ptr,
     M,
     N,
     K,
-    stride_hm,
-    stride_hn,
+    n_blocks,
     stride_dn,
     stride_dk,
-    HAS_UP: tl.constexpr,
-    HAS_UP_BIAS: tl.constexpr,
-    DRELU: tl.constexpr,
+    stride_ym,
+    stride_yk,
+    HAS_DOWN_BIAS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-    g, active, m_ok = _active(h_ptr, offs_m, offs_n, M, N, stride_hm, stride_hn)
-    if tl.max(active.to(tl.int32), axis=0) == 0:
-        return
-    h = g.to(tl.float32)
-    if HAS_UP:
-        u = tl.load(
-            u_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :], mask=m_ok[:, None] & active[None, :], other=0.0
-        )
-        if HAS_UP_BIAS:
-            u += tl.load(bu_ptr + offs_n, mask=active, other=0.0).to(tl.float32)[None, :]
-        if DRELU:
-            u = tl.where(u <= 0.0, 0.0, u)
-        h = h * u
-    # inactive neurons hold exact zeros in g, so they add nothing; round h like the dense FFN does
-    h = h.to(g.dtype)
+    pid_k = tl.program_id(0)
+    pid_g = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    n_groups = tl.num_programs(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
     k_ok = offs_k < K
-    wd = tl.load(
-        wd_ptr + offs_n.to(tl.int64)[:, None] * stride_dn + offs_k[None, :] * stride_dk,
-        mask=active[:, None] & k_ok[None, :],
-        other=0.0,
-    )
-    part = tl.dot(h, wd, input_precision=DOT_PRECISION)
-    tl.atomic_add(y_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :], part, mask=m_ok[:, None] & k_ok[None, :])
+    rows = offs_m.to(tl.int64)
+    # this group's neuron blocks and their active counts; entry e lies in the first block whose
+    # inclusive count exceeds e
+    offs_b = tl.arange(0, GROUP)
+    blk = pid_g * GROUP + offs_b
+    cnt = tl.load(cnt_ptr + pid_m * n_blocks + blk, mask=blk < n_blocks, other=0)
+    incl = tl.cumsum(cnt, axis=0)
+    total = tl.sum(cnt, axis=0)
+    seg = pid_m.to(tl.int64) * n_blocks * BLOCK_N
+    acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for c0 in range(0, total, CHUNK):
+        e = c0 + tl.arange(0, CHUNK)
+        valid = e < total
+        local = tl.sum((incl[None, :] <= e[:, None]).to(tl.int32), axis=1)
+        start = tl.sum(tl.where(offs_b[None, :] == local[:, None], (incl - cnt)[None, :], 0), axis=1)
+        neuron = tl.load(ids_ptr + seg + (pid_g * GROUP + local) * BLOCK_N + (e - start), mask=valid, other=0)
+        neuron = neuron.to(tl.int64)
+        hv = tl.load(h_ptr + rows[:, None] * N + neuron[None, :], mask=m_ok[:, None] & valid[None, :], other=0.0)
+        wd = tl.load(
+            wd_ptr + neuron[:, None] * stride_dn + offs_k[None, :] * stride_dk, valid[:, None] & k_ok[None, :], 0.0
+        )
+        acc = tl.dot(hv, wd, acc, input_precision=DOT_PRECISION)
+    out_mask = m_ok[:, None] & k_ok[None, :]
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_k[None, :] * stride_yk
+    if n_groups == 1:
+        if HAS_DOWN_BIAS:
+            acc += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        part = part_ptr + rows[:, None] * K + offs_k[None, :]
+        tl.store(part + pid_g * M * K, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is stored before the arrival is published
+        sem = sem_ptr + pid_m * tl.num_programs(0) + pid_k
+        arrived = tl.atomic_add(sem, 1, sem="acq_rel")
+        if arrived == n_groups - 1:  # the last group of this tile: sum the partials in group order
+            total_acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+            for grp in range(0, n_groups):
+                total_acc += tl.load(part + grp * M * K, mask=out_mask, other=0.0, cache_modifier=".cg")
+            if HAS_DOWN_BIAS:
+                total_acc += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptrs, total_acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(sem, 0)  # ready for a rerun of this kernel alone (autotuning, replays)
 
 
-def decode_up_down(
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the gate + up kernel, (BLOCK_K, GROUP, CHUNK, num_warps)
+# of the down kernel; set from H200 measurements (benchmarks/NOTES.md).
+GATE_UP_CONFIG = (32, 128, 4, 4)
+DOWN_CONFIG = (64, 8, 16, 4)
+
+
+def decode_ffn(
     x: torch.Tensor,
-    hidden: torch.Tensor,
+    gate_weight: torch.Tensor,
+    gate_bias: torch.Tensor | None,
     up_weight: torch.Tensor | None,
     up_bias: torch.Tensor | None,
     down_weight_t: torch.Tensor,
+    down_bias: torch.Tensor | None,
+    threshold: float,
     *,
     drelu: bool = False,
+    square: bool = False,
+    gate_up_config: tuple[int, int, int, int] = GATE_UP_CONFIG,
+    down_config: tuple[int, int, int, int] = DOWN_CONFIG,
 ) -> torch.Tensor:
-    """fp32 [M, K]: (hidden * (x W_u^T + b_u)) W_d^T, or hidden W_d^T without up_weight.
+    """y [M, K] in the dtype of x: down(act(gate(x)) * up(x)), or down(act(gate(x))) without up_weight
+    (act² with square).
 
-    x: [M, K]; hidden: [M, N] activated gate (zeros mark inactive neurons); down_weight_t: [N, K].
+    x: [M, K]; gate_weight, up_weight: [N, K]; down_weight_t: [N, K] (= down_weight.t(), unit stride on K
+    for coalesced row loads); biases contiguous. Exact at any density: a dense call reads every row.
     """
     m, k = x.shape
-    n = hidden.shape[1]
+    n = gate_weight.shape[0]
+    for name, t in (("gate_weight", gate_weight), ("up_weight", up_weight), ("down_weight_t", down_weight_t)):
+        if t is not None and tuple(t.shape) != (n, k):
+            raise ValueError(f"decode_ffn expects {name} of shape [{n}, {k}], got {list(t.shape)}")
+    block_n, block_k, warps, stages = gate_up_config
+    down_k, group, chunk, down_warps = down_config
     block_m = min(max(triton.next_power_of_2(m), 16), 64)
     m_blocks = triton.cdiv(m, block_m)
+    n_blocks = triton.cdiv(n, block_n)
+    k_blocks = triton.cdiv(k, down_k)
+    n_groups = triton.cdiv(n_blocks, group)
     precision = dot_precision(x.dtype)
-    u = None
-    if up_weight is not None:
-        u = torch.zeros(m, n, dtype=torch.float32, device=x.device)
-        grid = (triton.cdiv(n, UP_BLOCK_N), triton.cdiv(k, UP_BLOCK_K), m_blocks)
-        _decode_up_kernel[grid](
-            x,
-            hidden,
-            up_weight,
-            u,
-            m,
-            n,
-            k,
-            x.stride(0),
-            x.stride(1),
-            hidden.stride(0),
-            hidden.stride(1),
-            up_weight.stride(0),
-            up_weight.stride(1),
-            DOT_PRECISION=precision,
-            BLOCK_M=block_m,
-            BLOCK_N=UP_BLOCK_N,
-            BLOCK_K=UP_BLOCK_K,
-            INNER_K=INNER_K,
-            num_warps=4,
-            num_stages=2,
-        )
-    y = torch.zeros(m, k, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n, DOWN_BLOCK_N), triton.cdiv(k, DOWN_BLOCK_K), m_blocks)
-    _decode_down_kernel[grid](
+    hidden = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    ids = torch.empty(m_blocks * n_blocks * block_n, dtype=torch.int32, device=x.device)
+    counts = torch.empty(m_blocks * n_blocks, dtype=torch.int32, device=x.device)
+    sems = torch.empty(max(k_blocks * m_blocks, 1), dtype=torch.int32, device=x.device)
+    parts = torch.empty(n_groups if n_groups > 1 else 0, m, k, dtype=torch.float32, device=x.device)
+    y = torch.empty_like(x)
+    _decode_gate_up_kernel[(n_blocks, m_blocks)](
+        x,
+        gate_weight,
+        gate_bias if gate_bias is not None else x,
+        up_weight if up_weight is not None else x,
+        up_bias if up_bias is not None else x,
         hidden,
-        u if u is not None else y,
-        up_bias if up_bias is not None else y,
-        down_weight_t,
-        y,
+        ids,
+        counts,
+        sems,
+        sems.numel(),
         m,
         n,
         k,
-        hidden.stride(0),
-        hidden.stride(1),
-        down_weight_t.stride(0),
-        down_weight_t.stride(1),
+        threshold_in(threshold, x.dtype),
+        x.stride(0),
+        x.stride(1),
+        gate_weight.stride(0),
+        gate_weight.stride(1),
+        *(up_weight.stride() if up_weight is not None else (0, 0)),
         HAS_UP=up_weight is not None,
+        HAS_GATE_BIAS=gate_bias is not None,
         HAS_UP_BIAS=up_bias is not None,
         DRELU=drelu,
+        SQUARE=square,
         DOT_PRECISION=precision,
         BLOCK_M=block_m,
-        BLOCK_N=DOWN_BLOCK_N,
-        BLOCK_K=DOWN_BLOCK_K,
-        num_warps=4,
-        num_stages=1,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        SEM_BLOCK=256,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    _decode_down_kernel[(k_blocks, n_groups, m_blocks)](
+        hidden,
+        ids,
+        counts,
+        down_weight_t,
+        down_bias if down_bias is not None else x,
+        y,
+        parts,
+        sems,
+        m,
+        n,
+        k,
+        n_blocks,
+        down_weight_t.stride(0),
+        down_weight_t.stride(1),
+        y.stride(0),
+        y.stride(1),
+        HAS_DOWN_BIAS=down_bias is not None,
+        DOT_PRECISION=precision,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=down_k,
+        GROUP=group,
+        CHUNK=chunk,
+        num_warps=down_warps,
     )
     return y

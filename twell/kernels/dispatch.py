@@ -1,8 +1,8 @@
 """Per-call choice of path on CUDA: decode kernels, TwELL prefill kernels, or dense.
 
 Thresholds and layout live in twell.kernels.policy.
-- M <= DECODE_MAX_M tokens: dense gate + decode kernels (read only active rows of W_u / W_d; no host
-  synchronisation, so CUDA graphs can capture it).
+- M <= DECODE_MAX_M tokens: the two decode kernels (gate + up, then down; only active rows of W_u / W_d
+  are read; no host synchronisation, so CUDA graphs capture it).
 - M >= PREFILL_MIN_M: gate packed to TwELL (GATE_ROUTE: cuBLAS GEMM + pack kernel, or the Triton GEMM
   with the packing epilogue), then the fused up+down kernel. Rows that overflow a tile's slots or hold
   more than entries_cap(N) entries are recomputed densely (the hybrid safety valve): exact at any sparsity.
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import triton
 
 from twell.kernels import policy, reference
-from twell.kernels.decode import decode_up_down
+from twell.kernels.decode import decode_ffn
 from twell.kernels.gate import gate_twell, pack_dense
 from twell.kernels.updown import twell_up_down
 
@@ -38,12 +38,6 @@ def _streaks(weight: torch.Tensor, m: int) -> tuple[dict, tuple]:
     return _dense_calls_left[id(base)], key
 
 
-def _down_rows(down_weight: torch.Tensor) -> torch.Tensor:
-    """down_weight^T [N, K] with unit stride on K (a copy unless down_weight is stored transposed)."""
-    wd_t = down_weight.t()
-    return wd_t if wd_t.stride(1) == 1 else wd_t.contiguous()
-
-
 def _run(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, threshold, drelu, square, dense_fn):
     """Shared flow of the gated (up_weight given) and non-gated FFNs; dense_fn(x2d) is the exact fallback."""
     shape = x.shape
@@ -51,7 +45,13 @@ def _run(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, 
     # the kernels read biases with unit stride
     gate_bias, up_bias, down_bias = (b.contiguous() if b is not None else None for b in (gate_bias, up_bias, down_bias))
     m = x2.shape[0]
+    # The kernels gather rows of down_weight^T [N, K]; a per-call transposed copy would cost more than
+    # the sparse FFN saves at decode sizes, so weights in the plain nn.Linear layout run dense
+    # (sparsify re-lays them once: twell.passes.modules.store_down_rows).
+    wd_t = down_weight.t()
     path = policy.route(m, x2.shape[1], capturing=x.is_cuda and torch.cuda.is_current_stream_capturing())
+    if wd_t.stride(1) != 1:
+        path = "dense"
     if path == "prefill":  # only prefill calls set or spend a layer's dense streak
         streaks, key = _streaks(gate_weight, m)
         if streaks.get(key, 0) > 0:
@@ -59,16 +59,11 @@ def _run(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, 
             path = "dense"
     if path == "dense":
         return dense_fn(x2).reshape(shape)
-    wd_t = _down_rows(down_weight)
 
     if path == "decode":
-        hidden = reference.thresholded_relu(F.linear(x2, gate_weight, gate_bias), threshold)
-        if square:
-            hidden = hidden * hidden
-        y = decode_up_down(x2, hidden, up_weight, up_bias, wd_t, drelu=drelu)
-        if down_bias is not None:
-            y += down_bias
-        return y.to(x.dtype).reshape(shape)
+        return decode_ffn(
+            x2, gate_weight, gate_bias, up_weight, up_bias, wd_t, down_bias, threshold, drelu=drelu, square=square
+        ).reshape(shape)
 
     n = gate_weight.shape[0]
     tile_n, slots = policy.TILE_N, policy.SLOTS

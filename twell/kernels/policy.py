@@ -11,7 +11,7 @@ from __future__ import annotations
 
 TILE_N = 256
 SLOTS = 32  # compression 8, as the reference code
-DECODE_MAX_M = 0
+DECODE_MAX_M = 64
 PREFILL_MIN_M: int | None = 32768
 MAX_K = 8192  # wider models run dense: the up+down kernel keeps whole x and y rows in registers
 GATE_ROUTE = "cublas"  # "fused": Triton GEMM with packing epilogue, 2.2-4.8x slower than cuBLAS so far

@@ -45,6 +45,25 @@ class FFNSpec:
     input_name: str = "x"
 
 
+def store_down_rows(weight: torch.Tensor) -> bool:
+    """Re-lay a down projection's weight [K, N] in place so that weight.t() ([N, K], one row per hidden
+    neuron) is contiguous: the kernels gather whole rows of it for the active neurons, and a copy per
+    call would cost more than the whole sparse FFN at decode sizes. Same tensor object, shape and
+    values; only the strides change (.to()/.half() keep them). Returns whether it re-laid the weight."""
+    if type(weight.data) is not torch.Tensor or weight.dim() != 2 or weight.t().is_contiguous():
+        return False
+    with torch.no_grad():
+        weight.data = weight.data.t().contiguous().t()
+    return True
+
+
+def store_contiguous(weight: torch.Tensor) -> None:
+    """Undo store_down_rows: the nn.Linear layout again (restore leaves the model as it was)."""
+    if not weight.is_contiguous():
+        with torch.no_grad():
+            weight.data = weight.data.contiguous()
+
+
 def _rows(linear: nn.Module, rows: slice | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     weight, bias = linear.weight, linear.bias
     if rows is None:

@@ -4,20 +4,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from twell.passes.candidates import Candidate
-from twell.passes.modules import GatePassthrough, InlineFFN, SparseFFN, UpUnit
+from twell.passes.modules import GatePassthrough, InlineFFN, SparseFFN, UpUnit, store_contiguous, store_down_rows
 
 
 @dataclass
 class Swap:
-    """parent.<name> was `original` before sparsify (and is `replacement` while sparsified)."""
+    """parent.<name> was `original` before sparsify (and is `replacement` while sparsified).
+    relaid: the down weight whose storage sparsify transposed (store_down_rows), if any."""
 
     parent: nn.Module
     name: str
     original: nn.Module
     replacement: nn.Module
+    relaid: torch.Tensor | None = None
 
 
 def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
@@ -44,6 +47,9 @@ def apply(model: nn.Module, candidate: Candidate) -> list[Swap]:
         swaps = [Swap(owner, name, getattr(owner, name), module) for name, module in replacements.items()]
     for swap in swaps:
         setattr(swap.parent, swap.name, swap.replacement)
+    down_weight = getattr(owner, spec.down).weight
+    if store_down_rows(down_weight):
+        swaps[-1].relaid = down_weight
     return swaps
 
 
@@ -55,3 +61,5 @@ def undo(swaps: list[Swap]) -> None:
         else:
             swap.original.training = swap.replacement.training
         setattr(swap.parent, swap.name, swap.original)
+        if swap.relaid is not None:
+            store_contiguous(swap.relaid)
