@@ -164,10 +164,10 @@ def bench_point(k, n, m, density, pattern) -> dict:
         compiled_ms = timed(lambda: compiled(x), graph)
         torch._dynamo.reset()
         twell.sparsify(block)
-        dispatch._dense_calls_left.clear()
+        dispatch.forget_layers()
         out = block(x)
         err = rel_err_sample(out, x, block)
-        dispatch._dense_calls_left.clear()
+        dispatch.forget_layers()
         twell_ms = timed(lambda: block(x), graph)
         w = weights(block)
         gate = F.relu(F.linear(x, w["gate_weight"], w["gate_bias"]))
@@ -188,7 +188,7 @@ def bench_point(k, n, m, density, pattern) -> dict:
             "rel_err": err,
             "twell_peak_mb": peak_mb(lambda: block(x)),
             "path": policy.route(m, k),
-            "dense_after": any(v for d in dispatch._dense_calls_left.values() for v in d.values()),
+            "dense_after": any(st.dense_calls_left for d in dispatch._layers.values() for st in d.values()),
         }
         twell.restore(block)
         row["dense_peak_mb"] = peak_mb(lambda: block(x))
@@ -200,18 +200,18 @@ def bench_point(k, n, m, density, pattern) -> dict:
             saved = policy.DECODE_MAX_M, policy.PREFILL_MIN_M
             policy.DECODE_MAX_M, policy.PREFILL_MIN_M = decode_max, prefill_min
             try:
-                dispatch._dense_calls_left.clear()
+                dispatch.forget_layers()
                 row[f"{path}_err"] = rel_err_sample(block(x), x, block)
-                dispatch._dense_calls_left.clear()
+                dispatch.forget_layers()
                 row[f"{path}_ms"] = timed(lambda: block(x), graph and path == "decode")  # prefill syncs
             finally:
                 policy.DECODE_MAX_M, policy.PREFILL_MIN_M = saved
         if m >= 8192:
-            row.update(prefill_stages(x, w, n))
+            row.update(prefill_stages(x, w))
     return row
 
 
-def prefill_stages(x, w, n) -> dict:
+def prefill_stages(x, w) -> dict:
     """Stage breakdown of the prefill path (its kernels called directly, same inputs)."""
     wg, bg = w["gate_weight"], w["gate_bias"]
     slots = policy.SLOTS
@@ -220,29 +220,16 @@ def prefill_stages(x, w, n) -> dict:
     row["pack_ms"] = do_bench(lambda: pack_dense(pre, 0.0, policy.TILE_N, slots), return_mode="median")
     row["fused_gate_ms"] = do_bench(lambda: gate_twell(x, wg, bg, 0.0, policy.TILE_N, slots), return_mode="median")
     values, indices, counts = gate_twell(x, wg, bg, 0.0, policy.TILE_N, slots)
-    per_row = counts.sum(1)
-    skip = ((counts > slots).any(1) | (per_row > policy.entries_cap(n))).to(torch.int8)
-    max_entries = int(torch.where(skip.bool(), 0, per_row).max())
     wd_t = w["down_weight"].t()
     row["updown_ms"] = do_bench(
         lambda: twell_up_down(
-            x,
-            values,
-            indices,
-            counts,
-            skip,
-            w["up_weight"],
-            None,
-            wd_t,
-            None,
-            tile_n=policy.TILE_N,
-            max_entries=max_entries,
+            x, values, indices, counts, wg, bg, w["up_weight"], None, wd_t, None, tile_n=policy.TILE_N, threshold=0.0
         ),
         return_mode="median",
     )
-    pairs = int(torch.where(skip.bool(), 0, per_row).sum())
+    pairs = int(counts.sum())
     row["updown_l2_tb_s"] = pairs * 2 * x.shape[1] * 2 / row["updown_ms"] / 1e9
-    row["dense_rows"] = int(skip.sum())
+    row["overflow_tiles"] = int((counts > slots).sum())
     return row
 
 
@@ -274,7 +261,7 @@ def main():
         "points": [],
     }
     print(json.dumps(result["ceilings"]))
-    columns = "K N M dens pat nnz max dense twell x err dec pre gateC pack fused updn TB/s drows memD memT"
+    columns = "K N M dens pat nnz max dense twell x err dec pre gateC pack fused updn TB/s ovfl memD memT"
     header = " ".join(f"{c:>7}" for c in columns.split())
     lines = [header]
     print(header, flush=True)
@@ -296,7 +283,7 @@ def main():
                         f"{row.get('fused_gate_ms', 0):>6.2f} "
                         f"{row.get('updown_ms', 0):>6.2f} "
                         f"{row.get('updown_l2_tb_s', 0):>5.1f} "
-                        f"{row.get('dense_rows', 0):>6} {row['dense_peak_mb']:>7.0f} {row['twell_peak_mb']:>7.0f}"
+                        f"{row.get('overflow_tiles', 0):>6} {row['dense_peak_mb']:>7.0f} {row['twell_peak_mb']:>7.0f}"
                     )
                     lines.append(line)
                     print(line, flush=True)

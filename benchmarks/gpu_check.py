@@ -16,14 +16,24 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import triton
 from ffn import GRAPH_MAX_M, git_commit, make_inputs, rel_err_sample, timed, weights
+from triton.testing import do_bench
 
 import twell
-from twell.kernels import decode
+from twell.kernels import decode, gate, updown
+from twell.kernels.gate import pack_dense
 
-DECODE_GATE_UP = [(16, 128, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4), (16, 256, 4, 3), (32, 64, 4, 6)]
-DECODE_DOWN = [(64, 8, 16, 4), (128, 8, 16, 4), (32, 8, 16, 4), (64, 4, 16, 4), (64, 16, 16, 4), (64, 8, 32, 4)]
+# decode variants per token count: (BLOCK_N, BLOCK_K, warps, stages) and (BLOCK_K, GROUP, CHUNK, warps)
+DECODE_GATE_UP = {
+    1: [(32, 256, 4, 3), (16, 512, 4, 3), (64, 128, 4, 3), (32, 128, 4, 4), (16, 256, 4, 4), (64, 256, 8, 3)],
+    16: [(64, 128, 4, 4), (32, 128, 4, 4), (64, 64, 4, 4), (128, 64, 8, 3)],
+}
+DECODE_DOWN = {
+    1: [(64, 16, 16, 4), (128, 16, 16, 4), (128, 32, 16, 4), (64, 32, 16, 4), (32, 16, 16, 2)],
+    16: [(128, 8, 16, 4), (64, 16, 16, 4), (128, 16, 32, 4), (256, 8, 16, 8)],
+}
 
 
 def decode_point(k, n, m, density, gate_up_configs, down_configs) -> list[dict]:
@@ -59,6 +69,65 @@ def decode_point(k, n, m, density, gate_up_configs, down_configs) -> list[dict]:
     return rows
 
 
+def gate_point(k, n, m) -> list[dict]:
+    """The gate GEMM with the TwELL epilogue (each config, two tile widths) against cuBLAS alone and
+    cuBLAS + the pack pass; then the up+down kernel on its output."""
+    x, block = make_inputs(m, k, n, 0.005, "uniform", seed=m + n)
+    w = weights(block)
+    wg, bg = w["gate_weight"], w["gate_bias"]
+    rows = []
+    with torch.no_grad():
+        cublas_ms = do_bench(lambda: F.linear(x, wg, bg), return_mode="median")
+        pre = F.linear(x, wg, bg)
+        for tile_n, slots in ((128, 16), (256, 32)):
+            ref = pack_dense(pre, 0.0, tile_n, slots)
+            pack_ms = do_bench(lambda t=tile_n, s=slots: pack_dense(pre, 0.0, t, s), return_mode="median")
+            for config in gate.GATE_CONFIGS:
+                try:
+                    out = gate.gate_twell(x, wg, bg, 0.0, tile_n, slots, config=config)
+                    ms = do_bench(
+                        lambda t=tile_n, s=slots, c=config: gate.gate_twell(x, wg, bg, 0.0, t, s, config=c),
+                        return_mode="median",
+                    )
+                except Exception as e:  # a config the compiler refuses (shared memory, registers)
+                    print(f"{tile_n} {config}: {type(e).__name__}", flush=True)
+                    continue
+                same_counts = (out[2] == ref[2]).float().mean().item()
+                row = {
+                    "K": k,
+                    "N": n,
+                    "M": m,
+                    "tile_n": tile_n,
+                    "config": config,
+                    "cublas_ms": cublas_ms,
+                    "pack_ms": pack_ms,
+                    "fused_ms": ms,
+                    "vs_cublas": cublas_ms / ms,
+                    "same_counts": same_counts,
+                }
+                rows.append(row)  # fmt: skip
+                print(
+                    f"{k:>5} {n:>6} {m:>6} tile {tile_n:>3} {str(config):>22} cuBLAS {cublas_ms:6.3f} +pack "
+                    f"{pack_ms:6.3f} fused {ms:6.3f} ({cublas_ms / ms:4.2f}x cuBLAS) counts agree {same_counts:.5f}",
+                    flush=True,
+                )
+            values, indices, counts = ref
+            for programs in (1024, 4096, 16384):
+                updown.ROWS_IN_FLIGHT = programs
+                up_ms = do_bench(
+                    lambda t=tile_n, v=values, i=indices, c=counts: updown.twell_up_down(
+                        x, v, i, c, wg, bg, w["up_weight"], None, w["down_weight"].t(), None, tile_n=t, threshold=0.0
+                    ),
+                    return_mode="median",
+                )
+                tb_s = int(counts.sum()) * 4 * k / up_ms / 1e9
+                rows.append({"K": k, "N": n, "M": m, "tile_n": tile_n, "programs": programs, "updown_ms": up_ms})
+                overflow = int((counts > slots).sum())
+                print(f"{k:>5} {n:>6} {m:>6} tile {tile_n:>3} up+down programs {programs:>5}: {up_ms:6.3f} ms "
+                      f"({tb_s:4.1f} TB/s of weight rows), overflow tiles {overflow}", flush=True)  # fmt: skip
+    return rows
+
+
 def first_call_seconds() -> dict:
     """Wall time of the first call of a new shape in this process (compilation and autotuning)."""
     out = {}
@@ -81,7 +150,7 @@ def first_call_seconds() -> dict:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("part", choices=["decode"])
+    parser.add_argument("part", choices=["decode", "prefill"])
     parser.add_argument("--shapes", default="2048x5632,4096x14336")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
@@ -100,13 +169,17 @@ def main():
         print(result["first_call_s"], flush=True)
         for shape in args.shapes.split(","):
             k, n = map(int, shape.split("x"))
-            for m in (1, 16, 64):
-                result["rows"] += decode_point(k, n, m, 0.005, DECODE_GATE_UP, DECODE_DOWN[:1])
+            for m in (1, 16):
+                downs = DECODE_DOWN[m]
+                result["rows"] += decode_point(k, n, m, 0.005, DECODE_GATE_UP[m], downs[:1])
                 best = min((r for r in result["rows"] if r["M"] == m and r["K"] == k), key=lambda r: r["decode_ms"])
-                result["rows"] += decode_point(k, n, m, 0.005, [best["gate_up"]], DECODE_DOWN[1:])
-            for m in (1, 16, 64, 128, 256):
-                for density in (0.01, 0.02, 0.05):
+                result["rows"] += decode_point(k, n, m, 0.005, [best["gate_up"]], downs[1:])
+            for m in (2, 4, 8, 16):
+                for density in (0.005, 0.02, 0.05):
                     result["rows"] += decode_point(k, n, m, density, [decode.GATE_UP_CONFIG], [decode.DOWN_CONFIG])
+    else:
+        for k, n, m in ((2048, 5632, 131072), (4096, 14336, 65536)):
+            result["rows"] += gate_point(k, n, m)
     out_dir = Path(os.environ["OUT"]) if "OUT" in os.environ else Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"gpu_check-{args.part}-{time.strftime('%Y%m%d-%H%M%S')}.json"

@@ -9,7 +9,7 @@ from ffn_cases import TOL, gated_ref, make_ffn, plain_ref
 
 import twell
 from twell.format import TwELL, kept_mask
-from twell.kernels import dispatch, gate, policy, reference
+from twell.kernels import dispatch, gate, policy, reference, updown
 from twell.kernels.decode import decode_ffn
 from twell.kernels.gate import gate_twell, pack_dense
 from twell.kernels.updown import twell_up_down
@@ -79,11 +79,17 @@ def test_dispatch_reads_strided_biases(sparse_paths):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("split", [1, 2], ids=["whole", "split"])
 @pytest.mark.parametrize("m,k,n", [(1, 16, 64), (33, 40, 300), (257, 24, 96)], ids=["m1", "m33", "m257"])
-def test_gate_twell_packs_the_gate(m, k, n, dtype, bias):
+def test_gate_twell_packs_the_gate(m, k, n, dtype, bias, split):
+    """The persistent gate kernel (several output tiles per program, partial last tiles in M and N),
+    its epilogue packing the tile whole or in two column slices."""
     case = make_ffn(m, k, n, [0.0, 0.05, 0.1, 0.01], dtype, DEVICE, seed=m + n, biases=bias)
     threshold = 0.05
-    values, indices, counts = gate_twell(case["x"], case["gate_weight"], case["gate_bias"], threshold, 64, 16)
+    config = (16, 16, 4, 1, split)
+    values, indices, counts = gate_twell(
+        case["x"], case["gate_weight"], case["gate_bias"], threshold, 64, 16, config=config
+    )
     got = twell.unpack(_twell(values, indices, counts, (m, n), 64)).double()
     c = {k_: (t.double() if t is not None else None) for k_, t in case.items()}
     ref = torch.nn.functional.linear(c["x"], c["gate_weight"], c["gate_bias"])
@@ -95,39 +101,67 @@ def test_gate_twell_packs_the_gate(m, k, n, dtype, bias):
     assert (values[padding] == 0).all() and (indices[padding] == 0).all(), "slots past the count are zeroed"
 
 
+def test_gate_twell_counts_overflow_and_refuses_unaligned_rows():
+    case = make_ffn(20, 16, 64, [1.0], torch.float32, DEVICE, seed=2)
+    values, indices, counts = gate_twell(case["x"], case["gate_weight"], None, 0.0, 32, 4)
+    ref = torch.nn.functional.linear(case["x"], case["gate_weight"]).view(20, 2, 32)
+    assert torch.equal(counts, (ref > 0).sum(-1, dtype=torch.int32)), "true counts, past the slots"
+    x = torch.randn(4, 33, device=DEVICE, dtype=torch.float16)  # 66-byte rows: no TMA
+    w = torch.randn(64, 33, device=DEVICE, dtype=torch.float16)
+    assert not gate.fused_gate_supported(x, w)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        gate_twell(x, w, None, 0.0, 64, 16)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("variant", ["gated", "gated-bias", "drelu", "plain"])
+@pytest.mark.parametrize("variant", ["gated", "gated-bias", "drelu", "plain", "relu2", "fatrelu"])
 @pytest.mark.parametrize("m,k,n", [(1, 16, 64), (40, 72, 200), (257, 33, 130)], ids=["m1", "m40", "m257"])
-def test_up_down_matches_reference(m, k, n, dtype, variant):
-    gated = variant != "plain"
-    case = make_ffn(m, k, n, MIXED, dtype, DEVICE, seed=k * n, biases=variant == "gated-bias", gated=gated)
+def test_up_down_matches_reference(m, k, n, dtype, variant, monkeypatch):
+    """Rows with empty, sparse and overflowing tiles (recomputed in the kernel), ragged last tile,
+    output poisoned; fewer programs than rows, so each program serves several rows with one scratch."""
+    gated = variant not in ("plain", "relu2")
+    case = make_ffn(m, k, n, MIXED, dtype, DEVICE, seed=k * n, biases=variant in ("gated-bias", "fatrelu"), gated=gated)
     tile_n, slots = 32, 8
+    threshold = 0.02 if variant == "fatrelu" else 0.0
     gate_w, gate_b = (case["gate_weight"], case["gate_bias"]) if gated else (case["up_weight"], case["up_bias"])
-    values, indices, counts = gate_twell(case["x"], gate_w, gate_b, 0.0, tile_n, slots)
-    skip = (counts > slots).any(1)
-    max_entries = int(torch.where(skip, 0, counts.sum(1)).max())
+    pre = torch.nn.functional.linear(case["x"], gate_w, gate_b)
+    values, indices, counts = pack_dense(pre, threshold, tile_n, slots, square=variant == "relu2")
+    if m > 1:
+        assert (counts > slots).any() and (counts <= slots).all(1).any(), "rows with and without overflow"
+    monkeypatch.setattr(updown, "ROWS_IN_FLIGHT", 7)
     out = torch.full_like(case["x"], float("nan"))
     twell_up_down(
         case["x"],
         values,
         indices,
         counts,
-        skip.to(torch.int8),
+        gate_w,
+        gate_b,
         case["up_weight"] if gated else None,
         case["up_bias"] if gated else None,
-        case["down_weight"].t().contiguous(),
+        case["down_weight"].t(),
         case["down_bias"],
         tile_n=tile_n,
-        max_entries=max_entries,
+        threshold=threshold,
         drelu=variant == "drelu",
+        square=variant == "relu2",
         out=out,
     )
-    ref = gated_ref(case, drelu=variant == "drelu") if gated else plain_ref(case)
-    kept = ~skip
-    if m > 1:
-        assert skip.any() and kept.any(), "case must mix overflow rows and sparse rows"
-    assert out[skip].isnan().all(), "skipped rows are the dense path's: the kernel must not write them"
-    assert rel_err(out[kept], ref[kept]) <= TOL[dtype]
+    if gated:
+        ref = gated_ref(case, threshold, drelu=variant == "drelu")
+    else:
+        ref = plain_ref(case, squared=variant == "relu2")
+    assert rel_err(out, ref) <= TOL[dtype] * (4 if variant == "relu2" else 1)
+
+
+def test_up_down_checks_its_arrays():
+    case = make_ffn(4, 16, 64, [0.1], torch.float32, DEVICE)
+    values, indices, counts = pack_dense(case["x"] @ case["gate_weight"].T, 0.0, 32, 8)
+    args = (case["gate_weight"], None, case["up_weight"], None, case["down_weight"].t(), None)
+    with pytest.raises(ValueError, match="counts"):
+        twell_up_down(case["x"], values, indices, counts[:, :1], *args, tile_n=32, threshold=0.0)
+    with pytest.raises(ValueError, match="do not cover"):
+        twell_up_down(case["x"], values, indices, counts, *args, tile_n=16, threshold=0.0)
 
 
 @pytest.fixture
@@ -197,7 +231,7 @@ def sparse_paths(monkeypatch):
     """Route calls to the kernels whatever the measured defaults: decode up to 256 tokens, prefill above."""
     monkeypatch.setattr(policy, "DECODE_MAX_M", 256)
     monkeypatch.setattr(policy, "PREFILL_MIN_M", 257)
-    dispatch._dense_calls_left.clear()
+    dispatch.forget_layers()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -210,7 +244,7 @@ def test_dispatch_is_exact_on_every_path(m, dtype, variant, sparse_paths):
     case = make_ffn(m, k, n, MIXED, dtype, DEVICE, seed=m, biases=variant == "fatrelu-bias", gated=gated)
     threshold = 0.02 if variant == "fatrelu-bias" else 0.0
     x = case["x"].reshape(1, m, k)
-    dispatch._dense_calls_left.clear()
+    dispatch.forget_layers()
     if gated:
         y = dispatch.gated_ffn(
             x,
@@ -234,20 +268,21 @@ def test_dispatch_is_exact_on_every_path(m, dtype, variant, sparse_paths):
 
 
 def test_dense_layers_fall_back_to_dense(sparse_paths):
-    """After a prefill call denser than DENSE_ABOVE, the layer runs dense (still exact) for a while."""
+    """A prefill call denser than DENSE_ABOVE sends the layer's next calls dense (still exact)."""
     case = make_ffn(300, 24, 64, [0.5], torch.float32, DEVICE, seed=3)
     args = (case["gate_weight"], case["up_weight"], case["down_weight"], None, None, None, 0.0, False)
     first = dispatch.gated_ffn(case["x"], *args)
-    assert [v for d in dispatch._dense_calls_left.values() for v in d.values()] == [policy.DENSE_RETRY]
-    second = dispatch.gated_ffn(case["x"], *args)
-    assert [v for d in dispatch._dense_calls_left.values() for v in d.values()] == [policy.DENSE_RETRY - 1]
+    state = dispatch.layer_state(case["gate_weight"], 300)
+    assert state.pending is not None and state.dense_calls_left == 0
+    second = dispatch.gated_ffn(case["x"], *args)  # reads the first call's density: runs dense
+    assert state.pending is None and state.dense_calls_left == policy.DENSE_RETRY - 1
     ref = gated_ref(case)
     assert rel_err(first, ref) <= 1e-5 and rel_err(second, ref) <= 1e-5
 
 
 def test_default_dispatch_runs_dense_where_kernels_lose():
     """Between the decode and prefill thresholds, calls take the dense path: exact, never slower."""
-    dispatch._dense_calls_left.clear()
+    dispatch.forget_layers()
     m = policy.DECODE_MAX_M + 1
     assert m < policy.PREFILL_MIN_M
     case = make_ffn(m, 24, 64, [0.05], torch.float32, DEVICE, seed=m)
@@ -266,13 +301,13 @@ def test_nn_linear_layout_runs_dense(m, sparse_paths, monkeypatch):
     assert torch.equal(dispatch.gated_ffn(case["x"], *args), reference.gated_ffn(case["x"], *args))
 
 
-def test_dense_streaks_go_with_their_weight():
-    """Per-layer dense state is dropped when the weight is freed (no leak, no inheritance by address)."""
-    dispatch._dense_calls_left.clear()
+def test_layer_state_goes_with_its_weight():
+    """Per-layer density state is dropped when the weight is freed (no leak, no inheritance by address)."""
+    dispatch.forget_layers()
     weight = torch.nn.Parameter(torch.randn(8, 4))
-    streaks, key = dispatch._streaks(weight[2:6], 300)  # a view (fused gate_up rows) keys by its base
-    streaks[key] = 5
-    assert dispatch._streaks(weight[2:6], 300) == (streaks, key)
-    del weight, streaks
+    state = dispatch.layer_state(weight[2:6], 300)  # a view (fused gate_up rows) keys by its base
+    assert dispatch.layer_state(weight[2:6], 300) is state
+    assert dispatch.layer_state(weight[0:4], 300) is not state
+    del weight, state
     gc.collect()
-    assert not dispatch._dense_calls_left
+    assert not dispatch._layers

@@ -23,6 +23,48 @@ from twell.kernels.common import dot_precision, threshold_in
 
 
 @triton.jit
+def _rows_times_x(
+    x_ptr,
+    w_ptr,
+    rows,
+    cols,
+    m_ok,
+    w_rows_ok,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """x[rows] @ w[cols]^T in fp32, [BLOCK_M, BLOCK_N]; rows of w outside w_rows_ok are not read. One
+    token (BLOCK_M == 1) is a GEMV on the CUDA cores: products accumulate per lane, one reduction at
+    the end (no 16-row padding of the tensor-core path)."""
+    if BLOCK_M == 1:
+        part = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        w_mask = w_rows_ok[None, :] & k_ok[:, None]
+        wt = tl.load(w_ptr + cols[None, :] * stride_wn + offs_k[:, None] * stride_wk, mask=w_mask, other=0.0)
+        if BLOCK_M == 1:
+            xk = tl.load(x_ptr + rows * stride_xm + offs_k * stride_xk, mask=k_ok, other=0.0)
+            part += xk.to(tl.float32)[:, None] * wt.to(tl.float32)
+        else:
+            x_mask = m_ok[:, None] & k_ok[None, :]
+            xt = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=x_mask, other=0.0)
+            acc = tl.dot(xt, wt, acc, input_precision=DOT_PRECISION)
+    if BLOCK_M == 1:
+        acc = tl.sum(part, axis=0)[None, :]
+    return acc
+
+
+@triton.jit
 def _decode_gate_up_kernel(
     x_ptr,
     wg_ptr,
@@ -70,17 +112,10 @@ def _decode_gate_up_kernel(
     cols = offs_n.to(tl.int64)
     dtype = h_ptr.dtype.element_ty
 
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        xt = tl.load(
-            x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk, m_ok[:, None] & k_ok[None, :], 0.0
-        )
-        wt = tl.load(
-            wg_ptr + cols[None, :] * stride_gn + offs_k[:, None] * stride_gk, n_ok[None, :] & k_ok[:, None], 0.0
-        )
-        acc = tl.dot(xt, wt, acc, input_precision=DOT_PRECISION)
+    acc = _rows_times_x(
+        x_ptr, wg_ptr, rows, cols, m_ok, n_ok, K, stride_xm, stride_xk, stride_gn, stride_gk,
+        DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
     if HAS_GATE_BIAS:
         acc += tl.load(bg_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     g = acc.to(dtype).to(tl.float32)  # the dense gate's rounding
@@ -92,19 +127,10 @@ def _decode_gate_up_kernel(
     n_active = tl.sum(active.to(tl.int32), axis=0)
     if HAS_UP:
         if n_active > 0:
-            u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                k_ok = offs_k < K
-                xt = tl.load(
-                    x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk, m_ok[:, None] & k_ok[None, :], 0.0
-                )
-                wt = tl.load(
-                    wu_ptr + cols[None, :] * stride_un + offs_k[:, None] * stride_uk,
-                    active[None, :] & k_ok[:, None],
-                    0.0,
-                )
-                u = tl.dot(xt, wt, u, input_precision=DOT_PRECISION)
+            u = _rows_times_x(
+                x_ptr, wu_ptr, rows, cols, m_ok, active, K, stride_xm, stride_xk, stride_un, stride_uk,
+                DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
             if HAS_UP_BIAS:
                 u += tl.load(bu_ptr + offs_n, mask=active, other=0.0).to(tl.float32)[None, :]
             u = u.to(dtype).to(tl.float32)
@@ -173,7 +199,10 @@ def _decode_down_kernel(
         wd = tl.load(
             wd_ptr + neuron[:, None] * stride_dn + offs_k[None, :] * stride_dk, valid[:, None] & k_ok[None, :], 0.0
         )
-        acc = tl.dot(hv, wd, acc, input_precision=DOT_PRECISION)
+        if BLOCK_M == 1:  # one token: no 16-row padding
+            acc += tl.sum(hv.to(tl.float32)[:, :, None] * wd.to(tl.float32)[None, :, :], axis=1)
+        else:
+            acc = tl.dot(hv, wd, acc, input_precision=DOT_PRECISION)
     out_mask = m_ok[:, None] & k_ok[None, :]
     y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_k[None, :] * stride_yk
     if n_groups == 1:
@@ -230,7 +259,7 @@ def decode_ffn(
             raise ValueError(f"decode_ffn expects {name} of shape [{n}, {k}], got {list(t.shape)}")
     block_n, block_k, warps, stages = gate_up_config
     down_k, group, chunk, down_warps = down_config
-    block_m = min(max(triton.next_power_of_2(m), 16), 64)
+    block_m = 1 if m == 1 else min(max(triton.next_power_of_2(m), 16), 64)
     m_blocks = triton.cdiv(m, block_m)
     n_blocks = triton.cdiv(n, block_n)
     k_blocks = triton.cdiv(k, down_k)

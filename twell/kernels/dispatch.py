@@ -1,19 +1,23 @@
-"""Per-call choice of path on CUDA: decode kernels, TwELL prefill kernels, or dense.
+"""Per-call choice of path on CUDA: decode kernels, TwELL prefill kernels, or dense. No path reads
+anything back to the host, so every path runs inside CUDA graphs and under torch.compile.
 
 Thresholds and layout live in twell.kernels.policy.
 - M <= DECODE_MAX_M tokens: the two decode kernels (gate + up, then down; only active rows of W_u / W_d
-  are read; no host synchronisation, so CUDA graphs capture it).
-- M >= PREFILL_MIN_M: gate packed to TwELL (GATE_ROUTE: cuBLAS GEMM + pack kernel, or the Triton GEMM
-  with the packing epilogue), then the fused up+down kernel. Rows that overflow a tile's slots or hold
-  more than entries_cap(N) entries are recomputed densely (the hybrid safety valve): exact at any sparsity.
-- Otherwise dense (also for K > MAX_K).
-- A layer whose last prefill call was denser than DENSE_ABOVE runs dense for the next DENSE_RETRY
-  calls, then probes again: a rewrite must not make a dense layer slower.
+  are read).
+- M >= PREFILL_MIN_M: the gate GEMM packs its output to TwELL in its epilogue (the persistent TMA
+  kernel where the operands allow, else cuBLAS + a pack pass), then the fused up+down kernel, which
+  recomputes the gate of tiles that overflow their slots: exact at any sparsity.
+- Otherwise dense (also for K > MAX_K, and for a down weight not stored as the kernels read it).
+- Layer density: each prefill call queues a copy of its kept-entry count to pinned host memory; a
+  later call of the layer reads it once the copy is done (never waiting). A layer denser than
+  DENSE_ABOVE then runs dense for DENSE_RETRY prefill calls and probes again: a rewrite must not make
+  a dense layer slower.
 """
 
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -21,21 +25,55 @@ import triton
 
 from twell.kernels import policy, reference
 from twell.kernels.decode import decode_ffn
-from twell.kernels.gate import gate_twell, pack_dense
+from twell.kernels.gate import fused_gate_supported, gate_twell, pack_dense
 from twell.kernels.updown import twell_up_down
 
-# id(weight behind any view) -> {(shape, offset, token bucket): calls left to run dense}; an entry goes
-# when its tensor is freed, so a new tensor at a reused address starts clean
-_dense_calls_left: dict[int, dict] = {}
+
+@dataclass
+class _LayerState:
+    dense_calls_left: int = 0
+    pending: tuple | None = None  # (event or None, kept-entry count on the host, M * N)
+
+    def update(self) -> None:
+        """Take the last probe's density into account once its copy has landed."""
+        if self.pending is None:
+            return
+        ready, kept, possible = self.pending
+        if ready is not None and not ready.query():
+            return
+        self.pending = None
+        if kept.item() > policy.DENSE_ABOVE * possible:
+            self.dense_calls_left = policy.DENSE_RETRY
 
 
-def _streaks(weight: torch.Tensor, m: int) -> tuple[dict, tuple]:
+# id(weight behind any view) -> {(shape, offset, token bucket): state}; an entry goes when its tensor is
+# freed, so a new tensor at a reused address starts clean
+_layers: dict[int, dict[tuple, _LayerState]] = {}
+
+
+def layer_state(weight: torch.Tensor, m: int) -> _LayerState:
     base = weight._base if weight._base is not None else weight
-    if id(base) not in _dense_calls_left:
-        _dense_calls_left[id(base)] = {}
-        weakref.finalize(base, _dense_calls_left.pop, id(base), None)
+    if id(base) not in _layers:
+        _layers[id(base)] = {}
+        weakref.finalize(base, _layers.pop, id(base), None)
     key = (tuple(weight.shape), weight.storage_offset(), triton.next_power_of_2(m))
-    return _dense_calls_left[id(base)], key
+    return _layers[id(base)].setdefault(key, _LayerState())
+
+
+def forget_layers() -> None:
+    """Drop every layer's density history (benchmarks and tests start from a clean state)."""
+    _layers.clear()
+
+
+def _probe(counts: torch.Tensor, possible: int) -> tuple:
+    kept = counts.sum(dtype=torch.int64)
+    if not kept.is_cuda:
+        return None, kept, possible
+    host = torch.empty((), dtype=torch.int64, pin_memory=True)
+    host.copy_(kept, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return ready, host, possible
 
 
 def _run(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, threshold, drelu, square, dense_fn):
@@ -49,63 +87,45 @@ def _run(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, 
     # the sparse FFN saves at decode sizes, so weights in the plain nn.Linear layout run dense
     # (sparsify re-lays them once: twell.passes.modules.store_down_rows).
     wd_t = down_weight.t()
-    path = policy.route(m, x2.shape[1], capturing=x.is_cuda and torch.cuda.is_current_stream_capturing())
-    if wd_t.stride(1) != 1:
-        path = "dense"
-    if path == "prefill":  # only prefill calls set or spend a layer's dense streak
-        streaks, key = _streaks(gate_weight, m)
-        if streaks.get(key, 0) > 0:
-            streaks[key] -= 1
+    path = policy.route(m, x2.shape[1]) if wd_t.stride(1) == 1 else "dense"
+    if path == "prefill":
+        state = layer_state(gate_weight, m)
+        state.update()
+        if state.dense_calls_left > 0:
+            state.dense_calls_left -= 1
             path = "dense"
     if path == "dense":
         return dense_fn(x2).reshape(shape)
-
     if path == "decode":
         return decode_ffn(
             x2, gate_weight, gate_bias, up_weight, up_bias, wd_t, down_bias, threshold, drelu=drelu, square=square
         ).reshape(shape)
 
-    n = gate_weight.shape[0]
     tile_n, slots = policy.TILE_N, policy.SLOTS
-    if policy.GATE_ROUTE == "fused":
+    if fused_gate_supported(x2, gate_weight):
         values, indices, counts = gate_twell(x2, gate_weight, gate_bias, threshold, tile_n, slots, square=square)
     else:
         pre = F.linear(x2, gate_weight, gate_bias)
         values, indices, counts = pack_dense(pre, threshold, tile_n, slots, square=square)
         del pre
-    per_row = counts.sum(1)
-    entries_max = min(policy.entries_cap(n), counts.shape[1] * slots)
-    skip = (counts > slots).any(1) | (per_row > entries_max)
-    # The host needs two numbers (rows left to the dense path, total density). Copy them out before the
-    # up+down kernel is queued and wait only for that copy: the GPU stays busy meanwhile.
-    stats = torch.stack([skip.sum(), per_row.sum()])
-    ready = None
-    if stats.is_cuda:
-        stats = stats.to("cpu", non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
     y = twell_up_down(
         x2,
         values,
         indices,
         counts,
-        skip.to(torch.int8),
+        gate_weight,
+        gate_bias,
         up_weight,
         up_bias,
         wd_t,
         down_bias,
         tile_n=tile_n,
-        max_entries=entries_max,
+        threshold=threshold,
         drelu=drelu,
+        square=square,
     )
-    if ready is not None:
-        ready.synchronize()
-    n_skip, total = stats.tolist()
-    if total > policy.DENSE_ABOVE * m * n:
-        streaks[key] = policy.DENSE_RETRY
-    if n_skip:
-        rows = torch.nonzero(skip).flatten()
-        y[rows] = dense_fn(x2[rows])
+    if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        state.pending = _probe(counts, m * gate_weight.shape[0])
     return y.reshape(shape)
 
 

@@ -12,19 +12,58 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from twell.kernels.common import autotune_configs, check_tile, dot_precision, m_bucket, threshold_in
+from twell.kernels.common import autotune_configs, check_tile, dot_precision, interpreting, m_bucket, threshold_in
 
-# BLOCK_N is the TwELL tile width: one GEMM tile packs exactly one TwELL tile.
-GATE_CONFIGS = [
-    # (BLOCK_M, BLOCK_K, num_warps, num_stages)
-    (128, 64, 8, 3),
-    (128, 64, 8, 4),
-    (64, 64, 4, 4),
-    (128, 32, 8, 4),
-    (256, 64, 8, 3),
-    (64, 128, 4, 3),
-]
+SMEM_LIMIT = 227 * 1024  # H100 / H200 per-block shared memory
+
+
+@triton.jit
+def _pack_slice(
+    acc,
+    offs_m,
+    tile,
+    col0,
+    before,
+    M,
+    N,
+    threshold,
+    vals_ptr,
+    idx_ptr,
+    n_tiles,
+    TILE_N: tl.constexpr,
+    SLOTS: tl.constexpr,
+    SQUARE: tl.constexpr,
+    WIDTH: tl.constexpr,
+):
+    """Pack columns [col0, col0 + WIDTH) of one TwELL tile (rows offs_m, fp32 values `acc`) behind the
+    `before` entries each row already holds in this tile; returns the rows' counts including this slice."""
+    offs_c = col0 + tl.arange(0, WIDTH)
+    in_bounds = (offs_m < M)[:, None] & ((tile * TILE_N + offs_c) < N)[None, :]
+    keep = ((acc > threshold) | (acc != acc)) & in_bounds  # not (acc <= t): NaN is kept, as by relu
+    keep_i = keep.to(tl.int32)
+    pos = before[:, None] + tl.cumsum(keep_i, axis=1) - 1
+    if SQUARE:
+        acc = acc * acc
+    slot_ptr = ((offs_m.to(tl.int64) * n_tiles + tile) * SLOTS)[:, None] + pos
+    stored = keep & (pos < SLOTS)
+    tl.store(vals_ptr + slot_ptr, acc.to(vals_ptr.dtype.element_ty), mask=stored)
+    local = tl.broadcast_to(offs_c[None, :], acc.shape).to(tl.int16)
+    tl.store(idx_ptr + slot_ptr, local, mask=stored)
+    return before + tl.sum(keep_i, axis=1)
+
+
+@triton.jit
+def _pack_finish(cnt, offs_m, tile, M, vals_ptr, idx_ptr, cnt_ptr, n_tiles, SLOTS: tl.constexpr):
+    """Zero the slots past each row's count (disjoint from the packed stores) and store the counts."""
+    row_ok = offs_m < M
+    offs_s = tl.arange(0, SLOTS)
+    pad = row_ok[:, None] & (offs_s[None, :] >= cnt[:, None])
+    pad_ptr = ((offs_m.to(tl.int64) * n_tiles + tile) * SLOTS)[:, None] + offs_s[None, :]
+    tl.store(vals_ptr + pad_ptr, tl.zeros([offs_m.shape[0], SLOTS], vals_ptr.dtype.element_ty), mask=pad)
+    tl.store(idx_ptr + pad_ptr, tl.zeros([offs_m.shape[0], SLOTS], tl.int16), mask=pad)
+    tl.store(cnt_ptr + offs_m.to(tl.int64) * n_tiles + tile, cnt, mask=row_ok)
 
 
 @triton.jit
@@ -42,40 +81,96 @@ def _pack_tile(
     TILE_N: tl.constexpr,
     SLOTS: tl.constexpr,
     SQUARE: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    """Pack one [BLOCK_M, TILE_N] fp32 tile into TwELL slots (the shared epilogue)."""
-    offs_c = tl.arange(0, TILE_N)
-    row_ok = offs_m < M
-    in_bounds = row_ok[:, None] & ((tile * TILE_N + offs_c)[None, :] < N)
-    keep = ((acc > threshold) | (acc != acc)) & in_bounds  # not (acc <= t): NaN is kept, as by relu
-    keep_i = keep.to(tl.int32)
-    pos = tl.cumsum(keep_i, axis=1) - 1
-    cnt = tl.sum(keep_i, axis=1)
-    if SQUARE:
-        acc = acc * acc
-    base = (offs_m.to(tl.int64) * n_tiles + tile) * SLOTS
-    slot_ptr = base[:, None] + pos
-    stored = keep & (pos < SLOTS)
-    tl.store(vals_ptr + slot_ptr, acc.to(vals_ptr.dtype.element_ty), mask=stored)
-    local = tl.broadcast_to(offs_c[None, :], acc.shape).to(tl.int16)
-    tl.store(idx_ptr + slot_ptr, local, mask=stored)
-    # slots past the count are zeroed (disjoint from the stores above: no ordering needed)
-    offs_s = tl.arange(0, SLOTS)
-    pad = row_ok[:, None] & (offs_s[None, :] >= cnt[:, None])
-    pad_ptr = base[:, None] + offs_s[None, :]
-    tl.store(vals_ptr + pad_ptr, tl.zeros([offs_m.shape[0], SLOTS], vals_ptr.dtype.element_ty), mask=pad)
-    tl.store(idx_ptr + pad_ptr, tl.zeros([offs_m.shape[0], SLOTS], tl.int16), mask=pad)
-    tl.store(cnt_ptr + offs_m.to(tl.int64) * n_tiles + tile, cnt, mask=row_ok)
+    """Pack one [BLOCK_M, TILE_N] fp32 tile into TwELL slots, in SPLIT column slices (fewer live
+    registers next to a GEMM accumulator)."""
+    before = tl.zeros([offs_m.shape[0]], dtype=tl.int32)
+    if SPLIT == 1:
+        cnt = _pack_slice(
+            acc, offs_m, tile, 0, before, M, N, threshold, vals_ptr, idx_ptr, n_tiles, TILE_N, SLOTS, SQUARE, TILE_N
+        )
+    else:
+        left, right = tl.split(tl.permute(tl.reshape(acc, [acc.shape[0], 2, TILE_N // 2]), [0, 2, 1]))
+        half = _pack_slice(
+            left,
+            offs_m,
+            tile,
+            0,
+            before,
+            M,
+            N,
+            threshold,
+            vals_ptr,
+            idx_ptr,
+            n_tiles,
+            TILE_N,
+            SLOTS,
+            SQUARE,
+            TILE_N // 2,
+        )
+        cnt = _pack_slice(
+            right,
+            offs_m,
+            tile,
+            TILE_N // 2,
+            half,
+            M,
+            N,
+            threshold,
+            vals_ptr,
+            idx_ptr,
+            n_tiles,
+            TILE_N,
+            SLOTS,
+            SQUARE,
+            TILE_N // 2,
+        )
+    _pack_finish(cnt, offs_m, tile, M, vals_ptr, idx_ptr, cnt_ptr, n_tiles, SLOTS)
+
+
+# (BLOCK_M, BLOCK_K, num_warps, num_stages, SPLIT); BLOCK_N is the TwELL tile width: one GEMM tile packs
+# exactly one TwELL tile.
+GATE_CONFIGS = [
+    (128, 64, 8, 4, 1),
+    (128, 64, 8, 3, 2),
+    (128, 64, 8, 4, 2),
+    (64, 64, 4, 4, 1),
+    (128, 128, 8, 3, 1),
+    (64, 128, 8, 3, 2),
+]
+
+
+def _prune(configs, named_args, **kwargs):
+    """Drop configs whose pipelined operand tiles overflow shared memory (fp32 needs twice bf16's):
+    fp32 at K=8192 raised OutOfResources before."""
+    tile_n, element = kwargs["TILE_N"], named_args["x_desc"].base.element_size()
+
+    def smem(c):
+        return c.num_stages * (c.kwargs["BLOCK_M"] + tile_n) * c.kwargs["BLOCK_K"] * element
+
+    fits = [c for c in configs if smem(c) <= SMEM_LIMIT]
+    return fits or [min(configs, key=smem)]
+
+
+def _set_blocks(nargs):
+    """Descriptor block shapes follow the config being run."""
+    nargs["x_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
+    nargs["w_desc"].block_shape = [nargs["TILE_N"], nargs["BLOCK_K"]]
 
 
 @triton.autotune(
-    configs=autotune_configs(GATE_CONFIGS, lambda bm, bk, w, s: {"BLOCK_M": bm, "BLOCK_K": bk}),
-    key=["M_BUCKET", "N", "K", "TILE_N"],
+    configs=[
+        triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "SPLIT": sp}, num_warps=w, num_stages=s, pre_hook=_set_blocks)
+        for bm, bk, w, s, sp in GATE_CONFIGS[: 1 if interpreting() else None]
+    ],
+    key=["M_BUCKET", "N", "K", "TILE_N", "SLOTS"],
+    prune_configs_by={"early_config_prune": _prune},
 )
 @triton.jit
 def _gate_twell_kernel(
-    x_ptr,
-    w_ptr,
+    x_desc,
+    w_desc,
     b_ptr,
     vals_ptr,
     idx_ptr,
@@ -86,10 +181,6 @@ def _gate_twell_kernel(
     M_BUCKET,
     n_tiles,
     threshold,
-    stride_xm,
-    stride_xk,
-    stride_wn,
-    stride_wk,
     HAS_BIAS: tl.constexpr,
     SQUARE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -97,38 +188,34 @@ def _gate_twell_kernel(
     SLOTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
     GROUP_M: tl.constexpr = 8,
 ):
-    pid = tl.program_id(0)
+    """Persistent gate GEMM (TMA loads of x and W_g tiles) whose epilogue packs each output tile."""
     grid_m = tl.cdiv(M, BLOCK_M)
-    # grouped ordering: programs that run together share W_g tiles in L2
-    group = pid // (GROUP_M * n_tiles)
-    first_m = group * GROUP_M
-    group_size = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * n_tiles)) % group_size
-    tile = (pid % (GROUP_M * n_tiles)) // group_size
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tile * TILE_N + tl.arange(0, TILE_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    # clamp rows/cols instead of masking them: out-of-range results are never stored
-    rows = (offs_m % M).to(tl.int64)
-    cols = (offs_n % N).to(tl.int64)
-    a_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    b_ptrs = w_ptr + cols[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    acc = tl.zeros([BLOCK_M, TILE_N], dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K * stride_xk
-        b_ptrs += BLOCK_K * stride_wk
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
-    # decide on the value the dense FFN sees: the gate rounded to the output dtype
-    acc = acc.to(vals_ptr.dtype.element_ty).to(tl.float32)
-    _pack_tile(acc, offs_m, tile, M, N, threshold, vals_ptr, idx_ptr, cnt_ptr, n_tiles, TILE_N, SLOTS, SQUARE)
+    n_out = grid_m * n_tiles
+    k_steps = tl.cdiv(K, BLOCK_K)
+    for out_tile in tl.range(tl.program_id(0), n_out, tl.num_programs(0)):
+        # grouped order: programs that run together share W_g tiles in L2
+        group = out_tile // (GROUP_M * n_tiles)
+        first_m = group * GROUP_M
+        group_size = tl.minimum(grid_m - first_m, GROUP_M)
+        pid_m = first_m + (out_tile % (GROUP_M * n_tiles)) % group_size
+        tile = (out_tile % (GROUP_M * n_tiles)) // group_size
+        acc = tl.zeros([BLOCK_M, TILE_N], dtype=tl.float32)
+        for ks in range(k_steps):
+            a = x_desc.load([pid_m * BLOCK_M, ks * BLOCK_K])
+            b = w_desc.load([tile * TILE_N, ks * BLOCK_K])
+            acc = tl.dot(a, b.T, acc, input_precision=DOT_PRECISION)
+        if HAS_BIAS:
+            cols = tile * TILE_N + tl.arange(0, TILE_N)
+            acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        # decide on the value the dense FFN sees: the gate rounded to the output dtype
+        acc = acc.to(vals_ptr.dtype.element_ty).to(tl.float32)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        _pack_tile(
+            acc, offs_m, tile, M, N, threshold, vals_ptr, idx_ptr, cnt_ptr, n_tiles, TILE_N, SLOTS, SQUARE, SPLIT
+        )
 
 
 PACK_CONFIGS = [
@@ -170,7 +257,7 @@ def _pack_dense_kernel(
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_n[None, :] * stride_hn
     acc = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    _pack_tile(acc, offs_m, tile, M, N, threshold, vals_ptr, idx_ptr, cnt_ptr, n_tiles, TILE_N, SLOTS, SQUARE)
+    _pack_tile(acc, offs_m, tile, M, N, threshold, vals_ptr, idx_ptr, cnt_ptr, n_tiles, TILE_N, SLOTS, SQUARE, 1)
 
 
 def _alloc(m: int, n: int, tile_n: int, slots: int, dtype, device):
@@ -181,6 +268,23 @@ def _alloc(m: int, n: int, tile_n: int, slots: int, dtype, device):
     return values, indices, counts
 
 
+def _programs(device: torch.device) -> int:
+    """Programs of the persistent gate kernel: one per multiprocessor (a few when interpreting)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def fused_gate_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether gate_twell can take these operands: TMA needs unit stride on K, 16-byte aligned rows and
+    base addresses, and a Hopper-class GPU (compute capability >= 9)."""
+    if x.is_cuda and torch.cuda.get_device_capability(x.device)[0] < 9:
+        return False
+    return all(
+        t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (x, weight)
+    )
+
+
 def gate_twell(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -189,25 +293,41 @@ def gate_twell(
     tile_n: int,
     slots: int,
     square: bool = False,
+    config: tuple[int, int, int, int, int] | None = None,
 ):
-    """TwELL arrays (values, indices, counts) of act_t(x @ weight^T + bias), x: [M, K], weight: [N, K].
+    """TwELL arrays (values, indices, counts) of act_t(x @ weight^T + bias), x: [M, K], weight: [N, K];
+    the dense gate never reaches memory.
 
     square: store act² (relu², non-gated FFNs). Counts are true counts: > slots means the row overflows.
+    The operands must pass fused_gate_supported (cuBLAS + pack_dense serves the rest). config: one row
+    of GATE_CONFIGS instead of autotuning (tests, benchmarks).
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gate_twell expects x [M, K] and weight [N, K], got {list(x.shape)} and {list(weight.shape)}")
+    if not fused_gate_supported(x, weight):
+        raise ValueError("gate_twell needs unit stride on K and 16-byte aligned rows (see fused_gate_supported)")
     check_tile(tile_n, slots)
     m, k = x.shape
     n = weight.shape[0]
     values, indices, counts = _alloc(m, n, tile_n, slots, x.dtype, x.device)
     n_tiles = counts.shape[1]
+    programs = _programs(x.device)
+    # block shapes are set per config by _set_blocks
+    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [16, 16])
+    w_desc = TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [16, 16])
 
     def grid(meta):
-        return (triton.cdiv(m, meta["BLOCK_M"]) * n_tiles,)
+        return (min(programs, triton.cdiv(m, meta["BLOCK_M"]) * n_tiles),)
 
-    _gate_twell_kernel[grid](
-        x,
-        weight,
+    kernel, meta = _gate_twell_kernel, {}
+    if config is not None:
+        block_m, block_k, warps, stages, split = config
+        meta = {"BLOCK_M": block_m, "BLOCK_K": block_k, "SPLIT": split, "num_warps": warps, "num_stages": stages}
+        _set_blocks({"x_desc": x_desc, "w_desc": w_desc, "TILE_N": tile_n, **meta})
+        kernel = _gate_twell_kernel.fn
+    kernel[grid](
+        x_desc,
+        w_desc,
         bias if bias is not None else x,
         values,
         indices,
@@ -218,15 +338,12 @@ def gate_twell(
         m_bucket(m),
         n_tiles,
         threshold_in(threshold, x.dtype),
-        x.stride(0),
-        x.stride(1),
-        weight.stride(0),
-        weight.stride(1),
         HAS_BIAS=bias is not None,
         SQUARE=square,
         DOT_PRECISION=dot_precision(x.dtype),
         TILE_N=tile_n,
         SLOTS=slots,
+        **meta,
     )
     return values, indices, counts
 

@@ -9,31 +9,22 @@ default. Tests and benchmarks set these module attributes to route calls to the 
 
 from __future__ import annotations
 
-TILE_N = 256
-SLOTS = 32  # compression 8, as the reference code
-DECODE_MAX_M = 64
-PREFILL_MIN_M: int | None = 32768
+TILE_N = 128
+SLOTS = 16  # compression 8, as the reference code
+DECODE_MAX_M = 16
+PREFILL_MIN_M: int | None = 4096
 MAX_K = 8192  # wider models run dense: the up+down kernel keeps whole x and y rows in registers
-GATE_ROUTE = "cublas"  # "fused": Triton GEMM with packing epilogue, 2.2-4.8x slower than cuBLAS so far
 # Mean density above which a layer's prefill runs dense: 1.28x at 0.5%, 0.99-1.00x at 1% (NOTES.md v5/v6).
 DENSE_ABOVE = 0.008
 DENSE_RETRY = 64  # dense calls before such a layer is probed again
 
 
-def route(m: int, k: int, *, capturing: bool = False) -> str:
-    """ "decode", "prefill" or "dense" for a call of m tokens of width k. The prefill path reads two
-    numbers back to the host, which CUDA-graph capture forbids."""
+def route(m: int, k: int) -> str:
+    """ "decode", "prefill" or "dense" for a call of m tokens of width k."""
     if m == 0 or k > MAX_K:
         return "dense"
     if m <= DECODE_MAX_M:
         return "decode"
-    if PREFILL_MIN_M is not None and m >= PREFILL_MIN_M and not capturing:
+    if PREFILL_MIN_M is not None and m >= PREFILL_MIN_M:
         return "prefill"
     return "dense"
-
-
-def entries_cap(n: int) -> int:
-    """Entries past which a row is cheaper in the dense batch: a dense row costs 6KN FLOPs (~700 TFLOP/s
-    measured), a sparse one 4K bytes of gathered weight rows per entry (~8 TB/s measured), so the break
-    -even is ~N/58 entries; N/48 leans sparse because the dense rows also pay a gather and a scatter."""
-    return max(32, n // 48)

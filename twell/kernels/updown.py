@@ -1,14 +1,18 @@
-"""Fused sparse up + down projection from TwELL (Algorithm 2 of the paper).
+"""Fused sparse up + down projection from TwELL (Algorithm 2 of the paper), exact at any sparsity.
 
-One program per token row m, shaped like the reference CUDA kernel. First the row's per-tile counts
-become one flat list of its R (gate value g, neuron n) pairs in a per-row scratch (prefix sum over
-tiles in registers, CHUNK entries at a time). Then, with the whole x_m and y_m rows in registers,
+Shaped like the reference CUDA kernel, over a persistent grid: each program takes rows m in turn. First
+the row's per-tile counts become one flat list of its (gate value g, neuron n) pairs in the program's
+scratch (prefix sum over tiles in registers, CHUNK entries at a time). Then, with the whole x_m and y_m
+rows in registers,
     for each entry j:  u_j = x_m . W_u[n_j]  (skipped for non-gated FFNs);  y_m += (g_j * u_j) W_d[n_j]
-with fp32 accumulation: each entry loads both weight rows at once (many independent 16-byte loads per
-thread) and the entry loop is software-pipelined. The hidden state never reaches global memory. Rows
-flagged in `skip` (overflowing a tile, or chosen for dense) are left to the dispatcher's dense path.
-W_d is read as rows of down_weight^T ([N, K]): pass down_weight.t() with unit stride on K for
-coalesced loads.
+with fp32 accumulation: each entry loads both weight rows at once and the entry loop is
+software-pipelined. The hidden state never reaches global memory.
+
+A tile whose count exceeds its slots (the hybrid format's overflow) lost entries in packing: its
+gate values are recomputed here, g = x_m . W_g[n] for each of its TILE_N neurons, and the kept ones
+go through the same update. That costs a GEMV over TILE_N rows per overflowing tile, which is rare at
+the densities the prefill path is routed to, and needs neither a dense backup buffer nor the host.
+W_d is read as rows of down_weight^T ([N, K]): pass down_weight.t() with unit stride on K.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ import triton
 import triton.language as tl
 
 from twell.kernels import policy
-from twell.kernels.common import autotune_configs
+from twell.kernels.common import autotune_configs, threshold_in
 
 CHUNK = 16  # entries flattened at a time
+ROWS_IN_FLIGHT = 4096  # programs of the persistent grid (each owns one scratch row)
 
 
 @triton.jit
@@ -48,6 +53,40 @@ def _row_entries(
     return g, neuron
 
 
+@triton.jit
+def _entry(
+    y,
+    xv,
+    g,
+    neuron,
+    offs_k,
+    k_ok,
+    wu_ptr,
+    bu_ptr,
+    wd_ptr,
+    stride_un,
+    stride_uk,
+    stride_dn,
+    stride_dk,
+    HAS_UP: tl.constexpr,
+    HAS_UP_BIAS: tl.constexpr,
+    DRELU: tl.constexpr,
+):
+    """y + (g * u) W_d[neuron] with u = x . W_u[neuron] (+ bias, dReLU), or y + g W_d[neuron]."""
+    wd = tl.load(wd_ptr + neuron * stride_dn + offs_k * stride_dk, mask=k_ok, other=0.0).to(tl.float32)
+    if HAS_UP:
+        wu = tl.load(wu_ptr + neuron * stride_un + offs_k * stride_uk, mask=k_ok, other=0.0).to(tl.float32)
+        u = tl.sum(wu * xv, axis=0)
+        if HAS_UP_BIAS:
+            u += tl.load(bu_ptr + neuron).to(tl.float32)
+        if DRELU:
+            u = tl.where(u <= 0.0, 0.0, u)
+        h = g * u
+    else:
+        h = g
+    return y + h * wd
+
+
 ROWVEC_CONFIGS = [
     # (num_warps, num_stages): the whole K row lives in registers, entries stream one at a time
     (4, 3),
@@ -67,7 +106,8 @@ def _twell_up_down_kernel(
     vals_ptr,
     idx_ptr,
     cnt_ptr,
-    skip_ptr,
+    wg_ptr,
+    bg_ptr,
     wu_ptr,
     bu_ptr,
     wd_ptr,
@@ -75,11 +115,15 @@ def _twell_up_down_kernel(
     y_ptr,
     g_ptr,
     n_ptr,
+    M,
+    N,
     K,
     n_tiles,
-    scratch_stride,
+    threshold,
     stride_xm,
     stride_xk,
+    stride_gn,
+    stride_gk,
     stride_un,
     stride_uk,
     stride_dn,
@@ -87,56 +131,71 @@ def _twell_up_down_kernel(
     stride_ym,
     stride_yk,
     HAS_UP: tl.constexpr,
+    HAS_GATE_BIAS: tl.constexpr,
     HAS_UP_BIAS: tl.constexpr,
     HAS_DOWN_BIAS: tl.constexpr,
     DRELU: tl.constexpr,
+    SQUARE: tl.constexpr,
     TILE_N: tl.constexpr,
     SLOTS: tl.constexpr,
     TILES_PAD: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    m = tl.program_id(0).to(tl.int64)
-    if tl.load(skip_ptr + m) != 0:
-        return
+    pid = tl.program_id(0)
+    g_row = g_ptr + pid.to(tl.int64) * n_tiles * SLOTS
+    n_row = n_ptr + pid.to(tl.int64) * n_tiles * SLOTS
     offs_t = tl.arange(0, TILES_PAD)
-    cnt = tl.load(cnt_ptr + m * n_tiles + offs_t, mask=offs_t < n_tiles, other=0)
-    incl = tl.cumsum(cnt, axis=0)
-    total = tl.sum(cnt, axis=0)
-    g_row = g_ptr + m * scratch_stride
-    n_row = n_ptr + m * scratch_stride
-    # flat list of the row's (gate value, neuron) pairs, so the entry loop below has no tile bookkeeping
-    for c0 in range(0, total, CHUNK):
-        e = c0 + tl.arange(0, CHUNK)
-        valid = e < total
-        g, neuron = _row_entries(cnt, incl, e, valid, m, n_tiles, vals_ptr, idx_ptr, TILE_N, SLOTS, TILES_PAD)
-        tl.store(g_row + e, g, mask=valid)
-        tl.store(n_row + e, neuron, mask=valid)
-    tl.debug_barrier()  # the loop below reads scratch entries that other threads of this program wrote
-
     offs_k = tl.arange(0, BLOCK_K)
     k_ok = offs_k < K
-    if HAS_UP:
+    dtype = y_ptr.dtype.element_ty
+    step = tl.num_programs(0)
+    for i in range(0, tl.cdiv(M - pid, step)):
+        m = pid.to(tl.int64) + i * step
+        true_cnt = tl.load(cnt_ptr + m * n_tiles + offs_t, mask=offs_t < n_tiles, other=0)
+        overflow = true_cnt > SLOTS
+        cnt = tl.where(overflow, 0, true_cnt)  # overflowing tiles are recomputed below
+        incl = tl.cumsum(cnt, axis=0)
+        total = tl.sum(cnt, axis=0)
+        tl.debug_barrier()  # the previous row's entry loop has read the scratch
+        # flat list of the row's (gate value, neuron) pairs, so the entry loop has no tile bookkeeping
+        for c0 in range(0, total, CHUNK):
+            e = c0 + tl.arange(0, CHUNK)
+            valid = e < total
+            g, neuron = _row_entries(cnt, incl, e, valid, m, n_tiles, vals_ptr, idx_ptr, TILE_N, SLOTS, TILES_PAD)
+            tl.store(g_row + e, g, mask=valid)
+            tl.store(n_row + e, neuron, mask=valid)
+        tl.debug_barrier()  # the loop below reads scratch entries that other threads of this program wrote
+
         xv = tl.load(x_ptr + m * stride_xm + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
-    y = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for e in range(0, total):
-        g = tl.load(g_row + e)
-        neuron = tl.load(n_row + e).to(tl.int64)
-        wd = tl.load(wd_ptr + neuron * stride_dn + offs_k * stride_dk, mask=k_ok, other=0.0).to(tl.float32)
-        if HAS_UP:
-            wu = tl.load(wu_ptr + neuron * stride_un + offs_k * stride_uk, mask=k_ok, other=0.0).to(tl.float32)
-            u = tl.sum(wu * xv, axis=0)
-            if HAS_UP_BIAS:
-                u += tl.load(bu_ptr + neuron).to(tl.float32)
-            if DRELU:
-                u = tl.where(u <= 0.0, 0.0, u)
-            h = g * u
-        else:
-            h = g
-        y += h * wd
-    if HAS_DOWN_BIAS:
-        y += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + m * stride_ym + offs_k * stride_yk, y.to(y_ptr.dtype.element_ty), mask=k_ok)
+        y = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for e in range(0, total):
+            g = tl.load(g_row + e)
+            neuron = tl.load(n_row + e).to(tl.int64)
+            y = _entry(
+                y, xv, g, neuron, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un, stride_uk, stride_dn, stride_dk,
+                HAS_UP, HAS_UP_BIAS, DRELU,
+            )  # fmt: skip
+        if tl.sum(overflow.to(tl.int32), axis=0) > 0:
+            for t in range(0, n_tiles):
+                if tl.load(cnt_ptr + m * n_tiles + t) > SLOTS:
+                    for c in range(0, tl.minimum(TILE_N, N - t * TILE_N)):
+                        neuron = tl.zeros([], tl.int64) + t * TILE_N + c  # 64-bit offsets
+                        wg = tl.load(wg_ptr + neuron * stride_gn + offs_k * stride_gk, mask=k_ok, other=0.0)
+                        g = tl.sum(wg.to(tl.float32) * xv, axis=0)
+                        if HAS_GATE_BIAS:
+                            g += tl.load(bg_ptr + neuron).to(tl.float32)
+                        g = g.to(dtype).to(tl.float32)  # the dense gate's rounding
+                        if (g > threshold) | (g != g):  # not (g <= t): NaN kept, as by relu
+                            if SQUARE:
+                                g = (g * g).to(dtype).to(tl.float32)
+                            y = _entry(
+                                y, xv, g, neuron, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un, stride_uk,
+                                stride_dn, stride_dk, HAS_UP, HAS_UP_BIAS, DRELU,
+                            )  # fmt: skip
+        if HAS_DOWN_BIAS:
+            y += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + m * stride_ym + offs_k * stride_yk, y.to(dtype), mask=k_ok)
 
 
 def twell_up_down(
@@ -144,59 +203,76 @@ def twell_up_down(
     values: torch.Tensor,
     indices: torch.Tensor,
     counts: torch.Tensor,
-    skip: torch.Tensor,
+    gate_weight: torch.Tensor,
+    gate_bias: torch.Tensor | None,
     up_weight: torch.Tensor | None,
     up_bias: torch.Tensor | None,
     down_weight_t: torch.Tensor,
     down_bias: torch.Tensor | None,
     *,
     tile_n: int,
-    max_entries: int,
+    threshold: float,
     drelu: bool = False,
+    square: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y [M, K] from x [M, K] and TwELL arrays; rows with skip[m] != 0 are not written.
+    """y [M, K] from x [M, K] and the TwELL arrays of act(x gate_weight^T + gate_bias).
 
-    up_weight: [N, K] or None (non-gated: h = gate values); down_weight_t: [N, K] (= down_weight.t()).
-    max_entries: >= the largest entry count among rows not skipped (sizes the per-row scratch; the
-    dispatcher skips every row past it). K <= policy.MAX_K: whole rows are held in registers.
+    up_weight: [N, K] or None (non-gated: h = gate values, squared with `square`); gate_weight: [N, K],
+    read only for overflowing tiles (count > slots), whose entries are recomputed; down_weight_t:
+    [N, K] (= down_weight.t()). threshold: the activation's (as given to the gate). K <= policy.MAX_K:
+    whole rows are held in registers.
     """
     m, k = x.shape
     if k > policy.MAX_K:
         raise ValueError(f"twell_up_down needs K <= {policy.MAX_K} (rows live in registers), got K={k}")
+    n = gate_weight.shape[0]
     n_tiles, slots = values.shape[1], values.shape[2]
+    if counts.shape != (m, n_tiles) or indices.shape != values.shape or values.shape[0] != m:
+        raise ValueError(
+            f"twell_up_down expects values/indices [{m}, T, S] and counts [{m}, T], got {list(values.shape)}, "
+            f"{list(indices.shape)} and {list(counts.shape)}"
+        )
+    if n_tiles != triton.cdiv(n, tile_n):
+        raise ValueError(f"{n_tiles} tiles do not cover N={n} at tile_n={tile_n}")
     y = torch.empty_like(x) if out is None else out
-    width = max(max_entries, 1)
-    g_scratch = torch.empty(m, width, dtype=torch.float32, device=x.device)
-    n_scratch = torch.empty(m, width, dtype=torch.int32, device=x.device)
-    dummy = x
-    _twell_up_down_kernel[(m,)](
+    programs = max(min(m, ROWS_IN_FLIGHT), 1)
+    g_scratch = torch.empty(programs, n_tiles * slots, dtype=torch.float32, device=x.device)
+    n_scratch = torch.empty(programs, n_tiles * slots, dtype=torch.int32, device=x.device)
+    _twell_up_down_kernel[(programs,)](
         x,
         values,
         indices,
         counts,
-        skip,
-        up_weight if up_weight is not None else dummy,
-        up_bias if up_bias is not None else dummy,
+        gate_weight,
+        gate_bias if gate_bias is not None else x,
+        up_weight if up_weight is not None else x,
+        up_bias if up_bias is not None else x,
         down_weight_t,
-        down_bias if down_bias is not None else dummy,
+        down_bias if down_bias is not None else x,
         y,
         g_scratch,
         n_scratch,
+        m,
+        n,
         k,
         n_tiles,
-        width,
+        threshold_in(threshold, x.dtype),
         x.stride(0),
         x.stride(1),
+        gate_weight.stride(0),
+        gate_weight.stride(1),
         *(up_weight.stride() if up_weight is not None else (0, 0)),
         down_weight_t.stride(0),
         down_weight_t.stride(1),
         y.stride(0),
         y.stride(1),
         HAS_UP=up_weight is not None,
+        HAS_GATE_BIAS=gate_bias is not None,
         HAS_UP_BIAS=up_bias is not None,
         HAS_DOWN_BIAS=down_bias is not None,
         DRELU=drelu,
+        SQUARE=square,
         TILE_N=tile_n,
         SLOTS=slots,
         TILES_PAD=max(triton.next_power_of_2(n_tiles), 2),
