@@ -25,16 +25,6 @@ import twell
 from twell.kernels import decode, gate, updown
 from twell.kernels.gate import pack_dense
 
-# decode variants per token count: (BLOCK_N, BLOCK_K, warps, stages) and (BLOCK_K, GROUP, CHUNK, warps)
-DECODE_GATE_UP = {
-    1: [(32, 256, 4, 3), (16, 512, 4, 3), (64, 128, 4, 3), (32, 128, 4, 4), (16, 256, 4, 4), (64, 256, 8, 3)],
-    16: [(64, 128, 4, 4), (32, 128, 4, 4), (64, 64, 4, 4), (128, 64, 8, 3)],
-}
-DECODE_DOWN = {
-    1: [(64, 16, 16, 4), (128, 16, 16, 4), (128, 32, 16, 4), (64, 32, 16, 4), (32, 16, 16, 2)],
-    16: [(128, 8, 16, 4), (64, 16, 16, 4), (128, 16, 32, 4), (256, 8, 16, 8)],
-}
-
 
 def decode_point(k, n, m, density, gate_up_configs, down_configs) -> list[dict]:
     x, block = make_inputs(m, k, n, density, "uniform", seed=m + n)
@@ -169,14 +159,9 @@ def main():
         print(result["first_call_s"], flush=True)
         for shape in args.shapes.split(","):
             k, n = map(int, shape.split("x"))
-            for m in (1, 16):
-                downs = DECODE_DOWN[m]
-                result["rows"] += decode_point(k, n, m, 0.005, DECODE_GATE_UP[m], downs[:1])
-                best = min((r for r in result["rows"] if r["M"] == m and r["K"] == k), key=lambda r: r["decode_ms"])
-                result["rows"] += decode_point(k, n, m, 0.005, [best["gate_up"]], downs[1:])
-            for m in (2, 4, 8, 16):
-                for density in (0.005, 0.02, 0.05):
-                    result["rows"] += decode_point(k, n, m, density, [decode.GATE_UP_CONFIG], [decode.DOWN_CONFIG])
+            for m in (1, 2, 4, 8, 16, 32):
+                for density in (0.005, 0.01, 0.02, 0.05):
+                    result["rows"] += decode_point(k, n, m, density, [None], [None])
     else:
         for k, n, m in ((2048, 5632, 131072), (4096, 14336, 65536)):
             result["rows"] += gate_point(k, n, m)

@@ -15,8 +15,9 @@ from twell.kernels.gate import gate_twell, pack_dense
 from twell.kernels.updown import twell_up_down
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
-# empty rows, fully dense rows (overflow), typical sparse rows
-MIXED = [0.0, 0.03, 1.0, 0.1, 0.02, 0.5]
+# empty rows, typical sparse rows and a few fully dense rows (every tile overflows; the prefill path
+# recomputes those tiles, which is slow in the interpreter, hence few)
+MIXED = [0.0, 0.03, 0.1, 0.02, 0.05, 0.01, 0.04, 0.0, 0.03, 1.0]
 
 
 @pytest.fixture(autouse=True)
@@ -79,14 +80,14 @@ def test_dispatch_reads_strided_biases(sparse_paths):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-@pytest.mark.parametrize("split", [1, 2], ids=["whole", "split"])
+@pytest.mark.parametrize("split", [1, 2, 0], ids=["whole", "halves", "by-slot"])
 @pytest.mark.parametrize("m,k,n", [(1, 16, 64), (33, 40, 300), (257, 24, 96)], ids=["m1", "m33", "m257"])
 def test_gate_twell_packs_the_gate(m, k, n, dtype, bias, split):
     """The persistent gate kernel (several output tiles per program, partial last tiles in M and N),
-    its epilogue packing the tile whole or in two column slices."""
+    its epilogue scattering the tile whole or in two column slices, or gathering slot by slot."""
     case = make_ffn(m, k, n, [0.0, 0.05, 0.1, 0.01], dtype, DEVICE, seed=m + n, biases=bias)
     threshold = 0.05
-    config = (16, 16, 4, 1, split)
+    config = (16, 16, 4, 1, split, split == 0)
     values, indices, counts = gate_twell(
         case["x"], case["gate_weight"], case["gate_bias"], threshold, 64, 16, config=config
     )
@@ -113,14 +114,24 @@ def test_gate_twell_counts_overflow_and_refuses_unaligned_rows():
         gate_twell(x, w, None, 0.0, 64, 16)
 
 
+UPDOWN_CASES = {
+    "m1": (1, 16, 64, 256),
+    "m40": (40, 72, 200, 256),
+    "m40-narrow": (40, 72, 200, 8),
+    "m24-k33": (24, 33, 130, 256),
+}
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("variant", ["gated", "gated-bias", "drelu", "plain", "relu2", "fatrelu"])
-@pytest.mark.parametrize("m,k,n", [(1, 16, 64), (40, 72, 200), (257, 33, 130)], ids=["m1", "m40", "m257"])
-def test_up_down_matches_reference(m, k, n, dtype, variant, monkeypatch):
-    """Rows with empty, sparse and overflowing tiles (recomputed in the kernel), ragged last tile,
-    output poisoned; fewer programs than rows, so each program serves several rows with one scratch."""
+@pytest.mark.parametrize("case_id", list(UPDOWN_CASES))
+def test_up_down_matches_reference(case_id, dtype, variant, monkeypatch):
+    """Rows with empty, sparse and overflowing tiles (recomputed by the fixup kernel), ragged last tile,
+    awkward K, output poisoned; a narrow scratch sends rows with many entries to the fixup kernel too."""
+    m, k, n, width = UPDOWN_CASES[case_id]
     gated = variant not in ("plain", "relu2")
-    case = make_ffn(m, k, n, MIXED, dtype, DEVICE, seed=k * n, biases=variant in ("gated-bias", "fatrelu"), gated=gated)
+    biases = variant in ("gated-bias", "fatrelu")
+    case = make_ffn(m, k, n, MIXED, dtype, DEVICE, seed=k * n, biases=biases, gated=gated)
     tile_n, slots = 32, 8
     threshold = 0.02 if variant == "fatrelu" else 0.0
     gate_w, gate_b = (case["gate_weight"], case["gate_bias"]) if gated else (case["up_weight"], case["up_bias"])
@@ -128,7 +139,7 @@ def test_up_down_matches_reference(m, k, n, dtype, variant, monkeypatch):
     values, indices, counts = pack_dense(pre, threshold, tile_n, slots, square=variant == "relu2")
     if m > 1:
         assert (counts > slots).any() and (counts <= slots).all(1).any(), "rows with and without overflow"
-    monkeypatch.setattr(updown, "ROWS_IN_FLIGHT", 7)
+    monkeypatch.setattr(updown, "MAX_WIDTH", width)
     out = torch.full_like(case["x"], float("nan"))
     twell_up_down(
         case["x"],
@@ -228,10 +239,26 @@ def test_decode_is_deterministic():
 
 @pytest.fixture
 def sparse_paths(monkeypatch):
-    """Route calls to the kernels whatever the measured defaults: decode up to 256 tokens, prefill above."""
+    """Route calls to the kernels whatever the measured defaults: decode up to 256 tokens, prefill above
+    (through the fused gate; test_prefill_through_the_cublas_gate covers the other route)."""
     monkeypatch.setattr(policy, "DECODE_MAX_M", 256)
     monkeypatch.setattr(policy, "PREFILL_MIN_M", 257)
+    monkeypatch.setattr(policy, "FUSED_GATE", True)
     dispatch.forget_layers()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["cublas-gate", "fused-gate"])
+def test_prefill_through_each_gate_route(fused, sparse_paths, monkeypatch):
+    monkeypatch.setattr(policy, "FUSED_GATE", fused)
+    calls = []
+    for name in ("gate_twell", "pack_dense"):
+        fn = getattr(dispatch, name)
+        monkeypatch.setattr(dispatch, name, lambda *a, _f=fn, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    case = make_ffn(300, 40, 96, MIXED, torch.float32, DEVICE, seed=9, biases=True)
+    args = [case[k] for k in ("gate_weight", "up_weight", "down_weight", "gate_bias", "up_bias", "down_bias")]
+    y = dispatch.gated_ffn(case["x"], *args, 0.0, False)
+    assert calls == ["gate_twell" if fused else "pack_dense"]
+    assert rel_err(y, gated_ref(case)) <= 1e-5
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -332,3 +332,22 @@ def test_hook_added_after_sparsify_takes_effect():
     model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, out: out * 0)
     assert not torch.allclose(hooked, before)
     assert torch.allclose(hooked, logits(model, ids), atol=1e-5)
+
+
+def test_warmup_runs_every_rewritten_ffn(monkeypatch):
+    from twell.passes import modules
+
+    model = twell.sparsify(build("opt"))  # inline FFNs
+    calls = []
+    run_ffn = modules.run_ffn
+    monkeypatch.setattr(modules, "run_ffn", lambda spec, g, u, d, x: calls.append(x.shape) or run_ffn(spec, g, u, d, x))
+    seconds = twell.warmup(model, token_counts=(1, 5))
+    assert list(seconds) == [1, 5] and all(s >= 0 for s in seconds.values())
+    assert sorted(calls) == sorted([(1, 32)] * LAYERS + [(5, 32)] * LAYERS)
+    with pytest.raises(ValueError, match="positive ints"):
+        twell.warmup(model, token_counts=(0,))
+    assert twell.warmup(build("llama")) == {
+        1: pytest.approx(0, abs=1),
+        16: pytest.approx(0, abs=1),
+        4096: pytest.approx(0, abs=1),
+    }

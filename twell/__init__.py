@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 
 from twell.format import TwELL, pack, unpack
-from twell.sparsify import report, restore, save_plan, sparsify
+from twell.sparsify import report, restore, save_plan, sparsify, warmup
 
 __version__ = "0.1.0"
 
@@ -36,4 +36,4 @@ def __getattr__(name: str):
     return value
 
 
-__all__ = ["TwELL", "pack", "unpack", "__version__", "sparsify", "restore", "report", "save_plan", *_LAZY]
+__all__ = ["TwELL", "pack", "unpack", "__version__", "sparsify", "restore", "report", "save_plan", "warmup", *_LAZY]

@@ -188,6 +188,44 @@ def restore(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def warmup(model: torch.nn.Module, token_counts=(1, 16, 4096)) -> dict[int, float]:
+    """Run every rewritten FFN once for each token count, so that kernels are compiled and autotuned
+    before serving rather than on a user's first request. Returns the seconds spent per token count.
+
+    The first call of a new shape compiles the Triton kernels (seconds) and, for prefill-sized calls,
+    autotunes them; compiled kernels and tuned configurations are cached on disk, so a later process
+    pays only a fraction of that. Inputs are random: tuning on your own data is as good or better
+    (run the model on a representative batch instead). A model that is not sparsified is left alone.
+    """
+    _check_model(model)
+    import time
+
+    from twell.passes.modules import InlineFFN, SparseFFN, run_ffn
+
+    state = getattr(model, _STATE, None)
+    swaps = state.swaps if state is not None else []
+    ffns = [s.replacement for s in swaps if isinstance(s.replacement, (SparseFFN, InlineFFN))]
+    seconds = {}
+    for m in token_counts:
+        if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+            raise ValueError(f"token_counts must hold positive ints, got {m!r}")
+        start = time.perf_counter()
+        for ffn in ffns:
+            if isinstance(ffn, SparseFFN):
+                spec, gate, down = ffn.spec, getattr(ffn, ffn.spec.gate), getattr(ffn, ffn.spec.down)
+                up = getattr(ffn, spec.up) if spec.up is not None else None
+            else:
+                spec, gate, up, down = ffn.spec, ffn.__dict__["gate"], ffn.__dict__["up"], ffn
+            weight = down.weight
+            x = torch.randn(m, weight.shape[0], dtype=weight.dtype, device=weight.device)
+            with torch.no_grad():
+                run_ffn(spec, gate, up, down, x)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        seconds[m] = time.perf_counter() - start
+    return seconds
+
+
 def _records(state: _State) -> list[Record]:
     records = []
     for c in state.candidates:
@@ -237,4 +275,4 @@ def save_plan(model: torch.nn.Module, path: str | os.PathLike) -> None:
     _save(state.decisions, state.candidates, path)
 
 
-__all__ = ["Record", "Report", "restore", "report", "save_plan", "sparsify"]
+__all__ = ["Record", "Report", "restore", "report", "save_plan", "sparsify", "warmup"]

@@ -226,9 +226,10 @@ def _decode_down_kernel(
 
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the gate + up kernel, (BLOCK_K, GROUP, CHUNK, num_warps)
-# of the down kernel; set from H200 measurements (benchmarks/NOTES.md).
-GATE_UP_CONFIG = (32, 128, 4, 4)
-DOWN_CONFIG = (64, 8, 16, 4)
+# of the down kernel, for one token and for more; the fastest at both of K=2048/N=5632 and
+# K=4096/N=14336 on an H200 (gpu_check-decode-20261130-161902.json).
+GATE_UP_CONFIG = {1: (16, 512, 4, 3), 2: (64, 128, 4, 4)}
+DOWN_CONFIG = {1: (64, 32, 16, 4), 2: (128, 8, 16, 4)}
 
 
 def decode_ffn(
@@ -243,22 +244,23 @@ def decode_ffn(
     *,
     drelu: bool = False,
     square: bool = False,
-    gate_up_config: tuple[int, int, int, int] = GATE_UP_CONFIG,
-    down_config: tuple[int, int, int, int] = DOWN_CONFIG,
+    gate_up_config: tuple[int, int, int, int] | None = None,
+    down_config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """y [M, K] in the dtype of x: down(act(gate(x)) * up(x)), or down(act(gate(x))) without up_weight
     (act² with square).
 
     x: [M, K]; gate_weight, up_weight: [N, K]; down_weight_t: [N, K] (= down_weight.t(), unit stride on K
     for coalesced row loads); biases contiguous. Exact at any density: a dense call reads every row.
+    The configs override GATE_UP_CONFIG / DOWN_CONFIG (tests, benchmarks).
     """
     m, k = x.shape
     n = gate_weight.shape[0]
     for name, t in (("gate_weight", gate_weight), ("up_weight", up_weight), ("down_weight_t", down_weight_t)):
         if t is not None and tuple(t.shape) != (n, k):
             raise ValueError(f"decode_ffn expects {name} of shape [{n}, {k}], got {list(t.shape)}")
-    block_n, block_k, warps, stages = gate_up_config
-    down_k, group, chunk, down_warps = down_config
+    block_n, block_k, warps, stages = gate_up_config or GATE_UP_CONFIG[min(m, 2)]
+    down_k, group, chunk, down_warps = down_config or DOWN_CONFIG[min(m, 2)]
     block_m = 1 if m == 1 else min(max(triton.next_power_of_2(m), 16), 64)
     m_blocks = triton.cdiv(m, block_m)
     n_blocks = triton.cdiv(n, block_n)

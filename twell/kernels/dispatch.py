@@ -4,9 +4,9 @@ anything back to the host, so every path runs inside CUDA graphs and under torch
 Thresholds and layout live in twell.kernels.policy.
 - M <= DECODE_MAX_M tokens: the two decode kernels (gate + up, then down; only active rows of W_u / W_d
   are read).
-- M >= PREFILL_MIN_M: the gate GEMM packs its output to TwELL in its epilogue (the persistent TMA
-  kernel where the operands allow, else cuBLAS + a pack pass), then the fused up+down kernel, which
-  recomputes the gate of tiles that overflow their slots: exact at any sparsity.
+- M >= PREFILL_MIN_M: the gate packed to TwELL (policy.FUSED_GATE: the persistent TMA GEMM packing in
+  its epilogue, where the operands allow; otherwise cuBLAS + a pack pass), then the fused up+down
+  kernels, which recompute the gate of tiles that overflow their slots: exact at any sparsity.
 - Otherwise dense (also for K > MAX_K, and for a down weight not stored as the kernels read it).
 - Layer density: each prefill call queues a copy of its kept-entry count to pinned host memory; a
   later call of the layer reads it once the copy is done (never waiting). A layer denser than
@@ -102,7 +102,7 @@ def _run(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, 
         ).reshape(shape)
 
     tile_n, slots = policy.TILE_N, policy.SLOTS
-    if fused_gate_supported(x2, gate_weight):
+    if policy.FUSED_GATE and fused_gate_supported(x2, gate_weight):
         values, indices, counts = gate_twell(x2, gate_weight, gate_bias, threshold, tile_n, slots, square=square)
     else:
         pre = F.linear(x2, gate_weight, gate_bias)

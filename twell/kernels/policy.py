@@ -13,6 +13,9 @@ TILE_N = 128
 SLOTS = 16  # compression 8, as the reference code
 DECODE_MAX_M = 16
 PREFILL_MIN_M: int | None = 4096
+# Gate of the prefill path: the persistent TMA GEMM with the packing epilogue (True) or cuBLAS + the
+# pack pass (False); the faster measured at K=2048/N=5632 and K=4096/N=14336 on an H200.
+FUSED_GATE = False
 MAX_K = 8192  # wider models run dense: the up+down kernel keeps whole x and y rows in registers
 # Mean density above which a layer's prefill runs dense: 1.28x at 0.5%, 0.99-1.00x at 1% (NOTES.md v5/v6).
 DENSE_ABOVE = 0.008

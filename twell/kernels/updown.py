@@ -1,17 +1,18 @@
 """Fused sparse up + down projection from TwELL (Algorithm 2 of the paper), exact at any sparsity.
 
-Shaped like the reference CUDA kernel, over a persistent grid: each program takes rows m in turn. First
-the row's per-tile counts become one flat list of its (gate value g, neuron n) pairs in the program's
-scratch (prefix sum over tiles in registers, CHUNK entries at a time). Then, with the whole x_m and y_m
-rows in registers,
+_twell_up_down_kernel, one program per token row m, shaped like the reference CUDA kernel: the row's
+per-tile counts become one flat list of its R (gate value g, neuron n) pairs in a per-row scratch
+(prefix sum over tiles in registers, CHUNK entries at a time); then, with the whole x_m and y_m rows in
+registers,
     for each entry j:  u_j = x_m . W_u[n_j]  (skipped for non-gated FFNs);  y_m += (g_j * u_j) W_d[n_j]
 with fp32 accumulation: each entry loads both weight rows at once and the entry loop is
 software-pipelined. The hidden state never reaches global memory.
 
-A tile whose count exceeds its slots (the hybrid format's overflow) lost entries in packing: its
-gate values are recomputed here, g = x_m . W_g[n] for each of its TILE_N neurons, and the kept ones
-go through the same update. That costs a GEMV over TILE_N rows per overflowing tile, which is rare at
-the densities the prefill path is routed to, and needs neither a dense backup buffer nor the host.
+It leaves two kinds of rows to _fixup_kernel, launched after it: rows with more than WIDTH entries
+(they would not fit the scratch; read one entry at a time instead) and rows with a tile whose count
+exceeds its slots (the hybrid format's overflow: the packed entries are incomplete, so that tile's
+gate values are recomputed here from W_g, a GEMV over TILE_N rows). Both are rare at the densities
+the prefill path is routed to, and neither needs a dense backup buffer or the host.
 W_d is read as rows of down_weight^T ([N, K]): pass down_weight.t() with unit stride on K.
 """
 
@@ -25,7 +26,7 @@ from twell.kernels import policy
 from twell.kernels.common import autotune_configs, threshold_in
 
 CHUNK = 16  # entries flattened at a time
-ROWS_IN_FLIGHT = 4096  # programs of the persistent grid (each owns one scratch row)
+MAX_WIDTH = 256  # scratch entries per row; rows with more take the fixup kernel
 
 
 @triton.jit
@@ -98,10 +99,80 @@ ROWVEC_CONFIGS = [
 
 @triton.autotune(
     configs=autotune_configs(ROWVEC_CONFIGS, lambda w, s: {}),
-    key=["K", "TILE_N", "SLOTS", "HAS_UP"],
+    key=["K", "TILE_N", "SLOTS", "HAS_UP", "WIDTH"],
+    cache_results=True,
 )
 @triton.jit
 def _twell_up_down_kernel(
+    x_ptr,
+    vals_ptr,
+    idx_ptr,
+    cnt_ptr,
+    wu_ptr,
+    bu_ptr,
+    wd_ptr,
+    bd_ptr,
+    y_ptr,
+    g_ptr,
+    n_ptr,
+    K,
+    n_tiles,
+    stride_xm,
+    stride_xk,
+    stride_un,
+    stride_uk,
+    stride_dn,
+    stride_dk,
+    stride_ym,
+    stride_yk,
+    HAS_UP: tl.constexpr,
+    HAS_UP_BIAS: tl.constexpr,
+    HAS_DOWN_BIAS: tl.constexpr,
+    DRELU: tl.constexpr,
+    TILE_N: tl.constexpr,
+    SLOTS: tl.constexpr,
+    TILES_PAD: tl.constexpr,
+    WIDTH: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The common row: no overflowing tile and at most WIDTH entries (the others: _fixup_kernel)."""
+    m = tl.program_id(0).to(tl.int64)
+    offs_t = tl.arange(0, TILES_PAD)
+    cnt = tl.load(cnt_ptr + m * n_tiles + offs_t, mask=offs_t < n_tiles, other=0)
+    total = tl.sum(cnt, axis=0)
+    if (tl.max(cnt, axis=0) > SLOTS) | (total > WIDTH):
+        return
+    incl = tl.cumsum(cnt, axis=0)
+    g_row = g_ptr + m * WIDTH
+    n_row = n_ptr + m * WIDTH
+    # flat list of the row's (gate value, neuron) pairs, so the entry loop below has no tile bookkeeping
+    for c0 in range(0, total, CHUNK):
+        e = c0 + tl.arange(0, CHUNK)
+        valid = e < total
+        g, neuron = _row_entries(cnt, incl, e, valid, m, n_tiles, vals_ptr, idx_ptr, TILE_N, SLOTS, TILES_PAD)
+        tl.store(g_row + e, g, mask=valid)
+        tl.store(n_row + e, neuron, mask=valid)
+    tl.debug_barrier()  # the loop below reads scratch entries that other threads of this program wrote
+
+    offs_k = tl.arange(0, BLOCK_K)
+    k_ok = offs_k < K
+    xv = tl.load(x_ptr + m * stride_xm + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
+    y = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for e in range(0, total):
+        g = tl.load(g_row + e)
+        neuron = tl.load(n_row + e).to(tl.int64)
+        y = _entry(
+            y, xv, g, neuron, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un, stride_uk, stride_dn, stride_dk,
+            HAS_UP, HAS_UP_BIAS, DRELU,
+        )  # fmt: skip
+    if HAS_DOWN_BIAS:
+        y += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + offs_k * stride_yk, y.to(y_ptr.dtype.element_ty), mask=k_ok)
+
+
+@triton.jit
+def _fixup_kernel(
     x_ptr,
     vals_ptr,
     idx_ptr,
@@ -113,9 +184,6 @@ def _twell_up_down_kernel(
     wd_ptr,
     bd_ptr,
     y_ptr,
-    g_ptr,
-    n_ptr,
-    M,
     N,
     K,
     n_tiles,
@@ -139,63 +207,52 @@ def _twell_up_down_kernel(
     TILE_N: tl.constexpr,
     SLOTS: tl.constexpr,
     TILES_PAD: tl.constexpr,
-    CHUNK: tl.constexpr,
+    WIDTH: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    g_row = g_ptr + pid.to(tl.int64) * n_tiles * SLOTS
-    n_row = n_ptr + pid.to(tl.int64) * n_tiles * SLOTS
+    """The rare rows _twell_up_down_kernel leaves: an overflowing tile (its packed entries are
+    incomplete, so its gate values are recomputed from W_g) or more than WIDTH entries (read one at a
+    time, without scratch). Every other program returns at once."""
+    m = tl.program_id(0).to(tl.int64)
     offs_t = tl.arange(0, TILES_PAD)
+    true_cnt = tl.load(cnt_ptr + m * n_tiles + offs_t, mask=offs_t < n_tiles, other=0)
+    if (tl.max(true_cnt, axis=0) <= SLOTS) & (tl.sum(true_cnt, axis=0) <= WIDTH):
+        return
+    cnt = tl.where(true_cnt > SLOTS, 0, true_cnt)
+    incl = tl.cumsum(cnt, axis=0)
+    total = tl.sum(cnt, axis=0)
     offs_k = tl.arange(0, BLOCK_K)
     k_ok = offs_k < K
-    dtype = y_ptr.dtype.element_ty
-    step = tl.num_programs(0)
-    for i in range(0, tl.cdiv(M - pid, step)):
-        m = pid.to(tl.int64) + i * step
-        true_cnt = tl.load(cnt_ptr + m * n_tiles + offs_t, mask=offs_t < n_tiles, other=0)
-        overflow = true_cnt > SLOTS
-        cnt = tl.where(overflow, 0, true_cnt)  # overflowing tiles are recomputed below
-        incl = tl.cumsum(cnt, axis=0)
-        total = tl.sum(cnt, axis=0)
-        tl.debug_barrier()  # the previous row's entry loop has read the scratch
-        # flat list of the row's (gate value, neuron) pairs, so the entry loop has no tile bookkeeping
-        for c0 in range(0, total, CHUNK):
-            e = c0 + tl.arange(0, CHUNK)
-            valid = e < total
-            g, neuron = _row_entries(cnt, incl, e, valid, m, n_tiles, vals_ptr, idx_ptr, TILE_N, SLOTS, TILES_PAD)
-            tl.store(g_row + e, g, mask=valid)
-            tl.store(n_row + e, neuron, mask=valid)
-        tl.debug_barrier()  # the loop below reads scratch entries that other threads of this program wrote
-
-        xv = tl.load(x_ptr + m * stride_xm + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
-        y = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for e in range(0, total):
-            g = tl.load(g_row + e)
-            neuron = tl.load(n_row + e).to(tl.int64)
-            y = _entry(
-                y, xv, g, neuron, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un, stride_uk, stride_dn, stride_dk,
-                HAS_UP, HAS_UP_BIAS, DRELU,
-            )  # fmt: skip
-        if tl.sum(overflow.to(tl.int32), axis=0) > 0:
-            for t in range(0, n_tiles):
-                if tl.load(cnt_ptr + m * n_tiles + t) > SLOTS:
-                    for c in range(0, tl.minimum(TILE_N, N - t * TILE_N)):
-                        neuron = tl.zeros([], tl.int64) + t * TILE_N + c  # 64-bit offsets
-                        wg = tl.load(wg_ptr + neuron * stride_gn + offs_k * stride_gk, mask=k_ok, other=0.0)
-                        g = tl.sum(wg.to(tl.float32) * xv, axis=0)
-                        if HAS_GATE_BIAS:
-                            g += tl.load(bg_ptr + neuron).to(tl.float32)
-                        g = g.to(dtype).to(tl.float32)  # the dense gate's rounding
-                        if (g > threshold) | (g != g):  # not (g <= t): NaN kept, as by relu
-                            if SQUARE:
-                                g = (g * g).to(dtype).to(tl.float32)
-                            y = _entry(
-                                y, xv, g, neuron, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un, stride_uk,
-                                stride_dn, stride_dk, HAS_UP, HAS_UP_BIAS, DRELU,
-                            )  # fmt: skip
-        if HAS_DOWN_BIAS:
-            y += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + m * stride_ym + offs_k * stride_yk, y.to(dtype), mask=k_ok)
+    xv = tl.load(x_ptr + m * stride_xm + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
+    y = tl.zeros([BLOCK_K], dtype=tl.float32)
+    one = tl.arange(0, 1)
+    for e0 in range(0, total):
+        g1, n1 = _row_entries(cnt, incl, e0 + one, one == 0, m, n_tiles, vals_ptr, idx_ptr, TILE_N, SLOTS, TILES_PAD)
+        g = tl.sum(g1, axis=0)
+        neuron = tl.sum(n1, axis=0).to(tl.int64)
+        y = _entry(
+            y, xv, g, neuron, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un, stride_uk, stride_dn, stride_dk,
+            HAS_UP, HAS_UP_BIAS, DRELU,
+        )  # fmt: skip
+    for t in range(0, n_tiles):
+        if tl.load(cnt_ptr + m * n_tiles + t) > SLOTS:
+            for c in range(0, tl.minimum(TILE_N, N - t * TILE_N)):
+                neuron = tl.zeros([], tl.int64) + t * TILE_N + c  # 64-bit offsets
+                wg = tl.load(wg_ptr + neuron * stride_gn + offs_k * stride_gk, mask=k_ok, other=0.0)
+                g = tl.sum(wg.to(tl.float32) * xv, axis=0)
+                if HAS_GATE_BIAS:
+                    g += tl.load(bg_ptr + neuron).to(tl.float32)
+                g = g.to(y_ptr.dtype.element_ty).to(tl.float32)  # the dense gate's rounding
+                if (g > threshold) | (g != g):  # not (g <= t): NaN kept, as by relu
+                    if SQUARE:
+                        g = (g * g).to(y_ptr.dtype.element_ty).to(tl.float32)
+                    y = _entry(
+                        y, xv, g, neuron, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un, stride_uk,
+                        stride_dn, stride_dk, HAS_UP, HAS_UP_BIAS, DRELU,
+                    )  # fmt: skip
+    if HAS_DOWN_BIAS:
+        y += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + offs_k * stride_yk, y.to(y_ptr.dtype.element_ty), mask=k_ok)
 
 
 def twell_up_down(
@@ -236,47 +293,38 @@ def twell_up_down(
     if n_tiles != triton.cdiv(n, tile_n):
         raise ValueError(f"{n_tiles} tiles do not cover N={n} at tile_n={tile_n}")
     y = torch.empty_like(x) if out is None else out
-    programs = max(min(m, ROWS_IN_FLIGHT), 1)
-    g_scratch = torch.empty(programs, n_tiles * slots, dtype=torch.float32, device=x.device)
-    n_scratch = torch.empty(programs, n_tiles * slots, dtype=torch.int32, device=x.device)
-    _twell_up_down_kernel[(programs,)](
-        x,
-        values,
-        indices,
-        counts,
-        gate_weight,
-        gate_bias if gate_bias is not None else x,
-        up_weight if up_weight is not None else x,
-        up_bias if up_bias is not None else x,
-        down_weight_t,
-        down_bias if down_bias is not None else x,
-        y,
-        g_scratch,
-        n_scratch,
-        m,
-        n,
-        k,
-        n_tiles,
-        threshold_in(threshold, x.dtype),
-        x.stride(0),
-        x.stride(1),
-        gate_weight.stride(0),
-        gate_weight.stride(1),
+    width = min(n_tiles * slots, MAX_WIDTH)
+    g_scratch = torch.empty(m, width, dtype=torch.float32, device=x.device)
+    n_scratch = torch.empty(m, width, dtype=torch.int32, device=x.device)
+    dummy = x
+    up = (up_weight, up_bias) if up_weight is not None else (dummy, dummy)
+    strides = (
         *(up_weight.stride() if up_weight is not None else (0, 0)),
         down_weight_t.stride(0),
         down_weight_t.stride(1),
         y.stride(0),
         y.stride(1),
-        HAS_UP=up_weight is not None,
-        HAS_GATE_BIAS=gate_bias is not None,
-        HAS_UP_BIAS=up_bias is not None,
-        HAS_DOWN_BIAS=down_bias is not None,
-        DRELU=drelu,
-        SQUARE=square,
-        TILE_N=tile_n,
-        SLOTS=slots,
-        TILES_PAD=max(triton.next_power_of_2(n_tiles), 2),
-        CHUNK=CHUNK,
-        BLOCK_K=triton.next_power_of_2(k),
     )
+    flags = {
+        "HAS_UP": up_weight is not None,
+        "HAS_UP_BIAS": up_bias is not None,
+        "HAS_DOWN_BIAS": down_bias is not None,
+        "DRELU": drelu,
+        "TILE_N": tile_n,
+        "SLOTS": slots,
+        "TILES_PAD": max(triton.next_power_of_2(n_tiles), 2),
+        "WIDTH": width,
+        "BLOCK_K": triton.next_power_of_2(k),
+    }
+    down_bias = down_bias if down_bias is not None else dummy
+    _twell_up_down_kernel[(m,)](
+        x, values, indices, counts, *up, down_weight_t, down_bias, y, g_scratch, n_scratch, k, n_tiles,
+        x.stride(0), x.stride(1), *strides, CHUNK=CHUNK, **flags,
+    )  # fmt: skip
+    _fixup_kernel[(m,)](
+        x, values, indices, counts, gate_weight, gate_bias if gate_bias is not None else dummy, *up, down_weight_t,
+        down_bias, y, n, k, n_tiles, threshold_in(threshold, x.dtype), x.stride(0), x.stride(1),
+        gate_weight.stride(0), gate_weight.stride(1), *strides, HAS_GATE_BIAS=gate_bias is not None,
+        SQUARE=square, num_warps=4, **flags,
+    )  # fmt: skip
     return y
