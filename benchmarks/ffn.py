@@ -237,6 +237,9 @@ def prefill_stages(x, w) -> dict:
 
 
 def git_commit() -> str:
+    """TWELL_COMMIT if set (the device machine's copy of the tree may carry a stale .git), else HEAD."""
+    if os.environ.get("TWELL_COMMIT"):
+        return os.environ["TWELL_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
@@ -265,6 +268,9 @@ def main():
         "points": [],
     }
     print(json.dumps(result["ceilings"]))
+    out_dir = Path(os.environ["OUT"]) if "OUT" in os.environ else Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"ffn-{time.strftime('%Y%m%d-%H%M%S')}.json"
     columns = "K N M dens pat nnz max dense twell x err dec pre gateC pack fused updn TB/s ovfl memD memT"
     header = " ".join(f"{c:>7}" for c in columns.split())
     lines = [header]
@@ -278,6 +284,7 @@ def main():
                     row = bench_point(k, n, m, density, pattern, compiled)
                     torch.cuda.empty_cache()
                     result["points"].append(row)
+                    path.write_text(json.dumps(result, indent=1))  # kept if a later point fails
                     line = (
                         f"{k:>5} {n:>6} {m:>7} {density:>6.3f} {pattern:>7} {row['nnz_mean']:>6.1f} "
                         f"{row['nnz_max']:>5.0f} {min(row['dense_eager_ms'], row['dense_compiled_ms']):>8.3f} "
@@ -291,9 +298,6 @@ def main():
                     )
                     lines.append(line)
                     print(line, flush=True)
-    out_dir = Path(os.environ.get("OUT", args.out)) if "OUT" in os.environ else Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"ffn-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(result, indent=1))
     print("\n".join(lines[-40:]))
     print(f"wrote {path}")

@@ -22,7 +22,7 @@ from ffn import GRAPH_MAX_M, git_commit, make_inputs, rel_err_sample, timed, wei
 from triton.testing import do_bench
 
 import twell
-from twell.kernels import decode, gate, updown
+from twell.kernels import decode, gate, policy, updown
 from twell.kernels.gate import pack_dense
 
 
@@ -63,58 +63,57 @@ def gate_point(k, n, m) -> list[dict]:
     """The gate GEMM with the TwELL epilogue (each config, two tile widths) against cuBLAS alone and
     cuBLAS + the pack pass; then the up+down kernel on its output."""
     x, block = make_inputs(m, k, n, 0.005, "uniform", seed=m + n)
+    twell.sparsify(block)  # W_down in the layout the kernels read
     w = weights(block)
     wg, bg = w["gate_weight"], w["gate_bias"]
     rows = []
     with torch.no_grad():
         cublas_ms = do_bench(lambda: F.linear(x, wg, bg), return_mode="median")
         pre = F.linear(x, wg, bg)
-        for tile_n, slots in ((128, 16), (256, 32)):
-            ref = pack_dense(pre, 0.0, tile_n, slots)
-            pack_ms = do_bench(lambda t=tile_n, s=slots: pack_dense(pre, 0.0, t, s), return_mode="median")
-            for config in gate.GATE_CONFIGS:
-                try:
-                    out = gate.gate_twell(x, wg, bg, 0.0, tile_n, slots, config=config)
-                    ms = do_bench(
-                        lambda t=tile_n, s=slots, c=config: gate.gate_twell(x, wg, bg, 0.0, t, s, config=c),
-                        return_mode="median",
-                    )
-                except Exception as e:  # a config the compiler refuses (shared memory, registers)
-                    print(f"{tile_n} {config}: {type(e).__name__}", flush=True)
-                    continue
-                same_counts = (out[2] == ref[2]).float().mean().item()
-                row = {
-                    "K": k,
-                    "N": n,
-                    "M": m,
-                    "tile_n": tile_n,
-                    "config": config,
-                    "cublas_ms": cublas_ms,
-                    "pack_ms": pack_ms,
-                    "fused_ms": ms,
-                    "vs_cublas": cublas_ms / ms,
-                    "same_counts": same_counts,
-                }
-                rows.append(row)  # fmt: skip
-                print(
-                    f"{k:>5} {n:>6} {m:>6} tile {tile_n:>3} {str(config):>22} cuBLAS {cublas_ms:6.3f} +pack "
-                    f"{pack_ms:6.3f} fused {ms:6.3f} ({cublas_ms / ms:4.2f}x cuBLAS) counts agree {same_counts:.5f}",
-                    flush=True,
-                )
-            values, indices, counts = ref
-            for programs in (1024, 4096, 16384):
-                updown.ROWS_IN_FLIGHT = programs
-                up_ms = do_bench(
-                    lambda t=tile_n, v=values, i=indices, c=counts: updown.twell_up_down(
-                        x, v, i, c, wg, bg, w["up_weight"], None, w["down_weight"].t(), None, tile_n=t, threshold=0.0
-                    ),
+        tile_n, slots = policy.TILE_N, policy.SLOTS
+        ref = pack_dense(pre, 0.0, tile_n, slots)
+        pack_ms = do_bench(lambda t=tile_n, s=slots: pack_dense(pre, 0.0, t, s), return_mode="median")
+        for config in gate.GATE_CONFIGS:
+            try:
+                out = gate.gate_twell(x, wg, bg, 0.0, tile_n, slots, config=config)
+                ms = do_bench(
+                    lambda t=tile_n, s=slots, c=config: gate.gate_twell(x, wg, bg, 0.0, t, s, config=c),
                     return_mode="median",
                 )
-                tb_s = int(counts.sum()) * 4 * k / up_ms / 1e9
-                rows.append({"K": k, "N": n, "M": m, "tile_n": tile_n, "programs": programs, "updown_ms": up_ms})
-                overflow = int((counts > slots).sum())
-                print(f"{k:>5} {n:>6} {m:>6} tile {tile_n:>3} up+down programs {programs:>5}: {up_ms:6.3f} ms "
-                      f"({tb_s:4.1f} TB/s of weight rows), overflow tiles {overflow}", flush=True)  # fmt: skip
+            except Exception as e:  # a config the compiler refuses (shared memory, registers)
+                print(f"{tile_n} {config}: {type(e).__name__}", flush=True)
+                continue
+            same_counts = (out[2] == ref[2]).float().mean().item()
+            row = {
+                "K": k,
+                "N": n,
+                "M": m,
+                "tile_n": tile_n,
+                "config": config,
+                "cublas_ms": cublas_ms,
+                "pack_ms": pack_ms,
+                "fused_ms": ms,
+                "vs_cublas": cublas_ms / ms,
+                "same_counts": same_counts,
+            }
+            rows.append(row)  # fmt: skip
+            print(
+                f"{k:>5} {n:>6} {m:>6} tile {tile_n:>3} {str(config):>22} cuBLAS {cublas_ms:6.3f} +pack "
+                f"{pack_ms:6.3f} fused {ms:6.3f} ({cublas_ms / ms:4.2f}x cuBLAS) counts agree {same_counts:.5f}",
+                flush=True,
+            )
+        values, indices, counts = ref
+        up_ms = do_bench(
+            lambda t=tile_n, v=values, i=indices, c=counts: updown.twell_up_down(
+                x, v, i, c, wg, bg, w["up_weight"], None, w["down_weight"].t(), None, tile_n=t, threshold=0.0
+            ),
+            return_mode="median",
+        )
+        tb_s = int(counts.sum()) * 4 * k / up_ms / 1e9
+        rows.append({"K": k, "N": n, "M": m, "tile_n": tile_n, "updown_ms": up_ms, "updown_tb_s": tb_s})
+        overflow = int((counts > slots).sum())
+        print(f"{k:>5} {n:>6} {m:>6} tile {tile_n:>3} up+down: {up_ms:6.3f} ms "
+              f"({tb_s:4.1f} TB/s of weight rows), overflow tiles {overflow}", flush=True)  # fmt: skip
     return rows
 
 

@@ -83,28 +83,11 @@ def _pack_tile(
     SQUARE: tl.constexpr,
     SPLIT: tl.constexpr,
 ):
-    """Pack one [BLOCK_M, TILE_N] fp32 tile into TwELL slots: SPLIT 1 or 2 scatter the kept entries
-    (the tile whole or in two column slices, fewer live registers next to a GEMM accumulator); SPLIT
-    0 gathers each slot by a row reduction instead and stores the slots densely (no per-element
-    pointers, padding zeroed for free)."""
+    """Pack one [BLOCK_M, TILE_N] fp32 tile into TwELL slots, in SPLIT column slices (1 or 2: fewer
+    live registers next to a GEMM accumulator). Gathering each slot by a row reduction instead was
+    2.5x slower on the H200 (benchmarks/NOTES.md)."""
     before = tl.zeros([offs_m.shape[0]], dtype=tl.int32)
-    if SPLIT == 0:
-        offs_c = tl.arange(0, TILE_N)
-        keep = ((acc > threshold) | (acc != acc)) & (offs_m < M)[:, None] & ((tile * TILE_N + offs_c) < N)[None, :]
-        keep_i = keep.to(tl.int32)
-        pos = tl.where(keep, tl.cumsum(keep_i, axis=1) - 1, -1)
-        if SQUARE:
-            acc = acc * acc
-        base = (offs_m.to(tl.int64) * n_tiles + tile) * SLOTS
-        row_ok = offs_m < M
-        for slot in tl.static_range(SLOTS):
-            hit = pos == slot
-            value = tl.sum(tl.where(hit, acc, 0.0), axis=1)
-            local = tl.sum(tl.where(hit, offs_c[None, :], 0), axis=1)
-            tl.store(vals_ptr + base + slot, value.to(vals_ptr.dtype.element_ty), mask=row_ok)
-            tl.store(idx_ptr + base + slot, local.to(tl.int16), mask=row_ok)
-        tl.store(cnt_ptr + offs_m.to(tl.int64) * n_tiles + tile, tl.sum(keep_i, axis=1), mask=row_ok)
-    elif SPLIT == 1:
+    if SPLIT == 1:
         cnt = _pack_slice(
             acc, offs_m, tile, 0, before, M, N, threshold, vals_ptr, idx_ptr, n_tiles, TILE_N, SLOTS, SQUARE, TILE_N
         )
@@ -144,20 +127,16 @@ def _pack_tile(
             SQUARE,
             TILE_N // 2,
         )
-    if SPLIT != 0:
-        _pack_finish(cnt, offs_m, tile, M, vals_ptr, idx_ptr, cnt_ptr, n_tiles, SLOTS)
+    _pack_finish(cnt, offs_m, tile, M, vals_ptr, idx_ptr, cnt_ptr, n_tiles, SLOTS)
 
 
-# (BLOCK_M, BLOCK_K, num_warps, num_stages, SPLIT, FLATTEN); BLOCK_N is the TwELL tile width: one GEMM
-# tile packs exactly one TwELL tile. FLATTEN lets the compiler overlap a tile's epilogue with the next
-# tile's loads.
+# (BLOCK_M, BLOCK_K, num_warps, num_stages, SPLIT); BLOCK_N is the TwELL tile width: one GEMM tile packs
+# exactly one TwELL tile. Best on the H200 at tile 128: 7.07 ms at M=131072, K=2048 (cuBLAS alone 4.26;
+# flattening the persistent loop did not help): gpu_check-prefill-20261130-161757.json, NOTES.md.
 GATE_CONFIGS = [
-    (128, 64, 8, 4, 1, False),
-    (128, 64, 8, 4, 0, False),
-    (128, 64, 8, 4, 1, True),
-    (128, 64, 8, 4, 0, True),
-    (128, 128, 8, 3, 0, False),
-    (64, 64, 4, 4, 0, False),
+    (128, 64, 8, 4, 1),
+    (128, 128, 8, 3, 1),
+    (128, 64, 8, 4, 2),
 ]
 
 
@@ -181,10 +160,8 @@ def _set_blocks(nargs):
 
 @triton.autotune(
     configs=[
-        triton.Config(
-            {"BLOCK_M": bm, "BLOCK_K": bk, "SPLIT": sp, "FLATTEN": fl}, num_warps=w, num_stages=s, pre_hook=_set_blocks
-        )
-        for bm, bk, w, s, sp, fl in GATE_CONFIGS[: 1 if interpreting() else None]
+        triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "SPLIT": sp}, num_warps=w, num_stages=s, pre_hook=_set_blocks)
+        for bm, bk, w, s, sp in GATE_CONFIGS[: 1 if interpreting() else None]
     ],
     key=["M_BUCKET", "N", "K", "TILE_N", "SLOTS"],
     cache_results=True,  # tuned configs persist on disk across processes
@@ -212,14 +189,13 @@ def _gate_twell_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr,
-    FLATTEN: tl.constexpr,
     GROUP_M: tl.constexpr = 8,
 ):
     """Persistent gate GEMM (TMA loads of x and W_g tiles) whose epilogue packs each output tile."""
     grid_m = tl.cdiv(M, BLOCK_M)
     n_out = grid_m * n_tiles
     k_steps = tl.cdiv(K, BLOCK_K)
-    for out_tile in tl.range(tl.program_id(0), n_out, tl.num_programs(0), flatten=FLATTEN):
+    for out_tile in tl.range(tl.program_id(0), n_out, tl.num_programs(0)):
         # grouped order: programs that run together share W_g tiles in L2
         group = out_tile // (GROUP_M * n_tiles)
         first_m = group * GROUP_M
@@ -318,7 +294,7 @@ def gate_twell(
     tile_n: int,
     slots: int,
     square: bool = False,
-    config: tuple[int, int, int, int, int, bool] | None = None,
+    config: tuple[int, int, int, int, int] | None = None,
 ):
     """TwELL arrays (values, indices, counts) of act_t(x @ weight^T + bias), x: [M, K], weight: [N, K];
     the dense gate never reaches memory.
@@ -346,9 +322,8 @@ def gate_twell(
 
     kernel, meta = _gate_twell_kernel, {}
     if config is not None:
-        block_m, block_k, warps, stages, split, flatten = config
-        meta = {"BLOCK_M": block_m, "BLOCK_K": block_k, "SPLIT": split, "FLATTEN": flatten}
-        meta.update(num_warps=warps, num_stages=stages)
+        block_m, block_k, warps, stages, split = config
+        meta = {"BLOCK_M": block_m, "BLOCK_K": block_k, "SPLIT": split, "num_warps": warps, "num_stages": stages}
         _set_blocks({"x_desc": x_desc, "w_desc": w_desc, "TILE_N": tile_n, **meta})
         kernel = _gate_twell_kernel.fn
     kernel[grid](

@@ -1,17 +1,17 @@
 """Which path a call takes, and the TwELL layout the kernels use: read by the dispatcher (per call)
 and by calibration's cost model (to predict what the dispatcher will do). No Triton import here.
 
-Thresholds measured on an H200, bf16 (benchmarks/NOTES.md, ffn-20261129-075120.json): the prefill
-kernels win from tens of thousands of tokens at <= ~0.5% density (1.28x at K=2048, N=5632, M=131072;
-1.07x at M=32768; 0.48x at M=8192); decode loses to dense at K=2048 (0.94x at M=1) and is off by
-default. Tests and benchmarks set these module attributes to route calls to the kernels.
+Thresholds measured on an H200, bf16, against the dense FFN in the same run (benchmarks/NOTES.md):
+decode wins at every density up to 5% for 1-8 tokens (1.03-1.85x at K=2048, 1.22-1.77x at K=4096;
+gpu_check-decode-20261130-165108.json) and loses at 16 tokens and 5% (0.85x), so it serves up to 8.
+Tests and benchmarks set these module attributes to route calls to the kernels.
 """
 
 from __future__ import annotations
 
 TILE_N = 128
 SLOTS = 16  # compression 8, as the reference code
-DECODE_MAX_M = 16
+DECODE_MAX_M = 8
 PREFILL_MIN_M: int | None = 4096
 # Gate of the prefill path: the persistent TMA GEMM with the packing epilogue (True) or cuBLAS + the
 # pack pass (False); the faster measured at K=2048/N=5632 and K=4096/N=14336 on an H200.
