@@ -107,6 +107,56 @@ ACTIVATIONS = {
     "fatrelu-where": (lambda v: torch.where(v > 0.1, v, 0.0), "fatrelu", 0.1),
     "F.threshold": (lambda v: F.threshold(v, 0.2, 0.0), "fatrelu", 0.2),
     "nn.Threshold": (nn.Threshold(0.3, 0.0), "fatrelu", 0.3),
+    "nn.Threshold-negative": (nn.Threshold(-0.5, 0.0), "fatrelu", -0.5),
+}
+
+
+class ScaledReLU(nn.ReLU):
+    """A ReLU subclass with its own forward and a buffer: a leaf of the trace (call_module)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.tensor(2.0))
+
+    def forward(self, v):
+        return super().forward(v) * self.scale
+
+
+class LeakyReLUNamedReLU(nn.ReLU):
+    """A stateless ReLU subclass with its own forward: traced through."""
+
+    def forward(self, v):
+        return F.leaky_relu(v, 0.1)
+
+
+class ShiftedThreshold(nn.Threshold):
+    """An nn.Threshold subclass with its own forward and a buffer: a leaf of the trace (call_module)."""
+
+    def __init__(self):
+        super().__init__(0.3, 0.0)
+        self.register_buffer("shift", torch.tensor(-1.0))
+
+    def forward(self, v):
+        return super().forward(v) + self.shift
+
+
+# Spellings close to the ReLU family that are not it: each must be reported, never rewritten as relu.
+NOT_RELU = {
+    "clamp-min-negative": (lambda v: v.clamp(min=-1), "clamp"),
+    "clamp_min-negative": (lambda v: v.clamp_min(-0.5), "clamp_min"),
+    "clamp-min-positive": (lambda v: torch.clamp(v, min=0.1), "clamp"),
+    "clamp-min-and-max": (lambda v: v.clamp(min=0, max=6), "clamp"),
+    "clamp-positional-max": (lambda v: torch.clamp(v, 0, 6), "clamp"),
+    "F.threshold-value": (lambda v: F.threshold(v, 0.2, -1.0), "threshold"),
+    "nn.Threshold-value": (nn.Threshold(0.3, 0.5), "threshold"),
+    "where-other-nonzero": (lambda v: torch.where(v > 0.1, v, -1.0), "custom"),
+    "mul-ge": (lambda v: v * (v >= 0.1), "custom"),
+    "relu-subclass-leaf": (ScaledReLU(), "scaledrelu"),
+    "relu-subclass-traced": (LeakyReLUNamedReLU(), "leaky_relu"),
+    "threshold-subclass-leaf": (ShiftedThreshold(), "shiftedthreshold"),
+    "nn.LeakyReLU": (nn.LeakyReLU(), "leakyrelu"),
+    "nn.Hardtanh": (nn.Hardtanh(0.0, 6.0), "hardtanh"),
+    "nn.RReLU": (nn.RReLU(), "rrelu"),
 }
 
 
@@ -309,6 +359,18 @@ def test_non_relu_reported_with_remedy(act, name, x):
     assert f"activation {name} is not sparse" in c.reason and "ReLU + L1" in c.reason
     _check_rewrite(model, x)  # sparsify leaves it alone: logits unchanged
     assert isinstance(model.layers[0], Gated)
+
+
+@pytest.mark.parametrize("ffn", [Gated, Plain])
+@pytest.mark.parametrize("name", list(NOT_RELU))
+def test_relu_lookalikes_are_reported_not_rewritten(name, ffn, x):
+    act, reported = NOT_RELU[name]
+    model = Net(ffn(act)).eval()
+    (c,) = find_ffns(model)
+    assert (c.activation, c.rewritable) == (reported, False)
+    assert f"activation {reported} is not sparse" in c.reason
+    _check_rewrite(model, x, tol=0.0)
+    assert isinstance(model.layers[0], ffn)
 
 
 def test_transformers_gelu_new_named_by_its_module():
