@@ -373,6 +373,33 @@ def test_relu_lookalikes_are_reported_not_rewritten(name, ffn, x):
     assert isinstance(model.layers[0], ffn)
 
 
+def _forward_replaced(module):
+    module.forward = lambda v: v.clamp(min=-1)
+    return "activation act's forward is replaced on the instance"
+
+
+def _output_hook(module):
+    module.register_forward_hook(lambda m, args, out: out * 2)
+    return "activation act has forward hooks"
+
+
+def _input_hook(module):
+    module.register_forward_pre_hook(lambda m, args: (args[0] - 1,))
+    return "activation act has forward hooks"
+
+
+@pytest.mark.parametrize("change", [_forward_replaced, _output_hook, _input_hook], ids=["forward", "hook", "pre-hook"])
+@pytest.mark.parametrize("act", [nn.ReLU, lambda: nn.Threshold(0.3, 0.0)], ids=["nn.ReLU", "nn.Threshold"])
+def test_activation_module_that_runs_more_than_its_forward_is_not_rewritten(act, change, x):
+    """The rewritten FFN never calls the activation module: what its call adds would be lost."""
+    model = Net(Gated(act()), Plain(act()))
+    reasons = [change(layer.act) for layer in model.layers]
+    candidates = find_ffns(model)
+    assert [c.rewritable for c in candidates] == [False, False]
+    assert all(reason in c.reason for c, reason in zip(candidates, reasons, strict=True))
+    _check_rewrite(model, x, tol=0.0)
+
+
 def test_transformers_gelu_new_named_by_its_module():
     from transformers.activations import ACT2FN
 
