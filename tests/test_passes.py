@@ -373,6 +373,17 @@ def test_relu_lookalikes_are_reported_not_rewritten(name, ffn, x):
     assert isinstance(model.layers[0], ffn)
 
 
+@pytest.mark.parametrize("act", [nn.ReLU6(), F.relu6], ids=["nn.ReLU6", "F.relu6"])
+def test_relu6_is_reported_as_sparse_but_clipped(act, x):
+    model = Net(Gated(act), Plain(act))
+    candidates = find_ffns(model)
+    assert [(c.activation, c.rewritable) for c in candidates] == [("relu6", False)] * 2
+    assert all(
+        c.reason == "activation relu6 is sparse, but twell's ops do not clip the activation at 6" for c in candidates
+    )
+    _check_rewrite(model, x, tol=0.0)
+
+
 def _forward_replaced(module):
     module.forward = lambda v: v.clamp(min=-1)
     return "activation act's forward is replaced on the instance"

@@ -603,6 +603,8 @@ def activation_problems(match: FFNMatch) -> list[str]:
     act, up_act = match.activation, match.up_activation
     if act is None:
         return [f"gated FFN without an activation is not sparse; {REMEDY}"]
+    if act.name == "relu6":
+        return ["activation relu6 is sparse, but twell's ops do not clip the activation at 6"]
     if not act.sparse:
         return [f"activation {act.name} is not sparse; {REMEDY}"]
     if match.kind == "gated" and act.squared:
