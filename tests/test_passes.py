@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -542,3 +544,77 @@ def test_linear_replaced_after_sparsify_runs_the_original_forward(x):
         assert model.layers[0].up_proj is adapted  # the change survives restore
         expected = model(x)
     assert torch.allclose(got, expected, atol=1e-6)
+
+
+class DropoutFFN(nn.Module):
+    """A plain FFN with functional dropout reading self.training (as T5-style code does) and a buffer of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(K, N), nn.Linear(N, K)
+        self.register_buffer("steps", torch.zeros(3))
+
+    def forward(self, x):
+        return self.fc2(F.dropout(F.relu(self.fc1(x)), 0.5, self.training))
+
+
+def _adapt_up_proj(model):
+    ffn = model.layers[0]
+    adapted = LoRALinear(K, N, bias=False)
+    adapted.weight = ffn.up_proj.weight
+    ffn.up_proj = adapted
+
+
+def _load_assign(model):
+    torch.manual_seed(9)
+    fresh = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    model.load_state_dict(fresh, assign=True)  # new Parameter and buffer objects
+
+
+CHANGES = {
+    "half": lambda m: m.half(),
+    "to-float64": lambda m: m.to(torch.float64),
+    "train": lambda m: m.train(),
+    "eval": lambda m: m.eval(),
+    "load_state_dict-assign": _load_assign,
+    "linear-replaced": _adapt_up_proj,
+}
+MODELS = {
+    "module": lambda: Net(Gated(nn.ReLU()), DropoutFFN()),
+    "inline": lambda: Net(Block(gated=True), Block()),
+}
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize(
+    "kind, change",
+    # An inline FFN's linears are stand-ins while sparsified, not nn.Linear an adapter would wrap.
+    [(kind, change) for kind in MODELS for change in CHANGES if (kind, change) != ("inline", "linear-replaced")],
+)
+def test_restore_after_changes_is_the_changed_original(kind, change, mode, x):
+    """restore(change(sparsify(m))) is change(m): module tree, training flags, tensors and outputs; no
+    forward call in between (a forward of the rewritten FFN may sync the original on its own)."""
+    torch.manual_seed(8)
+    model = MODELS[kind]().train(mode == "train")
+    twin = copy.deepcopy(model)
+    twell.sparsify(model)
+    # Traced in training mode, functional dropout is a real operation: that FFN is left alone.
+    expected_rewritten = [True, mode == "eval" or kind == "inline"]
+    assert [r.rewritten for r in twell.report(model)] == expected_rewritten
+    CHANGES[change](model)
+    twell.restore(model)
+    CHANGES[change](twin)
+
+    def tree(m):
+        return [(name, type(sub), sub.training) for name, sub in m.named_modules()]
+
+    assert tree(model) == tree(twin)
+    state, expected = model.state_dict(), twin.state_dict()
+    assert list(state) == list(expected)
+    assert all(state[k].dtype == v.dtype and torch.equal(state[k], v) for k, v in expected.items())
+    x = x.to(next(twin.parameters()).dtype)
+    with torch.no_grad():
+        torch.manual_seed(10)
+        got = model(x)
+        torch.manual_seed(10)
+        assert torch.equal(got, twin(x))
