@@ -12,7 +12,7 @@ from torch import nn
 
 import twell
 from twell.passes import find_ffns, scan
-from twell.passes.modules import GatePassthrough, InlineFFN, SparseFFN
+from twell.passes.modules import FFNSpec, GatePassthrough, InlineFFN, SparseFFN, dense_ffn, run_ffn
 
 K, N = 24, 40
 
@@ -618,3 +618,33 @@ def test_restore_after_changes_is_the_changed_original(kind, change, mode, x):
         got = model(x)
         torch.manual_seed(10)
         assert torch.equal(got, twin(x))
+
+
+DENSE_SPECS = {
+    "plain": FFNSpec("plain", "gate", None, "down", threshold=0.25),
+    "relu2": FFNSpec("plain", "gate", None, "down", threshold=0.25, squared=True),
+    "gated": FFNSpec("gated", "gate", "up", "down", threshold=0.25),
+    "drelu": FFNSpec("gated", "gate", "up", "down", threshold=0.25, drelu=True),
+    "fused": FFNSpec("gated", "gate", "gate", "down", gate_rows=slice(N, 2 * N), up_rows=slice(0, N), threshold=0.25),
+}
+
+
+@pytest.mark.parametrize("name", list(DENSE_SPECS))
+def test_dense_ffn_is_the_op(name):
+    """The plain-torch form (an inline FFN under autocast or mixed dtypes) computes what the op does,
+    pre-activations at the threshold included (dropped)."""
+    spec = DENSE_SPECS[name]
+    torch.manual_seed(11)
+    gate = nn.Linear(K, 2 * N if spec.gate_rows else N)
+    up = nn.Linear(K, N) if spec.up == "up" else (gate if spec.up else None)
+    down = nn.Linear(N, K)
+    x = torch.randn(4, K)
+    with torch.no_grad():
+        gate.bias.zero_()
+        gate.weight[:, 0] = 0.25  # x[0] = e_0: every gate pre-activation of row 0 sits at the threshold
+        gate.weight[::2, 0] = 1.0
+    x[0] = 0.0
+    x[0, 0] = 1.0
+    with torch.no_grad():
+        expected = run_ffn(spec, gate, up, down, x)
+        assert torch.allclose(dense_ffn(spec, gate, up, down, x), expected, atol=1e-6)
