@@ -318,6 +318,42 @@ def test_inline_functional_activation_is_reported(x):
     assert isinstance(model.layers[0].w1, nn.Linear)
 
 
+class SharedActivation(Block):
+    """The FFN's activation module is called again outside the FFN: swapping it for nn.Identity would
+    change that other call."""
+
+    def forward(self, x):
+        return super().forward(x) + self.act(x - 0.5)
+
+
+class SquaredReLU(nn.Module):
+    """Parameter-free, not from torch.nn: traced through, as transformers' activation classes are."""
+
+    def forward(self, v):
+        return F.relu(v) ** 2
+
+
+@pytest.mark.parametrize("act", [nn.ReLU, SquaredReLU], ids=["leaf", "traced-through"])
+def test_inline_ffn_whose_activation_module_is_shared_is_not_rewritten(act, x):
+    model = Net(SharedActivation())
+    model.layers[0].act = act()
+    (c,) = find_ffns(model)
+    assert not c.rewritable and c.reason == "activation module act is used more than once"
+    _check_rewrite(model, x, tol=0.0)
+    assert isinstance(model.layers[0].act, act)
+
+
+def test_inline_gated_ffn_under_autocast_runs_like_the_original(x):
+    torch.manual_seed(12)
+    model = Net(Block(gated=True, norm=False)).eval()
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        expected = model(x)
+        twell.sparsify(model)
+        assert isinstance(model.layers[0].w2, InlineFFN)
+        got = model(x)
+    assert torch.equal(got, expected)
+
+
 class UsedElsewhere(nn.Module):
     def __init__(self):
         super().__init__()
