@@ -12,6 +12,8 @@ from torch import nn
 
 import twell
 from twell.passes import find_ffns, scan
+from twell.passes import modules as twell_modules
+from twell.passes.match import _split_rows
 from twell.passes.modules import FFNSpec, GatePassthrough, InlineFFN, SparseFFN, dense_ffn, run_ffn
 
 K, N = 24, 40
@@ -149,6 +151,7 @@ NOT_RELU = {
     "clamp-min-positive": (lambda v: torch.clamp(v, min=0.1), "clamp"),
     "clamp-min-and-max": (lambda v: v.clamp(min=0, max=6), "clamp"),
     "clamp-positional-max": (lambda v: torch.clamp(v, 0, 6), "clamp"),
+    "clamp-max-only": (lambda v: v.clamp(max=6), "clamp"),
     "F.threshold-value": (lambda v: F.threshold(v, 0.2, -1.0), "threshold"),
     "nn.Threshold-value": (nn.Threshold(0.3, 0.5), "threshold"),
     "where-other-nonzero": (lambda v: torch.where(v > 0.1, v, -1.0), "custom"),
@@ -251,6 +254,28 @@ def test_fused_gate_up(split, x):
     assert c.gate_module is model.layers[0].gate_up
     assert c.gate_slice == slice(int(gate_rows[0]), int(gate_rows[-1]) + 1)
     _check_rewrite(model, x)
+
+
+@pytest.mark.parametrize(
+    "name, spec, rows",
+    [
+        ("chunk", 2, [(0, 40), (40, 80)]),
+        ("chunk", 3, [(0, 27), (27, 54), (54, 80)]),
+        ("chunk", 1, [(0, 80)]),
+        ("split", 30, [(0, 30), (30, 60), (60, 80)]),
+        ("split", [50, 30], [(0, 50), (50, 80)]),
+        ("split", (80,), [(0, 80)]),
+        ("split", [50, 20], None),
+        ("split", [40.0, 40], None),
+        ("chunk", 0, None),
+        ("chunk", 2.0, None),
+        ("split", 0, None),
+        ("split", -40, None),
+    ],
+)
+def test_split_rows_of_a_fused_projection(name, spec, rows):
+    expected = [slice(a, b) for a, b in rows] if rows is not None else None
+    assert _split_rows(80, name, spec) == expected
 
 
 def test_full_slice_needs_known_rank():
@@ -684,3 +709,19 @@ def test_dense_ffn_is_the_op(name):
     with torch.no_grad():
         expected = run_ffn(spec, gate, up, down, x)
         assert torch.allclose(dense_ffn(spec, gate, up, down, x), expected, atol=1e-6)
+
+
+def test_rewritten_ffn_runs_the_op_whenever_it_can(x, monkeypatch):
+    """Falling back to the original forward is exact, so only counting op calls shows the op is used:
+    positional or keyword input, in eval mode, and in training mode unless dropout acts in the FFN."""
+    calls = []
+    run_ffn_ = twell_modules.run_ffn
+    monkeypatch.setattr(twell_modules, "run_ffn", lambda *args: calls.append(args[0].kind) or run_ffn_(*args))
+    model = twell.sparsify(Net(Gated(nn.ReLU()), Plain(nn.ReLU(), dropout=0.1)).eval())
+    with torch.no_grad():
+        model(x)
+        assert calls == ["gated", "plain"]
+        model.layers[0](x=x)
+        assert calls[2:] == ["gated"]
+        model.train()(x)
+    assert calls[3:] == ["gated"]
