@@ -717,11 +717,20 @@ def test_rewritten_ffn_runs_the_op_whenever_it_can(x, monkeypatch):
     calls = []
     run_ffn_ = twell_modules.run_ffn
     monkeypatch.setattr(twell_modules, "run_ffn", lambda *args: calls.append(args[0].kind) or run_ffn_(*args))
-    model = twell.sparsify(Net(Gated(nn.ReLU()), Plain(nn.ReLU(), dropout=0.1)).eval())
+    model = twell.sparsify(Net(Net(Gated(nn.ReLU())), Plain(nn.ReLU(), dropout=0.1)).eval())  # a nested path too
     with torch.no_grad():
         model(x)
         assert calls == ["gated", "plain"]
-        model.layers[0](x=x)
+        model.layers[0].layers[0](x=x)
         assert calls[2:] == ["gated"]
         model.train()(x)
     assert calls[3:] == ["gated"]
+
+
+def test_apply_refuses_a_candidate_that_is_not_rewritable():
+    from twell.passes.rewrite import apply
+
+    model = Net(Gated(nn.SiLU()))
+    (c,) = find_ffns(model)
+    with pytest.raises(ValueError, match="'layers.0' is not rewritable: activation silu is not sparse"):
+        apply(model, c)
