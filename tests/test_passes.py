@@ -566,11 +566,12 @@ def test_keyword_input_and_extra_arguments_fall_back():
     ffn.register_forward_hook(lambda module, args, output: calls.append(1))
     x = torch.randn(2, K)
     with torch.no_grad():
-        expected = (ffn(x), ffn(hidden_states=x), ffn(x, 2.0))
+        expected = (ffn(x), ffn(hidden_states=x), ffn(x, 2.0), ffn(hidden_states=x, scale=2.0))
         twell.sparsify(model)
-        got = (model.layers[0](x), model.layers[0](hidden_states=x), model.layers[0](x, 2.0))
+        layer = model.layers[0]
+        got = (layer(x), layer(hidden_states=x), layer(x, 2.0), layer(hidden_states=x, scale=2.0))
     assert isinstance(model.layers[0], SparseFFN)
-    assert len(calls) == 6  # the hook ran once per call, the fallback included
+    assert len(calls) == 8  # the hook ran once per call, the fallback included
     for g, e in zip(got, expected, strict=True):
         assert torch.allclose(g, e, atol=1e-6)
 
@@ -734,3 +735,24 @@ def test_apply_refuses_a_candidate_that_is_not_rewritable():
     (c,) = find_ffns(model)
     with pytest.raises(ValueError, match="'layers.0' is not rewritable: activation silu is not sparse"):
         apply(model, c)
+
+
+def test_linear_given_an_instance_forward_after_sparsify_runs_the_original_forward(x):
+    model = twell.sparsify(Net(Gated(nn.ReLU())))
+    with torch.no_grad():
+        model.layers[0].up_proj.forward = lambda v: 2 * F.linear(v, model.layers[0].up_proj.weight)
+        got = model(x)
+        twell.restore(model)
+        assert torch.equal(got, model(x))
+
+
+class LinearCalledTwice(Block):
+    def forward(self, x):
+        return super().forward(x) + self.w1(x).mean(-1, keepdim=True)
+
+
+def test_inline_ffn_whose_linear_is_called_again_is_not_rewritten(x):
+    model = Net(LinearCalledTwice())
+    (c,) = find_ffns(model)
+    assert not c.rewritable and c.reason == "linear w1 is called more than once"
+    _check_rewrite(model, x, tol=0.0)
