@@ -1,13 +1,15 @@
-# Two entry points, both self-installing on a fresh Linux machine with Python >= 3.10:
+# Entry points, self-installing on a fresh Linux machine with Python >= 3.10:
 #   make demo   conversion report on the built-in demo model
 #   make test   the test suite (kernels through Triton's interpreter when there is no GPU)
+#   make mutate mutation testing of the modules where a bug is a silent wrong result (slow; not part
+#               of `make test` or CI): docs/testing.md. MUTANTS narrows it, e.g. MUTANTS='twell.format.*'
 PYTHON ?= python3
 VENV ?= .venv
 # CPU build by default; override for a CUDA machine, e.g. `make test TORCH_SPEC=torch`.
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint mutate clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,5 +32,10 @@ test: $(VENV)/.dev-installed
 lint: $(VENV)/.dev-installed
 	$(BIN)/ruff check .
 
+MUTANTS ?=
+mutate: $(VENV)/.dev-installed
+	set -f; $(BIN)/mutmut run --max-children 2 $(MUTANTS)
+	$(BIN)/mutmut results
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache mutants

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import twell
-from twell.format import kept_mask
+from twell.format import MAX_TILE_N, kept_mask
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -63,9 +63,71 @@ def test_layout_of_a_known_matrix(dtype):
     assert t.values[0].float().tolist() == [[1.0, 3.0], [5.0, 0.0], [7.0, 0.0]]
     assert t.overflow_rows.tolist() == [1]
     assert torch.equal(t.dense, h[1:2])
-    stats = t.stats()
-    assert stats["nnz_per_row_max"] == 4 and stats["max_per_tile"] == 4 and stats["overflow_rows"] == 1
-    assert stats["nnz_per_row_mean"] == 4.0
+    assert (t.values.dtype, t.indices.dtype, t.counts.dtype) == (dtype, torch.int16, torch.int32)
+    assert (t.overflow_rows.dtype, t.dense.dtype, t.shape, t.tile_n, t.threshold) == (
+        torch.int64,
+        dtype,
+        (2, 9),
+        4,
+        0.0,
+    )
+    assert t.nnz_per_row().tolist() == [4, 4]
+    assert t.stats() == {
+        "rows": 2,
+        "cols": 9,
+        "tile_n": 4,
+        "slots": 2,
+        "nnz_per_row_mean": 4.0,
+        "nnz_per_row_max": 4,
+        "max_per_tile": 4,
+        "overflow_rows": 1,
+        "density": 8 / 18,
+        "nbytes": t.nbytes,
+    }
+
+
+def test_stats_of_degenerate_shapes():
+    empty = twell.pack(torch.zeros(0, 5), tile_n=4, compression=2).stats()
+    assert (empty["nnz_per_row_mean"], empty["nnz_per_row_max"], empty["max_per_tile"], empty["density"]) == (
+        0,
+        0,
+        0,
+        0,
+    )
+    assert twell.pack(torch.zeros(3, 0), tile_n=4, compression=2).stats()["max_per_tile"] == 0
+    assert twell.pack(torch.ones(1, 1), tile_n=4, compression=2).stats()["density"] == 1.0
+
+
+def test_threshold_is_kept_with_the_matrix():
+    t = twell.pack(torch.tensor([[0.2, 0.7, 0.5]]), tile_n=4, compression=1, threshold=0.5)
+    assert t.threshold == 0.5 and t.counts.tolist() == [[1]]
+
+
+def test_entries_are_packed_in_column_order():
+    """Within a (row, tile) the kept entries come in column order (a stable packing), at wide tiles too."""
+    h = random_hidden(4, 1024, 0.3, torch.float32, seed=3)
+    t = twell.pack(h, tile_n=512, compression=1)
+    for row, tile in zip(*torch.nonzero(t.counts).T.tolist(), strict=True):
+        kept = t.indices[row, tile, : t.counts[row, tile]].long()
+        assert torch.equal(kept, torch.nonzero(kept_mask(h[row, tile * 512 : (tile + 1) * 512], 0.0)).flatten())
+
+
+def test_unpack_reads_only_the_counted_slots():
+    """What lies past each count (kernel scratch) does not reach the dense matrix."""
+    h = random_hidden(6, 40, 0.2, torch.float32, seed=4)
+    t = twell.pack(h, tile_n=16, compression=2)
+    padding = torch.arange(t.slots) >= t.counts.unsqueeze(-1)
+    assert padding.any()
+    t.values = t.values.masked_fill(padding, float("nan"))
+    t.indices = t.indices.masked_fill(padding, 5)
+    assert torch.equal(twell.unpack(t), thresholded(h, 0.0))
+
+
+@pytest.mark.parametrize("row", [[1.0, 2.0, -1.0], [-1.0]], ids=["3-columns", "1-empty-column"])
+@pytest.mark.parametrize("tile_n", [1, MAX_TILE_N], ids=["one-column", "widest"])
+def test_extreme_tile_widths(tile_n, row):
+    h = torch.tensor([row])
+    assert torch.equal(twell.unpack(twell.pack(h, tile_n=tile_n, compression=tile_n)), torch.relu(h))
 
 
 def test_nan_and_inf_follow_relu():
@@ -96,12 +158,23 @@ def test_nbytes_counts_every_array():
         (torch.randn(2, 3, 4), {}, ValueError, "2 dims"),
         (torch.ones(2, 4, dtype=torch.int32), {}, TypeError, "floating-point"),
         (torch.randn(2, 4), {"tile_n": 10, "compression": 3}, ValueError, "divisible by compression"),
-        (torch.randn(2, 4), {"tile_n": 0}, ValueError, "positive int"),
+        (torch.randn(2, 4), {"tile_n": 0}, ValueError, "tile_n must be a positive int, got 0"),
+        (torch.randn(2, 4), {"compression": True}, ValueError, "compression must be a positive int, got True"),
         (torch.randn(2, 4), {"tile_n": 65536, "compression": 1}, ValueError, "tile_n must be <="),
-        ([[1.0]], {}, TypeError, "torch.Tensor"),
+        ([[1.0]], {}, TypeError, "h must be a torch.Tensor, got list"),
         (torch.randn(2, 4), {"threshold": float("nan")}, ValueError, "finite"),
     ],
-    ids=["rank1", "rank3", "int-dtype", "indivisible", "zero-tile", "tile-too-wide", "not-a-tensor", "nan-threshold"],
+    ids=[
+        "rank1",
+        "rank3",
+        "int-dtype",
+        "indivisible",
+        "zero-tile",
+        "bool-compression",
+        "tile-too-wide",
+        "not-a-tensor",
+        "nan-threshold",
+    ],
 )
 def test_bad_input_is_refused(h, kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -109,5 +182,5 @@ def test_bad_input_is_refused(h, kwargs, error, match):
 
 
 def test_unpack_refuses_other_types():
-    with pytest.raises(TypeError, match="TwELL"):
+    with pytest.raises(TypeError, match="unpack expects a TwELL, got Tensor"):
         twell.unpack(torch.zeros(2, 2))

@@ -120,3 +120,57 @@ def test_bad_input_names_the_tensor(change, error, match):
             gate_bias=args["gate_bias"],
             threshold=args["threshold"],
         )
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.25, 1.0, -0.5])
+def test_reference_activation_keeps_what_the_format_keeps(threshold):
+    """v is kept iff not (v <= threshold): values at the threshold are dropped, NaN is kept."""
+    v = torch.tensor([-1.0, -0.5, -0.0, 0.0, 0.25, 0.5, 1.0, 2.0, float("nan")])
+    expected = torch.where(twell.format.kept_mask(v, threshold), v, torch.zeros(()))
+    for got in (reference.thresholded_relu(v, threshold), reference._thresholded_relu_(v.clone(), threshold)):
+        assert torch.equal(got.isnan(), expected.isnan())
+        assert torch.equal(got.nan_to_num(), expected.nan_to_num())
+
+
+REFERENCE_VARIANTS = {
+    "gated": (reference.gated_ffn, {}),
+    "gated-fatrelu": (reference.gated_ffn, {"threshold": 0.3}),
+    "drelu": (reference.gated_ffn, {"drelu": True}),
+    "plain": (reference.ffn, {}),
+    "plain-fatrelu": (reference.ffn, {"threshold": 0.3}),
+    "relu2": (reference.ffn, {"squared": True}),
+}
+
+
+def _reference_args(fn):
+    case = make_ffn(6, 16, 40, [0.3], torch.float64, biases=True, gated=fn is reference.gated_ffn)
+    return {name: t for name, t in case.items() if t is not None}
+
+
+def _formula(fn, args, threshold=0.0, drelu=False, squared=False):
+    """The FFN written out, independently of the reference module."""
+    x = args["x"]
+    if fn is reference.ffn:
+        h = x @ args["up_weight"].T + args["up_bias"]
+        h = h * (h > threshold)
+        return (h * h if squared else h) @ args["down_weight"].T + args["down_bias"]
+    g = x @ args["gate_weight"].T + args["gate_bias"]
+    u = x @ args["up_weight"].T + args["up_bias"]
+    return (g * (g > threshold) * (u * (u > 0) if drelu else u)) @ args["down_weight"].T + args["down_bias"]
+
+
+@pytest.mark.parametrize("variant", list(REFERENCE_VARIANTS))
+def test_reference_in_place_and_autograd_paths_agree_with_the_formula(variant):
+    """Without autograd the reference works in place, with it out of place: both are the FFN, and
+    gradients flow when any one input requires them."""
+    fn, kwargs = REFERENCE_VARIANTS[variant]
+    args = _reference_args(fn)
+    expected = _formula(fn, args, **kwargs)
+    assert torch.allclose(fn(**args, **kwargs), expected, atol=1e-12)
+    for name in args:
+        leaves = {k: v.clone().requires_grad_(k == name) for k, v in args.items()}
+        y = fn(**leaves, **kwargs)
+        assert torch.allclose(y, expected, atol=1e-12), name
+        (grad,) = torch.autograd.grad(y.sum(), leaves[name])
+        (want,) = torch.autograd.grad(_formula(fn, leaves, **kwargs).sum(), leaves[name])
+        assert torch.allclose(grad, want, atol=1e-12), name

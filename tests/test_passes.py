@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,7 +12,9 @@ from torch import nn
 
 import twell
 from twell.passes import find_ffns, scan
-from twell.passes.modules import GatePassthrough, InlineFFN, SparseFFN
+from twell.passes import modules as twell_modules
+from twell.passes.match import _split_rows
+from twell.passes.modules import FFNSpec, GatePassthrough, InlineFFN, SparseFFN, dense_ffn, run_ffn
 
 K, N = 24, 40
 
@@ -107,6 +111,57 @@ ACTIVATIONS = {
     "fatrelu-where": (lambda v: torch.where(v > 0.1, v, 0.0), "fatrelu", 0.1),
     "F.threshold": (lambda v: F.threshold(v, 0.2, 0.0), "fatrelu", 0.2),
     "nn.Threshold": (nn.Threshold(0.3, 0.0), "fatrelu", 0.3),
+    "nn.Threshold-negative": (nn.Threshold(-0.5, 0.0), "fatrelu", -0.5),
+}
+
+
+class ScaledReLU(nn.ReLU):
+    """A ReLU subclass with its own forward and a buffer: a leaf of the trace (call_module)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.tensor(2.0))
+
+    def forward(self, v):
+        return super().forward(v) * self.scale
+
+
+class LeakyReLUNamedReLU(nn.ReLU):
+    """A stateless ReLU subclass with its own forward: traced through."""
+
+    def forward(self, v):
+        return F.leaky_relu(v, 0.1)
+
+
+class ShiftedThreshold(nn.Threshold):
+    """An nn.Threshold subclass with its own forward and a buffer: a leaf of the trace (call_module)."""
+
+    def __init__(self):
+        super().__init__(0.3, 0.0)
+        self.register_buffer("shift", torch.tensor(-1.0))
+
+    def forward(self, v):
+        return super().forward(v) + self.shift
+
+
+# Spellings close to the ReLU family that are not it: each must be reported, never rewritten as relu.
+NOT_RELU = {
+    "clamp-min-negative": (lambda v: v.clamp(min=-1), "clamp"),
+    "clamp_min-negative": (lambda v: v.clamp_min(-0.5), "clamp_min"),
+    "clamp-min-positive": (lambda v: torch.clamp(v, min=0.1), "clamp"),
+    "clamp-min-and-max": (lambda v: v.clamp(min=0, max=6), "clamp"),
+    "clamp-positional-max": (lambda v: torch.clamp(v, 0, 6), "clamp"),
+    "clamp-max-only": (lambda v: v.clamp(max=6), "clamp"),
+    "F.threshold-value": (lambda v: F.threshold(v, 0.2, -1.0), "threshold"),
+    "nn.Threshold-value": (nn.Threshold(0.3, 0.5), "threshold"),
+    "where-other-nonzero": (lambda v: torch.where(v > 0.1, v, -1.0), "custom"),
+    "mul-ge": (lambda v: v * (v >= 0.1), "custom"),
+    "relu-subclass-leaf": (ScaledReLU(), "scaledrelu"),
+    "relu-subclass-traced": (LeakyReLUNamedReLU(), "leaky_relu"),
+    "threshold-subclass-leaf": (ShiftedThreshold(), "shiftedthreshold"),
+    "nn.LeakyReLU": (nn.LeakyReLU(), "leakyrelu"),
+    "nn.Hardtanh": (nn.Hardtanh(0.0, 6.0), "hardtanh"),
+    "nn.RReLU": (nn.RReLU(), "rrelu"),
 }
 
 
@@ -201,6 +256,28 @@ def test_fused_gate_up(split, x):
     _check_rewrite(model, x)
 
 
+@pytest.mark.parametrize(
+    "name, spec, rows",
+    [
+        ("chunk", 2, [(0, 40), (40, 80)]),
+        ("chunk", 3, [(0, 27), (27, 54), (54, 80)]),
+        ("chunk", 1, [(0, 80)]),
+        ("split", 30, [(0, 30), (30, 60), (60, 80)]),
+        ("split", [50, 30], [(0, 50), (50, 80)]),
+        ("split", (80,), [(0, 80)]),
+        ("split", [50, 20], None),
+        ("split", [40.0, 40], None),
+        ("chunk", 0, None),
+        ("chunk", 2.0, None),
+        ("split", 0, None),
+        ("split", -40, None),
+    ],
+)
+def test_split_rows_of_a_fused_projection(name, spec, rows):
+    expected = [slice(a, b) for a, b in rows] if rows is not None else None
+    assert _split_rows(80, name, spec) == expected
+
+
 def test_full_slice_needs_known_rank():
     # x[:, :N] on a traced value of unknown rank slices dim 1, not necessarily the last: not a gate/up split.
     model = Net(Fused(lambda t: (t[:, :N], t[:, N:])))
@@ -266,6 +343,42 @@ def test_inline_functional_activation_is_reported(x):
     assert isinstance(model.layers[0].w1, nn.Linear)
 
 
+class SharedActivation(Block):
+    """The FFN's activation module is called again outside the FFN: swapping it for nn.Identity would
+    change that other call."""
+
+    def forward(self, x):
+        return super().forward(x) + self.act(x - 0.5)
+
+
+class SquaredReLU(nn.Module):
+    """Parameter-free, not from torch.nn: traced through, as transformers' activation classes are."""
+
+    def forward(self, v):
+        return F.relu(v) ** 2
+
+
+@pytest.mark.parametrize("act", [nn.ReLU, SquaredReLU], ids=["leaf", "traced-through"])
+def test_inline_ffn_whose_activation_module_is_shared_is_not_rewritten(act, x):
+    model = Net(SharedActivation())
+    model.layers[0].act = act()
+    (c,) = find_ffns(model)
+    assert not c.rewritable and c.reason == "activation module act is used more than once"
+    _check_rewrite(model, x, tol=0.0)
+    assert isinstance(model.layers[0].act, act)
+
+
+def test_inline_gated_ffn_under_autocast_runs_like_the_original(x):
+    torch.manual_seed(12)
+    model = Net(Block(gated=True, norm=False)).eval()
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        expected = model(x)
+        twell.sparsify(model)
+        assert isinstance(model.layers[0].w2, InlineFFN)
+        got = model(x)
+    assert torch.equal(got, expected)
+
+
 class UsedElsewhere(nn.Module):
     def __init__(self):
         super().__init__()
@@ -309,6 +422,56 @@ def test_non_relu_reported_with_remedy(act, name, x):
     assert f"activation {name} is not sparse" in c.reason and "ReLU + L1" in c.reason
     _check_rewrite(model, x)  # sparsify leaves it alone: logits unchanged
     assert isinstance(model.layers[0], Gated)
+
+
+@pytest.mark.parametrize("ffn", [Gated, Plain])
+@pytest.mark.parametrize("name", list(NOT_RELU))
+def test_relu_lookalikes_are_reported_not_rewritten(name, ffn, x):
+    act, reported = NOT_RELU[name]
+    model = Net(ffn(act)).eval()
+    (c,) = find_ffns(model)
+    assert (c.activation, c.rewritable) == (reported, False)
+    assert f"activation {reported} is not sparse" in c.reason
+    _check_rewrite(model, x, tol=0.0)
+    assert isinstance(model.layers[0], ffn)
+
+
+@pytest.mark.parametrize("act", [nn.ReLU6(), F.relu6], ids=["nn.ReLU6", "F.relu6"])
+def test_relu6_is_reported_as_sparse_but_clipped(act, x):
+    model = Net(Gated(act), Plain(act))
+    candidates = find_ffns(model)
+    assert [(c.activation, c.rewritable) for c in candidates] == [("relu6", False)] * 2
+    assert all(
+        c.reason == "activation relu6 is sparse, but twell's ops do not clip the activation at 6" for c in candidates
+    )
+    _check_rewrite(model, x, tol=0.0)
+
+
+def _forward_replaced(module):
+    module.forward = lambda v: v.clamp(min=-1)
+    return "activation act's forward is replaced on the instance"
+
+
+def _output_hook(module):
+    module.register_forward_hook(lambda m, args, out: out * 2)
+    return "activation act has forward hooks"
+
+
+def _input_hook(module):
+    module.register_forward_pre_hook(lambda m, args: (args[0] - 1,))
+    return "activation act has forward hooks"
+
+
+@pytest.mark.parametrize("change", [_forward_replaced, _output_hook, _input_hook], ids=["forward", "hook", "pre-hook"])
+@pytest.mark.parametrize("act", [nn.ReLU, lambda: nn.Threshold(0.3, 0.0)], ids=["nn.ReLU", "nn.Threshold"])
+def test_activation_module_that_runs_more_than_its_forward_is_not_rewritten(act, change, x):
+    """The rewritten FFN never calls the activation module: what its call adds would be lost."""
+    model = Net(Gated(act()), Plain(act()))
+    reasons = [change(layer.act) for layer in model.layers]
+    candidates = find_ffns(model)
+    assert [c.rewritable for c in candidates] == [False, False]
+    assert all(reason in c.reason for c, reason in zip(candidates, reasons, strict=True))
+    _check_rewrite(model, x, tol=0.0)
 
 
 def test_transformers_gelu_new_named_by_its_module():
@@ -403,11 +566,12 @@ def test_keyword_input_and_extra_arguments_fall_back():
     ffn.register_forward_hook(lambda module, args, output: calls.append(1))
     x = torch.randn(2, K)
     with torch.no_grad():
-        expected = (ffn(x), ffn(hidden_states=x), ffn(x, 2.0))
+        expected = (ffn(x), ffn(hidden_states=x), ffn(x, 2.0), ffn(hidden_states=x, scale=2.0))
         twell.sparsify(model)
-        got = (model.layers[0](x), model.layers[0](hidden_states=x), model.layers[0](x, 2.0))
+        layer = model.layers[0]
+        got = (layer(x), layer(hidden_states=x), layer(x, 2.0), layer(hidden_states=x, scale=2.0))
     assert isinstance(model.layers[0], SparseFFN)
-    assert len(calls) == 6  # the hook ran once per call, the fallback included
+    assert len(calls) == 8  # the hook ran once per call, the fallback included
     for g, e in zip(got, expected, strict=True):
         assert torch.allclose(g, e, atol=1e-6)
 
@@ -442,3 +606,153 @@ def test_linear_replaced_after_sparsify_runs_the_original_forward(x):
         assert model.layers[0].up_proj is adapted  # the change survives restore
         expected = model(x)
     assert torch.allclose(got, expected, atol=1e-6)
+
+
+class DropoutFFN(nn.Module):
+    """A plain FFN with functional dropout reading self.training (as T5-style code does) and a buffer of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(K, N), nn.Linear(N, K)
+        self.register_buffer("steps", torch.zeros(3))
+
+    def forward(self, x):
+        return self.fc2(F.dropout(F.relu(self.fc1(x)), 0.5, self.training))
+
+
+def _adapt_up_proj(model):
+    ffn = model.layers[0]
+    adapted = LoRALinear(K, N, bias=False)
+    adapted.weight = ffn.up_proj.weight
+    ffn.up_proj = adapted
+
+
+def _load_assign(model):
+    torch.manual_seed(9)
+    fresh = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    model.load_state_dict(fresh, assign=True)  # new Parameter and buffer objects
+
+
+CHANGES = {
+    "half": lambda m: m.half(),
+    "to-float64": lambda m: m.to(torch.float64),
+    "train": lambda m: m.train(),
+    "eval": lambda m: m.eval(),
+    "load_state_dict-assign": _load_assign,
+    "linear-replaced": _adapt_up_proj,
+}
+MODELS = {
+    "module": lambda: Net(Gated(nn.ReLU()), DropoutFFN()),
+    "inline": lambda: Net(Block(gated=True), Block()),
+}
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize(
+    "kind, change",
+    # An inline FFN's linears are stand-ins while sparsified, not nn.Linear an adapter would wrap.
+    [(kind, change) for kind in MODELS for change in CHANGES if (kind, change) != ("inline", "linear-replaced")],
+)
+def test_restore_after_changes_is_the_changed_original(kind, change, mode, x):
+    """restore(change(sparsify(m))) is change(m): module tree, training flags, tensors and outputs; no
+    forward call in between (a forward of the rewritten FFN may sync the original on its own)."""
+    torch.manual_seed(8)
+    model = MODELS[kind]().train(mode == "train")
+    twin = copy.deepcopy(model)
+    twell.sparsify(model)
+    # Traced in training mode, functional dropout is a real operation: that FFN is left alone.
+    expected_rewritten = [True, mode == "eval" or kind == "inline"]
+    assert [r.rewritten for r in twell.report(model)] == expected_rewritten
+    CHANGES[change](model)
+    twell.restore(model)
+    CHANGES[change](twin)
+
+    def tree(m):
+        return [(name, type(sub), sub.training) for name, sub in m.named_modules()]
+
+    assert tree(model) == tree(twin)
+    state, expected = model.state_dict(), twin.state_dict()
+    assert list(state) == list(expected)
+    assert all(state[k].dtype == v.dtype and torch.equal(state[k], v) for k, v in expected.items())
+    x = x.to(next(twin.parameters()).dtype)
+    with torch.no_grad():
+        torch.manual_seed(10)
+        got = model(x)
+        torch.manual_seed(10)
+        assert torch.equal(got, twin(x))
+
+
+DENSE_SPECS = {
+    "plain": FFNSpec("plain", "gate", None, "down", threshold=0.25),
+    "relu2": FFNSpec("plain", "gate", None, "down", threshold=0.25, squared=True),
+    "gated": FFNSpec("gated", "gate", "up", "down", threshold=0.25),
+    "drelu": FFNSpec("gated", "gate", "up", "down", threshold=0.25, drelu=True),
+    "fused": FFNSpec("gated", "gate", "gate", "down", gate_rows=slice(N, 2 * N), up_rows=slice(0, N), threshold=0.25),
+}
+
+
+@pytest.mark.parametrize("name", list(DENSE_SPECS))
+def test_dense_ffn_is_the_op(name):
+    """The plain-torch form (an inline FFN under autocast or mixed dtypes) computes what the op does,
+    pre-activations at the threshold included (dropped)."""
+    spec = DENSE_SPECS[name]
+    torch.manual_seed(11)
+    gate = nn.Linear(K, 2 * N if spec.gate_rows else N)
+    up = nn.Linear(K, N) if spec.up == "up" else (gate if spec.up else None)
+    down = nn.Linear(N, K)
+    x = torch.randn(4, K)
+    with torch.no_grad():
+        gate.bias.zero_()
+        gate.weight[:, 0] = 0.25  # x[0] = e_0: every gate pre-activation of row 0 sits at the threshold
+        gate.weight[::2, 0] = 1.0
+    x[0] = 0.0
+    x[0, 0] = 1.0
+    with torch.no_grad():
+        expected = run_ffn(spec, gate, up, down, x)
+        assert torch.allclose(dense_ffn(spec, gate, up, down, x), expected, atol=1e-6)
+
+
+def test_rewritten_ffn_runs_the_op_whenever_it_can(x, monkeypatch):
+    """Falling back to the original forward is exact, so only counting op calls shows the op is used:
+    positional or keyword input, in eval mode, and in training mode unless dropout acts in the FFN."""
+    calls = []
+    run_ffn_ = twell_modules.run_ffn
+    monkeypatch.setattr(twell_modules, "run_ffn", lambda *args: calls.append(args[0].kind) or run_ffn_(*args))
+    model = twell.sparsify(Net(Net(Gated(nn.ReLU())), Plain(nn.ReLU(), dropout=0.1)).eval())  # a nested path too
+    with torch.no_grad():
+        model(x)
+        assert calls == ["gated", "plain"]
+        model.layers[0].layers[0](x=x)
+        assert calls[2:] == ["gated"]
+        model.train()(x)
+    assert calls[3:] == ["gated"]
+
+
+def test_apply_refuses_a_candidate_that_is_not_rewritable():
+    from twell.passes.rewrite import apply
+
+    model = Net(Gated(nn.SiLU()))
+    (c,) = find_ffns(model)
+    with pytest.raises(ValueError, match="'layers.0' is not rewritable: activation silu is not sparse"):
+        apply(model, c)
+
+
+def test_linear_given_an_instance_forward_after_sparsify_runs_the_original_forward(x):
+    model = twell.sparsify(Net(Gated(nn.ReLU())))
+    with torch.no_grad():
+        model.layers[0].up_proj.forward = lambda v: 2 * F.linear(v, model.layers[0].up_proj.weight)
+        got = model(x)
+        twell.restore(model)
+        assert torch.equal(got, model(x))
+
+
+class LinearCalledTwice(Block):
+    def forward(self, x):
+        return super().forward(x) + self.w1(x).mean(-1, keepdim=True)
+
+
+def test_inline_ffn_whose_linear_is_called_again_is_not_rewritten(x):
+    model = Net(LinearCalledTwice())
+    (c,) = find_ffns(model)
+    assert not c.rewritable and c.reason == "linear w1 is called more than once"
+    _check_rewrite(model, x, tol=0.0)

@@ -243,10 +243,9 @@ class Dialect:
             module = linear.module
             if type(module).forward is not nn.Linear.forward:
                 return [f"{role} linear is a {type(module).__name__} with its own forward, not a plain nn.Linear"]
-            if "forward" in module.__dict__:
-                return [f"{role} linear's forward is replaced on the instance (e.g. by offloading hooks)"]
-            if module._forward_hooks or module._forward_pre_hooks:
-                return [f"{role} linear has forward hooks, which the rewritten FFN would not run"]
+            problems = _call_problems(module, f"{role} linear")
+            if problems:
+                return problems
             for kind in ("weight", "bias"):
                 if kind in module.__dict__ or not isinstance(getattr(module, kind), (nn.Parameter, type(None))):
                     return [f"{role} {kind} is a plain tensor attribute, not a parameter"]
@@ -272,6 +271,15 @@ class Dialect:
             if tensor.dtype not in SUPPORTED_DTYPES:
                 return [f"{role} {kind} has dtype {tensor.dtype}; twell supports float32, float16 and bfloat16"]
         return []
+
+
+def _call_problems(module: nn.Module, what: str) -> list[str]:
+    """A module whose call runs more than its class's forward, which the rewritten FFN would skip."""
+    if "forward" in module.__dict__:
+        return [f"{what}'s forward is replaced on the instance (e.g. by offloading hooks)"]
+    if module._forward_hooks or module._forward_pre_hooks:
+        return [f"{what} has forward hooks, which the rewritten FFN would not run"]
+    return []
 
 
 def _transparent(node: fx.Node, dialect: Dialect) -> tuple[bool, bool]:
@@ -595,6 +603,8 @@ def activation_problems(match: FFNMatch) -> list[str]:
     act, up_act = match.activation, match.up_activation
     if act is None:
         return [f"gated FFN without an activation is not sparse; {REMEDY}"]
+    if act.name == "relu6":
+        return ["activation relu6 is sparse, but twell's ops do not clip the activation at 6"]
     if not act.sparse:
         return [f"activation {act.name} is not sparse; {REMEDY}"]
     if match.kind == "gated" and act.squared:
@@ -605,8 +615,8 @@ def activation_problems(match: FFNMatch) -> list[str]:
 
 
 def check(matches: list[FFNMatch], graph: fx.Graph, dialect: Dialect) -> list[FFNMatch]:
-    """Fill each match's `problems`: activation, weights, and that the hidden activation feeds only
-    the down projection (no node of the block is used outside it)."""
+    """Fill each match's `problems`: activation (its modules run nothing but their forward), weights,
+    and that the hidden activation feeds only the down projection (no node of the block is used outside it)."""
     import networkx as nx
 
     uses = nx.DiGraph()
@@ -615,6 +625,11 @@ def check(matches: list[FFNMatch], graph: fx.Graph, dialect: Dialect) -> list[FF
     claimed: dict[fx.Node, FFNMatch] = {}
     for match in matches:
         match.problems.extend(activation_problems(match))
+        for act in (match.activation, match.up_activation):
+            for node in act.nodes if act is not None else ():
+                module = dialect.module(node)
+                if module is not None:
+                    match.problems.extend(_call_problems(module, f"activation {node.target}"))
         roles = [("gate", match.gate.linear), ("down", match.down)]
         if match.up is not None and match.up.linear is not match.gate.linear:
             roles.insert(1, ("up", match.up.linear))

@@ -43,7 +43,9 @@ def apply(model: nn.Module, candidate: Candidate) -> list[Swap]:
         replacements = {spec.gate: gate, spec.down: down}
         if up is not None:
             replacements[spec.up] = up
-        replacements.update({name: nn.Identity() for name in candidate.activation_children})
+        replacements.update(
+            {name: nn.Identity().train(getattr(owner, name).training) for name in candidate.activation_children}
+        )
         swaps = [Swap(owner, name, getattr(owner, name), module) for name, module in replacements.items()]
     for swap in swaps:
         setattr(swap.parent, swap.name, swap.replacement)
