@@ -1,7 +1,7 @@
 """Calibration: measure each FFN's activation sparsity, decide where twell pays, and save the decisions.
 
     candidates = twell.passes.find_ffns(model)
-    decisions = twell.calibrate.calibrate(model, candidates, batches)   # {Candidate.path: Decision}
+    decisions = twell.calibrate(model, candidates, batches)   # {Candidate.path: Decision}
     save_plan(decisions, candidates, "plan.json"); load_plan("plan.json", candidates)
 
 Measurement: forward hooks on each candidate's ``gate_module`` (the linear whose output, the
