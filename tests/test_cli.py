@@ -408,6 +408,18 @@ def test_the_installed_command_end_to_end(tmp_path):
     assert usage.returncode == 0 and "report" in usage.stdout and "convert" in usage.stdout
 
 
+@pytest.mark.parametrize("json_out", [False, True], ids=["table", "json"])
+def test_closed_pipe_is_a_normal_end(json_out):
+    """`twell report | head -1`: the reader is gone before twell writes. Exit 0, nothing on stderr."""
+    argv = [sys.executable, "-m", "twell.cli", "report", "--samples", "2", "--seq-len", "16"]
+    process = subprocess.Popen(
+        argv + (["--json", "-"] if json_out else []), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    process.stdout.close()
+    stderr = process.stderr.read()
+    assert (process.wait(), stderr) == (0, "")
+
+
 def test_demo_model_regenerates_from_its_script():
     """twell/demo is what examples/make_demo_model.py builds (fp16 tolerance: BLAS may differ by machine)."""
     import importlib.util

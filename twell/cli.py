@@ -12,6 +12,7 @@ failure into a one-line error with a non-zero exit status.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -238,12 +239,18 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         text = json.dumps(report_dict(analysis), indent=1)
         if args.json == "-":
-            print(text)
+            sys.stdout.write(text + "\n")
+            sys.stdout.flush()
             return 0
         with open(args.json, "w") as f:
             f.write(text + "\n")
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
-    render(console, analysis, plan_path)
+    # Rendered in full, then written and flushed here: a closed pipe surfaces as BrokenPipeError in
+    # main() (rich would exit with status 1 on its own, and an unflushed buffer fails at exit).
+    with console.capture() as captured:
+        render(console, analysis, plan_path)
+    sys.stdout.write(captured.get())
+    sys.stdout.flush()
     return 0
 
 
@@ -283,6 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("twell: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader stopped reading (twell report | head): a normal end. Point stdout at /dev/null so
+        # the interpreter's last flush of what is still buffered does not fail again.
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (ValueError, TypeError, OSError) as e:
         print(f"twell: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_ERROR
