@@ -380,13 +380,31 @@ def test_bad_data_files(tmp_path, capsys, content, suffix, expected):
         (["report", "--samples", "0"], "expected a positive integer, got 0", 2),
         (["report", "--seq-len", "many"], "expected a positive integer, got 'many'", 2),
         (["report", "--seq-len", "5000"], "seq_len 5000 exceeds the model's 1024 positions", 1),
-        (["convert", DEMO_MODEL, *QUICK, "--out", "/nonexistent-dir/plan.json"], "No such file or directory", 1),
     ],
-    ids=["unknown-option", "unknown-command", "no-out", "no-model", "zero-samples", "bad-int", "too-long", "bad-out"],
+    ids=["unknown-option", "unknown-command", "no-out", "no-model", "zero-samples", "bad-int", "too-long"],
 )
 def test_bad_arguments(capsys, argv, expected, status):
     rc, _, err = run(argv, capsys)
     assert_one_line_error(rc, err, expected, status)
+
+
+@pytest.mark.parametrize(
+    ("option", "name", "expected"),
+    [
+        ("--out", "missing/plan.json", "missing does not exist"),
+        ("--out", "a-file/plan.json", "a-file is not a directory"),
+        ("--out", ".", "is a directory; give a file name"),
+        ("--json", "missing/report.json", "missing does not exist"),
+    ],
+    ids=["out-in-missing-dir", "out-under-a-file", "out-is-a-dir", "json-in-missing-dir"],
+)
+def test_unwritable_outputs_fail_before_calibrating(tmp_path, monkeypatch, capsys, option, name, expected):
+    monkeypatch.setattr("twell.cli.analyse", lambda args: pytest.fail("calibrated before checking the outputs"))
+    (tmp_path / "a-file").write_text("")
+    out = ["--out", tmp_path / "plan.json"] if option == "--json" else []
+    rc, _, err = run(["convert", DEMO_MODEL, *out, option, tmp_path / name], capsys)
+    assert_one_line_error(rc, err, expected)
+    assert not (tmp_path / "plan.json").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")

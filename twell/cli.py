@@ -18,6 +18,7 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import twell
 
@@ -226,11 +227,29 @@ def render(console, analysis: Analysis, plan_path: str | None = None) -> None:
     console.print(Panel("\n".join(lines), title="summary", title_align="left", expand=False))
 
 
+def check_output_path(option: str, path: str) -> None:
+    """Raise ValueError if `path` (given as `option`) cannot be written: checked before calibrating, which
+    can take minutes."""
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        raise ValueError(f"{option} {path} is a directory; give a file name")
+    if not folder.is_dir():
+        what = "is not a directory" if folder.exists() else "does not exist"
+        raise ValueError(f"{option} {path}: {folder} {what}")
+    if not os.access(target if target.exists() else folder, os.W_OK):
+        raise ValueError(f"{option} {path}: permission denied")
+
+
 def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from twell.calibrate import save_plan
 
+    if args.command == "convert":
+        check_output_path("--out", args.out)
+    if args.json and args.json != "-":
+        check_output_path("--json", args.json)
     analysis = analyse(args)
     plan_path = None
     if args.command == "convert":
