@@ -255,6 +255,14 @@ def test_model_is_left_as_it_was():
     assert torch.equal(model(x), before)
 
 
+def test_no_progress_output_off_a_terminal(capsys):
+    """The progress bar is on by default, but off a terminal (a log, a pipe, pytest's capture) a transient
+    bar would leave only a blank line: nothing is written."""
+    model = Stack(GatedFFN(16, 16))
+    calibrate(model, [candidate_of(model, 0)], [{"x": torch.randn(3, 16)}] * 2, config={"timing_repeats": 0})
+    assert capsys.readouterr() == ("", "")
+
+
 def test_time_share_of_each_ffn():
     """The timed FFN modules take part of the model's time; a heavy non-FFN part lowers their share."""
 

@@ -220,12 +220,14 @@ def test_short_data_gives_fewer_or_shorter_sequences(relu_llama, tmp_path):
     data = tmp_path / "short.txt"
     data.write_text("abcdefghij")
     batches, note = calibration_batches(loaded, data=data, samples=8, seq_len=40)
-    assert [b.shape for b in batches] == [(1, 10)] and note.endswith("1 sequences of 10 tokens (byte-level)")
+    assert [b.shape for b in batches] == [(1, 10)] and note.endswith(": 1 sequence of 10 tokens (byte-level)")
     assert batches[0][0].tolist() == [b % 96 for b in b"abcdefghij"]  # bytes folded into the 96-token vocabulary
     data.write_text("x" * 100)
     batches, _ = calibration_batches(loaded, data=data, samples=8, seq_len=30, batch_size=2)
     assert [tuple(b.shape) for b in batches] == [(2, 30), (1, 30)]
     assert tokenize(["ab", "c"], None, 256) == [97, 98, 10, 10, 99]
+    _, note = calibration_batches(loaded, samples=1, seq_len=8)
+    assert note.startswith("1 random token sequence of 8:")
 
 
 def test_pytorch_bin_checkpoint(tmp_path, capsys):

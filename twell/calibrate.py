@@ -76,7 +76,7 @@ class CalibrationConfig:
         with ``name`` and ``time_ratio(...)`` (see CostModel).
     cache_dir: where the benchmark cost model keeps its timings (default: $TWELL_CACHE_DIR, else
         $XDG_CACHE_HOME/twell, else ~/.cache/twell).
-    progress: show a rich progress bar over batches.
+    progress: show a progress bar over batches on stderr, when stderr is a terminal.
     """
 
     tile_widths: tuple[int, ...] = (64, 128, 256, 512)
@@ -634,8 +634,11 @@ def _progress(items: list, enabled: bool, description: str):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    # On stderr: stdout stays clean for reports and JSON.
-    with Progress(*columns, console=Console(stderr=True), transient=True, disable=not enabled) as progress:
+    # On stderr, so stdout stays clean for reports and JSON; and only on a terminal: elsewhere (a log
+    # file, a pipe) a transient bar leaves nothing to read but a blank line.
+    console = Console(stderr=True)
+    disable = not (enabled and console.is_terminal)
+    with Progress(*columns, console=console, transient=True, disable=disable) as progress:
         yield from progress.track(items, description=description)
 
 

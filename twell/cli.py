@@ -104,7 +104,7 @@ def analyse(args: argparse.Namespace) -> Analysis:
         loaded, data=args.data, samples=args.samples, seq_len=args.seq_len, batch_size=args.batch_size
     )
     candidates, unmatched = scan(loaded.model)
-    decisions = calibrate(loaded.model, candidates, batches, config={"progress": sys.stderr.isatty()})
+    decisions = calibrate(loaded.model, candidates, batches)
     cost = next((d.cost_model for d in decisions.values() if d.cost_model), None)
     return Analysis(loaded, candidates, unmatched, decisions, note, cost)
 
