@@ -233,7 +233,10 @@ def test_min_speedup_decides(ratio, rewrite):
     decision = calibrate(model, [candidate_of(model, 0)], [{"x": sparse_input(8, 64, 0.01)}], config=config)["blocks.0"]
     assert decision.rewrite is rewrite
     assert decision.predicted_speedup["prefill"] == pytest.approx(1 / ratio)
-    assert decision.cost_model == "fixed"
+    assert decision.cost_model == "fixed" and decision.min_speedup == 1.05
+    density, verdict = decision.stats["prefill"]["density"], "reaching" if rewrite else "below"
+    expected = f"predicted {1 / ratio:.2f}x (prefill, {density:.2%} dense), {verdict} the 1.05x threshold"
+    assert decision.reason == expected
 
 
 def test_not_rewritable_candidates_keep_their_reason_and_are_not_hooked():
