@@ -200,6 +200,11 @@ def test_report_table_and_json():
     opt = twell.sparsify(build("opt"))
     assert "model.decoder.layers.0[fc1,fc2]" in str(twell.report(opt))  # brackets survive rich markup
 
+    text = str(twell.report(twell.sparsify(build("llama", "silu"))))
+    assert max(len(line) for line in text.splitlines()) <= 80 and "model.layers.1.mlp  " in text
+    # The reason both layers share is one note under the table.
+    assert text.count("no (1)") == LAYERS and text.count("(1) activation silu is not sparse") == 1
+
 
 def test_save_pretrained_while_sparsified(tmp_path):
     model = build("phi3")
