@@ -146,7 +146,7 @@ class Report:
 
         buffer = io.StringIO()
         Console(file=buffer, width=80, force_terminal=False, color_system=None).print(self)
-        return "".join(line.rstrip() + "\n" for line in buffer.getvalue().splitlines())
+        return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines())
 
     def __repr__(self) -> str:
         return f"Report({self.summary()})"
