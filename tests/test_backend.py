@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from models import DEFAULT_NOT_RELU, FAMILIES, LAYERS, build, logits, modules_of, token_ids
 from torch import nn
 
 import twell
@@ -15,7 +16,6 @@ from twell.kernels import reference
 from twell.passes.backend import TwellInductorPass
 
 transformers = pytest.importorskip("transformers")
-from test_sparsify import DEFAULT_NOT_RELU, FAMILIES, LAYERS, build, logits, modules_of, token_ids  # noqa: E402
 
 
 @pytest.fixture

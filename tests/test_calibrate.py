@@ -233,7 +233,10 @@ def test_min_speedup_decides(ratio, rewrite):
     decision = calibrate(model, [candidate_of(model, 0)], [{"x": sparse_input(8, 64, 0.01)}], config=config)["blocks.0"]
     assert decision.rewrite is rewrite
     assert decision.predicted_speedup["prefill"] == pytest.approx(1 / ratio)
-    assert decision.cost_model == "fixed"
+    assert decision.cost_model == "fixed" and decision.min_speedup == 1.05
+    density, verdict = decision.stats["prefill"]["density"], "reaching" if rewrite else "below"
+    expected = f"predicted {1 / ratio:.2f}x (prefill, {density:.2%} dense), {verdict} the 1.05x threshold"
+    assert decision.reason == expected
 
 
 def test_not_rewritable_candidates_keep_their_reason_and_are_not_hooked():
@@ -253,6 +256,14 @@ def test_model_is_left_as_it_was():
     assert not model.blocks[0].gate._forward_hooks and not model.blocks[0]._forward_pre_hooks
     assert not model.blocks[0]._forward_hooks
     assert torch.equal(model(x), before)
+
+
+def test_no_progress_output_off_a_terminal(capsys):
+    """The progress bar is on by default, but off a terminal (a log, a pipe, pytest's capture) a transient
+    bar would leave only a blank line: nothing is written."""
+    model = Stack(GatedFFN(16, 16))
+    calibrate(model, [candidate_of(model, 0)], [{"x": torch.randn(3, 16)}] * 2, config={"timing_repeats": 0})
+    assert capsys.readouterr() == ("", "")
 
 
 def test_time_share_of_each_ffn():

@@ -81,21 +81,51 @@ def sparselm(tmp_path_factory):
     return path
 
 
+@pytest.fixture(autouse=True)
+def _pipe_width(monkeypatch):
+    """Off a terminal the report is laid out for 80 columns unless $COLUMNS says otherwise."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+
+
 def run(argv, capsys):
     rc = main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return rc, out, err
 
 
+def flat(out):
+    """The report's words in one line: the summary panel wraps its texts at the console's width."""
+    return " ".join(out.replace("│", " ").split())
+
+
+def assert_fits_80_columns(out):
+    lines = out.splitlines()
+    assert max(map(len, lines)) <= 80, out
+    assert all(line == line.rstrip() for line in lines), "padded with spaces"
+
+
 # --- reports and plans ----------------------------------------------------------------------------
 
 
 def test_report_on_the_demo_model(capsys):
+    rc, out, err = run(["report", *QUICK, "--device", "cpu"], capsys)
+    assert rc == 0, err
+    assert_fits_80_columns(out)
+    assert f"twell report: {DEMO_MODEL} (LlamaForCausalLM)" in out
+    assert all(f"model.layers.{i}.mlp " in out for i in range(4))
+    assert "rewrite" in out and "keep dense" in out and "(1)" not in out  # measured: the speedup is the reason
+    text = flat(out)
+    assert "predicted model speedup" in text and "random token sequences" in text
+    assert "an FFN is rewritten when its predicted speedup is at least 1.05x" in text
+    assert "on cpu no CUDA GPU: the rewritten model runs the dense path here" in text
+    assert "predicted for the GPU the cost model names" in text and "twell kernels on H200" in text
+
+
+def test_wide_console_shows_every_column(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "200")
     rc, out, err = run(["report", *QUICK], capsys)
     assert rc == 0, err
-    assert f"twell report: {DEMO_MODEL} (LlamaForCausalLM)" in out
-    assert "model.layers.3.mlp" in out and "rewrite" in out and "keep dense" in out
-    assert "predicted model speedup" in out and "random token sequences" in out
+    assert "nnz/row" in out and "tile/C" in out and "256/8" in out
 
 
 def test_demo_model_is_sparse_where_designed(tmp_path, capsys):
@@ -123,6 +153,9 @@ def test_demo_model_is_sparse_where_designed(tmp_path, capsys):
         assert summary[phase]["rewritten_time_share"] == pytest.approx(sum(shares[:2]))
         assert summary[phase]["speedup"] == pytest.approx(1 / (1 - saved))
     assert summary["prefill"]["speedup"] > 1
+    assert summary["min_speedup"] == 1.05 and all(f["min_speedup"] == 1.05 for f in report["ffns"])
+    assert report["ffns"][0]["reason"].endswith("reaching the 1.05x threshold")
+    assert report["ffns"][3]["reason"].endswith("below the 1.05x threshold")
     assert summary["decode"]["speedup"] == pytest.approx(1.0)  # decode runs dense (twell.kernels.policy)
     assert report["model"]["path"] == str(demo_model_dir())
 
@@ -137,7 +170,7 @@ def test_convert_writes_a_plan_that_sparsify_applies(tmp_path, capsys):
     plan = tmp_path / "plan.json"
     rc, out, err = run(["convert", DEMO_MODEL, "--out", plan, *QUICK], capsys)
     assert rc == 0, err
-    assert f"written to {plan}" in out
+    assert f"plan written to {plan}\n" in out and f"twell.sparsify(model, plan='{plan}')\n" in out
     model = load_model(DEMO_MODEL).model
     decisions = load_plan(plan, find_ffns(model))
     assert [d.rewrite for d in decisions.values()] == [True, True, False, False]
@@ -164,7 +197,9 @@ def test_non_relu_model_is_reported_not_rewritable(tmp_path, capsys):
     path = save_tiny(tmp_path / "silu", hidden_act="silu")
     rc, out, err = run(["report", path, *QUICK, "--json", tmp_path / "r.json"], capsys)
     assert rc == 0, err
-    assert "not rewritable" in out
+    assert_fits_80_columns(out)
+    # One reason, shared by both layers: a note under the table.
+    assert out.count("not rewritable (1)") == 2 and out.count("(1) activation silu is not sparse") == 1
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["summary"]["rewritten"] == 0 and not any(f["rewritable"] for f in report["ffns"])
     assert all(f["reason"] for f in report["ffns"])
@@ -188,6 +223,7 @@ def test_inline_ffns_are_timed_and_see_decode_steps(tmp_path, capsys):
     rc, out, err = run(["report", tmp_path / "opt", *QUICK, "--json", tmp_path / "r.json"], capsys)
     assert rc == 0, err
     assert "model.decoder.layers.0[fc1,fc2]" in out  # brackets survive rich markup
+    assert_fits_80_columns(out)
     ffns = json.loads((tmp_path / "r.json").read_text())["ffns"]
     assert [f["path"] for f in ffns] == ["model.decoder.layers.0[fc1,fc2]", "model.decoder.layers.1[fc1,fc2]"]
     for f in ffns:
@@ -220,12 +256,14 @@ def test_short_data_gives_fewer_or_shorter_sequences(relu_llama, tmp_path):
     data = tmp_path / "short.txt"
     data.write_text("abcdefghij")
     batches, note = calibration_batches(loaded, data=data, samples=8, seq_len=40)
-    assert [b.shape for b in batches] == [(1, 10)] and note.endswith("1 sequences of 10 tokens (byte-level)")
+    assert [b.shape for b in batches] == [(1, 10)] and note.endswith(": 1 sequence of 10 tokens (byte-level)")
     assert batches[0][0].tolist() == [b % 96 for b in b"abcdefghij"]  # bytes folded into the 96-token vocabulary
     data.write_text("x" * 100)
     batches, _ = calibration_batches(loaded, data=data, samples=8, seq_len=30, batch_size=2)
     assert [tuple(b.shape) for b in batches] == [(2, 30), (1, 30)]
     assert tokenize(["ab", "c"], None, 256) == [97, 98, 10, 10, 99]
+    _, note = calibration_batches(loaded, samples=1, seq_len=8)
+    assert note.startswith("1 random token sequence of 8:")
 
 
 def test_pytorch_bin_checkpoint(tmp_path, capsys):
@@ -380,13 +418,31 @@ def test_bad_data_files(tmp_path, capsys, content, suffix, expected):
         (["report", "--samples", "0"], "expected a positive integer, got 0", 2),
         (["report", "--seq-len", "many"], "expected a positive integer, got 'many'", 2),
         (["report", "--seq-len", "5000"], "seq_len 5000 exceeds the model's 1024 positions", 1),
-        (["convert", DEMO_MODEL, *QUICK, "--out", "/nonexistent-dir/plan.json"], "No such file or directory", 1),
     ],
-    ids=["unknown-option", "unknown-command", "no-out", "no-model", "zero-samples", "bad-int", "too-long", "bad-out"],
+    ids=["unknown-option", "unknown-command", "no-out", "no-model", "zero-samples", "bad-int", "too-long"],
 )
 def test_bad_arguments(capsys, argv, expected, status):
     rc, _, err = run(argv, capsys)
     assert_one_line_error(rc, err, expected, status)
+
+
+@pytest.mark.parametrize(
+    ("option", "name", "expected"),
+    [
+        ("--out", "missing/plan.json", "missing does not exist"),
+        ("--out", "a-file/plan.json", "a-file is not a directory"),
+        ("--out", ".", "is a directory; give a file name"),
+        ("--json", "missing/report.json", "missing does not exist"),
+    ],
+    ids=["out-in-missing-dir", "out-under-a-file", "out-is-a-dir", "json-in-missing-dir"],
+)
+def test_unwritable_outputs_fail_before_calibrating(tmp_path, monkeypatch, capsys, option, name, expected):
+    monkeypatch.setattr("twell.cli.analyse", lambda args: pytest.fail("calibrated before checking the outputs"))
+    (tmp_path / "a-file").write_text("")
+    out = ["--out", tmp_path / "plan.json"] if option == "--json" else []
+    rc, _, err = run(["convert", DEMO_MODEL, *out, option, tmp_path / name], capsys)
+    assert_one_line_error(rc, err, expected)
+    assert not (tmp_path / "plan.json").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")
@@ -400,12 +456,24 @@ def test_the_installed_command_end_to_end(tmp_path):
     command = [sys.executable, "-m", "twell.cli"]
     ok = subprocess.run([*command, "report", "--samples", "2", "--seq-len", "16"], capture_output=True, text=True)
     assert ok.returncode == 0 and ok.stderr == "", ok.stderr
-    assert "predicted model speedup" in ok.stdout
+    assert "predicted model speedup" in flat(ok.stdout)
     bad = subprocess.run([*command, "report", str(tmp_path / "missing")], capture_output=True, text=True)
     assert bad.returncode == 1 and bad.stdout == ""
     assert bad.stderr.startswith("twell: error:") and bad.stderr.count("\n") == 1, bad.stderr
     usage = subprocess.run([*command], capture_output=True, text=True)
     assert usage.returncode == 0 and "report" in usage.stdout and "convert" in usage.stdout
+
+
+@pytest.mark.parametrize("json_out", [False, True], ids=["table", "json"])
+def test_closed_pipe_is_a_normal_end(json_out):
+    """`twell report | head -1`: the reader is gone before twell writes. Exit 0, nothing on stderr."""
+    argv = [sys.executable, "-m", "twell.cli", "report", "--samples", "2", "--seq-len", "16"]
+    process = subprocess.Popen(
+        argv + (["--json", "-"] if json_out else []), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    process.stdout.close()
+    stderr = process.stderr.read()
+    assert (process.wait(), stderr) == (0, "")
 
 
 def test_demo_model_regenerates_from_its_script():

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from models import DECODER, DEFAULT_NOT_RELU, FAMILIES, LAYERS, VOCAB, build, logits, modules_of, snapshot, token_ids
 
 import twell
 from twell.passes import find_ffns
@@ -13,71 +14,6 @@ from twell.passes.modules import TWELL_MODULES
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
-
-VOCAB, LAYERS = 100, 2
-_DECODER = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=LAYERS,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
-# family -> (config class, model class, config kwargs, name of the activation option, kind of FFN, path of layer 0)
-FAMILIES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}, "hidden_act", "gated", "model.layers.0.mlp"),
-    "llama-bias": ("LlamaConfig", "LlamaForCausalLM", {"mlp_bias": True}, "hidden_act", "gated", "model.layers.0.mlp"),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {}, "hidden_act", "gated", "model.layers.0.mlp"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}, "hidden_act", "gated", "model.layers.0.mlp"),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}, "hidden_act", "gated", "model.layers.0.mlp"),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}, "hidden_act", "gated", "model.layers.0.mlp"),
-    # transformers v5 Gemma reads `hidden_act` (v4's `hidden_activation` is gone).
-    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 8}, "hidden_act", "gated", "model.layers.0.mlp"),
-    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}, "hidden_act", "gated", "model.layers.0.mlp"),
-    "granite": ("GraniteConfig", "GraniteForCausalLM", {"mlp_bias": True}, "hidden_act", "gated", "model.layers.0.mlp"),
-    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {}, "hidden_act", "plain", "gpt_neox.layers.0.mlp"),
-    "opt": (
-        "OPTConfig",
-        "OPTForCausalLM",
-        {"ffn_dim": 64, "word_embed_proj_dim": 32, "pad_token_id": 1, "intermediate_size": None},
-        "activation_function",
-        "plain",
-        "model.decoder.layers.0[fc1,fc2]",
-    ),
-}
-# Families whose default activation is not ReLU (OPT's is ReLU).
-DEFAULT_NOT_RELU = {"llama": "silu", "phi3": "silu", "gemma": "gelu_tanh", "olmo2": "silu", "gpt_neox": "gelu"}
-
-
-def build(family: str, activation: str | None = "relu", seed: int = 0, **overrides):
-    config_cls, model_cls, extra, act_key, _, _ = FAMILIES[family]
-    kwargs = {**_DECODER, **extra, **overrides}
-    kwargs = {k: v for k, v in kwargs.items() if v is not None}
-    if family == "opt":
-        kwargs.pop("num_key_value_heads")
-    if activation is not None:
-        kwargs[act_key] = activation
-    torch.manual_seed(seed)
-    config = getattr(transformers, config_cls)(**kwargs)
-    return getattr(transformers, model_cls)(config).eval()
-
-
-def token_ids(seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(seed))
-
-
-def logits(model, ids) -> torch.Tensor:
-    with torch.no_grad():
-        return model(ids).logits
-
-
-def snapshot(model) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def modules_of(model) -> list[tuple[str, int]]:
-    return [(name, id(m)) for name, m in model.named_modules()]
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -181,7 +117,7 @@ def test_mixtral_experts_are_not_per_expert_mlps():
     """transformers v5 stores Mixtral's experts as 3-D parameters (no per-expert nn.Linear): nothing to
     match, and sparsify leaves the model as it is."""
     torch.manual_seed(0)
-    config = transformers.MixtralConfig(**_DECODER, hidden_act="relu", num_local_experts=4, num_experts_per_tok=2)
+    config = transformers.MixtralConfig(**DECODER, hidden_act="relu", num_local_experts=4, num_experts_per_tok=2)
     model = transformers.MixtralForCausalLM(config).eval()
     ids = token_ids()
     expected = logits(model, ids)
@@ -206,6 +142,11 @@ def test_report_table_and_json():
 
     opt = twell.sparsify(build("opt"))
     assert "model.decoder.layers.0[fc1,fc2]" in str(twell.report(opt))  # brackets survive rich markup
+
+    text = str(twell.report(twell.sparsify(build("llama", "silu"))))
+    assert max(len(line) for line in text.splitlines()) <= 80 and "model.layers.1.mlp  " in text
+    # The reason both layers share is one note under the table.
+    assert text.count("no (1)") == LAYERS and text.count("(1) activation silu is not sparse") == 1
 
 
 def test_save_pretrained_while_sparsified(tmp_path):

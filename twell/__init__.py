@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import importlib
 
+from twell.calibrate import calibrate
 from twell.format import TwELL, pack, unpack
 from twell.sparsify import report, restore, save_plan, sparsify, warmup
 
 __version__ = "0.1.0"
 
-# name -> (module, attribute), imported on first access. sparsify & co. are imported eagerly above:
-# `twell.sparsify` must be the function, not the submodule of the same name that the import system
-# sets as an attribute of this package when twell.sparsify is first imported.
+# name -> (module, attribute), imported on first access. `sparsify` and `calibrate` are imported
+# eagerly above: they share their names with submodules, and the import system sets a submodule as an
+# attribute of this package when it is first imported, which would replace a lazily bound function.
 _LAZY = {
     "ops": ("twell.ops", None),
-    "calibrate": ("twell.calibrate", "calibrate"),
 }
 
 
@@ -36,4 +36,16 @@ def __getattr__(name: str):
     return value
 
 
-__all__ = ["TwELL", "pack", "unpack", "__version__", "sparsify", "restore", "report", "save_plan", "warmup", *_LAZY]
+__all__ = [
+    "TwELL",
+    "pack",
+    "unpack",
+    "__version__",
+    "calibrate",
+    "sparsify",
+    "restore",
+    "report",
+    "save_plan",
+    "warmup",
+    *_LAZY,
+]

@@ -1,7 +1,7 @@
 """Calibration: measure each FFN's activation sparsity, decide where twell pays, and save the decisions.
 
     candidates = twell.passes.find_ffns(model)
-    decisions = twell.calibrate.calibrate(model, candidates, batches)   # {Candidate.path: Decision}
+    decisions = twell.calibrate(model, candidates, batches)   # {Candidate.path: Decision}
     save_plan(decisions, candidates, "plan.json"); load_plan("plan.json", candidates)
 
 Measurement: forward hooks on each candidate's ``gate_module`` (the linear whose output, the
@@ -76,7 +76,7 @@ class CalibrationConfig:
         with ``name`` and ``time_ratio(...)`` (see CostModel).
     cache_dir: where the benchmark cost model keeps its timings (default: $TWELL_CACHE_DIR, else
         $XDG_CACHE_HOME/twell, else ~/.cache/twell).
-    progress: show a rich progress bar over batches.
+    progress: show a progress bar over batches on stderr, when stderr is a terminal.
     """
 
     tile_widths: tuple[int, ...] = (64, 128, 256, 512)
@@ -431,7 +431,8 @@ class Decision:
     rewritten for lack of a layout). density: mean kept fraction over all calls. stats: per phase
     ("prefill", "decode") the counts of _PhaseCounter.summary. predicted_speedup: FFN time dense / twell,
     per phase. time_share: fraction of model time spent in this FFN, per phase (dense; for an FFN
-    written inline in a bigger module, the time of its linears).
+    written inline in a bigger module, the time of its linears). min_speedup: the threshold the
+    predicted speedup was held against (None when nothing was predicted).
     """
 
     path: str
@@ -450,6 +451,7 @@ class Decision:
     time_share: dict[str, float] = field(default_factory=dict)
     stats: dict[str, dict] = field(default_factory=dict)
     cost_model: str | None = None
+    min_speedup: float | None = None
 
     def to_dict(self) -> dict:
         """JSON-serialisable dict (round-trips through from_dict)."""
@@ -521,11 +523,12 @@ def _decide(candidate, recorder: _LayerRecorder, cfg: CalibrationConfig, cost: C
         decision.predicted_speedup[phase] = 1.0 / ((1.0 - overflow) * ratio + overflow)
     main_phase = "prefill" if "prefill" in decision.predicted_speedup else "decode"
     speedup = decision.predicted_speedup[main_phase]
+    decision.min_speedup = float(cfg.min_speedup)
     decision.rewrite = speedup >= cfg.min_speedup
-    verdict = "pays" if decision.rewrite else "does not pay"
+    verdict = "reaching" if decision.rewrite else "below"
     decision.reason = (
-        f"{verdict}: {decision.stats[main_phase]['density']:.2%} dense ({main_phase}), predicted "
-        f"{speedup:.2f}x (rewrite from {cfg.min_speedup:.2f}x)"
+        f"predicted {speedup:.2f}x ({main_phase}, {decision.stats[main_phase]['density']:.2%} dense), "
+        f"{verdict} the {cfg.min_speedup:.2f}x threshold"
     )
     return decision
 
@@ -634,8 +637,11 @@ def _progress(items: list, enabled: bool, description: str):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    # On stderr: stdout stays clean for reports and JSON.
-    with Progress(*columns, console=Console(stderr=True), transient=True, disable=not enabled) as progress:
+    # On stderr, so stdout stays clean for reports and JSON; and only on a terminal: elsewhere (a log
+    # file, a pipe) a transient bar leaves nothing to read but a blank line.
+    console = Console(stderr=True)
+    disable = not (enabled and console.is_terminal)
+    with Progress(*columns, console=console, transient=True, disable=disable) as progress:
         yield from progress.track(items, description=description)
 
 

@@ -12,11 +12,13 @@ failure into a one-line error with a non-zero exit status.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import twell
 
@@ -102,7 +104,7 @@ def analyse(args: argparse.Namespace) -> Analysis:
         loaded, data=args.data, samples=args.samples, seq_len=args.seq_len, batch_size=args.batch_size
     )
     candidates, unmatched = scan(loaded.model)
-    decisions = calibrate(loaded.model, candidates, batches, config={"progress": sys.stderr.isatty()})
+    decisions = calibrate(loaded.model, candidates, batches)
     cost = next((d.cost_model for d in decisions.values() if d.cost_model), None)
     return Analysis(loaded, candidates, unmatched, decisions, note, cost)
 
@@ -122,6 +124,9 @@ def report_dict(analysis: Analysis) -> dict:
             "ffns": len(analysis.candidates),
             "rewritable": sum(bool(c.rewritable) for c in analysis.candidates),
             "rewritten": sum(d.rewrite for d in analysis.decisions.values()),
+            "min_speedup": next(
+                (d.min_speedup for d in analysis.decisions.values() if d.min_speedup is not None), None
+            ),
             **{phase: predicted_model_speedup(analysis.decisions, phase) for phase in ("prefill", "decode")},
         },
         "ffns": [
@@ -136,93 +141,166 @@ def _pct(value: float | None, digits: int = 2) -> str:
     return "—" if value is None else f"{value:.{digits}%}"
 
 
+# The report's columns, most important at level 0 (see twell.rendering.fitted_table).
+_COLUMNS = [
+    ("FFN", 0, "left"),
+    ("act", 1, "left"),
+    ("N×K", 1, "right"),
+    ("density\npre/decode", 0, "right"),
+    ("nnz/row\nmean p50 p99 max", 2, "right"),
+    ("dead", 2, "right"),
+    ("tile/C", 2, "right"),
+    ("over-\nflow", 2, "right"),
+    ("time\nshare", 1, "right"),
+    ("speedup\npre/decode", 0, "right"),
+    ("decision", 0, "left"),
+]
+
+
+def _decision_cell(ffn: dict, notes) -> str:
+    """rewrite / keep dense / not rewritable, with a note for any reason the other columns do not show
+    (a measured layer's predicted speedup, compared with the threshold in the summary, is its reason)."""
+    from rich.markup import escape
+
+    from twell.rendering import note_for
+
+    if ffn["rewrite"]:
+        return "[green]rewrite[/green]"
+    if ffn["predicted_speedup"]:
+        return "[yellow]keep dense[/yellow]"
+    if not ffn["rewritable"]:
+        return f"[red]not rewritable[/red] {escape(notes.mark(ffn['reason']))}"
+    return f"[yellow]keep dense[/yellow] {escape(notes.mark(note_for(ffn['reason'], ffn)))}"
+
+
+def _ffn_row(ffn: dict, notes) -> list[str]:
+    from rich.markup import escape
+
+    from twell.calibrate import PHASES
+
+    stats = ffn["stats"]
+    main = stats.get("prefill") or stats.get("decode")
+    nnz = main["nnz_per_row"] if main else None
+    dead = "—"
+    if ffn["dead_neurons"] is not None:
+        dead = f"{ffn['dead_neurons']} ({ffn['dead_neurons'] / ffn['hidden_size']:.0%})"
+    speedups = ffn["predicted_speedup"]
+    return [
+        escape(ffn["path"]),  # inline FFNs' paths hold brackets: "layers.0[fc1,fc2]"
+        escape(ffn["activation"]),
+        f"{ffn['hidden_size']}×{ffn['model_size']}",
+        "/".join(_pct(stats.get(p, {}).get("density")) for p in PHASES),
+        "—" if nnz is None else f"{nnz['mean']:.1f} {nnz['p50']} {nnz['p99']} {nnz['max']}",
+        dead,
+        "—" if ffn["tile_n"] is None else f"{ffn['tile_n']}/{ffn['compression']}",
+        _pct(ffn["overflow_rows"], 1),
+        _pct(ffn["time_share"].get("prefill"), 0),
+        "/".join(f"{speedups[p]:.2f}x" if p in speedups else "—" for p in PHASES),
+        _decision_cell(ffn, notes),
+    ]
+
+
+def _summary(data: dict) -> list[tuple[str, str]]:
+    """(label, text) lines of the summary panel; texts are rich markup."""
+    from rich.markup import escape
+
+    summary = data["summary"]
+    lines = [("data", escape(data["data"]))]
+    if data["cost_model"]:
+        lines.append(("cost model", escape(data["cost_model"])))
+    if any(ffn["predicted_speedup"] for ffn in data["ffns"]) and not data["device"].startswith("cuda"):
+        lines.append(
+            (
+                f"on {data['device']}",
+                "no CUDA GPU: the rewritten model runs the dense path here, and the speedups are predicted "
+                "for the GPU the cost model names",
+            )
+        )
+    if summary["min_speedup"] is not None:
+        lines.append(
+            ("threshold", f"an FFN is rewritten when its predicted speedup is at least {summary['min_speedup']:.2f}x")
+        )
+    lines.append(
+        ("FFNs", f"{summary['ffns']} found, {summary['rewritable']} rewritable, {summary['rewritten']} rewritten")
+    )
+    for phase in ("prefill", "decode"):
+        s = summary[phase]
+        if not s["timed_ffns"]:
+            lines.append((phase, "FFN share of model time not measured: no model speedup predicted"))
+            continue
+        untimed = summary["rewritable"] - s["timed_ffns"]
+        note = f", {untimed} FFNs not timed" if untimed else ""
+        lines.append(
+            (
+                phase,
+                f"FFNs take {s['ffn_time_share']:.0%} of model time on {data['device']} (rewritten: "
+                f"{s['rewritten_time_share']:.0%}{note}); predicted model speedup [bold]{s['speedup']:.2f}x[/bold]",
+            )
+        )
+    return lines
+
+
 def render(console, analysis: Analysis, plan_path: str | None = None) -> None:
-    """Per-FFN table and summary panel (rich)."""
+    """Per-FFN table, notes on the reasons it does not show, and a summary panel (rich). The table keeps
+    the columns that fit the console: at 80 columns the detail columns (in --json) are left out."""
     from rich import box
     from rich.markup import escape
     from rich.panel import Panel
     from rich.table import Table
 
-    from twell.calibrate import PHASES
+    from twell.rendering import Column, Notes, fitted_table
 
     data = report_dict(analysis)
     title = f"twell report: {data['model']['name']} ({data['model']['class']})"
-    # Borderless and compact: the table should fit a 120-column terminal.
-    table = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD, collapse_padding=True)
-    table.add_column("FFN", overflow="fold")
-    table.add_column("act")
-    for name in (
-        "N×K",
-        "density\npre/decode",
-        "nnz/row\nmean p50 p99 max",
-        "dead",
-        "tile/C",
-        "over-\nflow",
-        "time\nshare",
-        "speedup\npre/decode",
-    ):
-        table.add_column(name, justify="right", no_wrap=True)
-    table.add_column("decision", overflow="fold")
-    for ffn in data["ffns"]:
-        stats = ffn["stats"]
-        main = stats.get("prefill") or stats.get("decode")
-        nnz = main["nnz_per_row"] if main else None
-        layout = "—" if ffn["tile_n"] is None else f"{ffn['tile_n']}/{ffn['compression']}"
-        dead = "—"
-        if ffn["dead_neurons"] is not None:
-            dead = f"{ffn['dead_neurons']} ({ffn['dead_neurons'] / ffn['hidden_size']:.0%})"
-        speedups = ffn["predicted_speedup"]
-        # The speedup column already says why a measured layer is or is not rewritten.
-        if ffn["rewrite"]:
-            decision = "[green]rewrite[/green]"
-        elif speedups:
-            decision = "[yellow]keep dense[/yellow]"
-        elif ffn["rewritable"]:
-            decision = f"[yellow]keep dense[/yellow]: {escape(ffn['reason'])}"
-        else:
-            decision = f"[red]not rewritable[/red]: {escape(ffn['reason'])}"
-        table.add_row(
-            escape(ffn["path"]),  # inline FFNs' paths hold brackets: "layers.0[fc1,fc2]"
-            escape(ffn["activation"]),
-            f"{ffn['hidden_size']}×{ffn['model_size']}",
-            "/".join(_pct(stats.get(p, {}).get("density")) for p in PHASES),
-            "—" if nnz is None else f"{nnz['mean']:.1f} {nnz['p50']} {nnz['p99']} {nnz['max']}",
-            dead,
-            layout,
-            _pct(ffn["overflow_rows"], 1),
-            _pct(ffn["time_share"].get("prefill"), 0),
-            "/".join(f"{speedups[p]:.2f}x" if p in speedups else "—" for p in PHASES),
-            decision,
+    notes = Notes()
+    rows = [_ffn_row(ffn, notes) for ffn in data["ffns"]]
+    if rows:
+        columns = [Column(header, level, justify) for header, level, justify in _COLUMNS]
+        table = fitted_table(
+            console,
+            console.width,
+            columns,
+            rows,
+            title=escape(title),
+            title_justify="left",
+            header_style="bold",
+            box=box.SIMPLE_HEAD,
+            show_edge=False,
+            pad_edge=False,
+            collapse_padding=True,
         )
-    if data["ffns"]:
         console.print(table)
+        if notes:
+            console.print(notes)
     else:
         console.print(f"[bold]{escape(title)}[/bold]: no feed-forward blocks found")
     for module in data["not_analysed"]:
         console.print(f"[yellow]not analysed[/yellow] {escape(module['path'])}: {escape(module['reason'])}")
 
-    summary = data["summary"]
-    lines = [
-        f"data          {escape(data['data'])}",
-        f"cost model    {data['cost_model'] or '—'}",
-        f"FFNs          {summary['ffns']} found, {summary['rewritable']} rewritable, {summary['rewritten']} rewritten",
-    ]
-    for phase in ("prefill", "decode"):
-        s = summary[phase]
-        if not s["timed_ffns"]:
-            lines.append(f"{phase:<14}FFN share of model time not measured: no model speedup predicted")
-            continue
-        untimed = summary["rewritable"] - s["timed_ffns"]
-        note = f", {untimed} FFNs not timed" if untimed else ""
-        lines.append(
-            f"{phase:<14}FFNs take {s['ffn_time_share']:.0%} of model time on {data['device']} (rewritten: "
-            f"{s['rewritten_time_share']:.0%}{note}); predicted model speedup [bold]{s['speedup']:.2f}x[/bold]"
-        )
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(no_wrap=True)
+    grid.add_column(overflow="fold")
+    for label, text in _summary(data):
+        grid.add_row(escape(label), text)
+    console.print(Panel(grid, title="summary", title_align="left", expand=False))
     if plan_path:
-        lines.append(
-            f"plan          written to {escape(plan_path)}: twell.sparsify(model, plan={escape(repr(plan_path))})"
-        )
-    console.print(Panel("\n".join(lines), title="summary", title_align="left", expand=False))
+        # Unwrapped, so that the path can be copied whole however long it is.
+        console.print(f"plan written to {escape(plan_path)}", soft_wrap=True)
+        console.print(f"apply it with twell.sparsify(model, plan={escape(repr(plan_path))})", soft_wrap=True)
+
+
+def check_output_path(option: str, path: str) -> None:
+    """Raise ValueError if `path` (given as `option`) cannot be written: checked before calibrating, which
+    can take minutes."""
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        raise ValueError(f"{option} {path} is a directory; give a file name")
+    if not folder.is_dir():
+        what = "is not a directory" if folder.exists() else "does not exist"
+        raise ValueError(f"{option} {path}: {folder} {what}")
+    if not os.access(target if target.exists() else folder, os.W_OK):
+        raise ValueError(f"{option} {path}: permission denied")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -230,6 +308,10 @@ def _run(args: argparse.Namespace) -> int:
 
     from twell.calibrate import save_plan
 
+    if args.command == "convert":
+        check_output_path("--out", args.out)
+    if args.json and args.json != "-":
+        check_output_path("--json", args.json)
     analysis = analyse(args)
     plan_path = None
     if args.command == "convert":
@@ -238,12 +320,19 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         text = json.dumps(report_dict(analysis), indent=1)
         if args.json == "-":
-            print(text)
+            sys.stdout.write(text + "\n")
+            sys.stdout.flush()
             return 0
         with open(args.json, "w") as f:
             f.write(text + "\n")
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
-    render(console, analysis, plan_path)
+    # Off a terminal rich lays out for 80 columns ($COLUMNS overrides).
+    console = Console(highlight=False)
+    # Rendered in full, then written and flushed here: a closed pipe surfaces as BrokenPipeError in
+    # main() (rich would exit with status 1 on its own, and an unflushed buffer fails at exit).
+    with console.capture() as captured:
+        render(console, analysis, plan_path)
+    sys.stdout.writelines(line.rstrip() + "\n" for line in captured.get().splitlines())
+    sys.stdout.flush()
     return 0
 
 
@@ -283,6 +372,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("twell: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader stopped reading (twell report | head): a normal end. Point stdout at /dev/null so
+        # the interpreter's last flush of what is still buffered does not fail again.
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (ValueError, TypeError, OSError) as e:
         print(f"twell: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_ERROR

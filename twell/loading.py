@@ -239,6 +239,10 @@ def tokenize(texts: list[str], tokenizer, vocab_size: int) -> list[int]:
     return stream
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def calibration_batches(
     loaded: LoadedModel,
     *,
@@ -262,7 +266,8 @@ def calibration_batches(
     if data is None:
         gen = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, loaded.vocab_size, (samples, seq_len), generator=gen)
-        note = f"{samples} random token sequences of {seq_len}: real text measures sparsity better (--data FILE)"
+        sequences = _count(samples, "random token sequence")
+        note = f"{sequences} of {seq_len}: real text measures sparsity better (--data FILE)"
     else:
         stream = tokenize(read_texts(data), loaded.tokenizer, loaded.vocab_size)
         if len(stream) < 2:
@@ -271,7 +276,7 @@ def calibration_batches(
         windows = min(samples, len(stream) // length)
         ids = torch.tensor(stream[: windows * length], dtype=torch.int64).view(windows, length)
         how = "its tokenizer" if loaded.tokenizer is not None else "byte-level"
-        note = f"{data}: {windows} sequences of {length} tokens ({how})"
+        note = f"{data}: {_count(windows, 'sequence')} of {length} tokens ({how})"
     return list(ids.split(batch_size)), note
 
 

@@ -86,36 +86,67 @@ class Report:
         """JSON-serialisable: {"records": [...], "summary": {...}}."""
         return {"records": [r.to_dict() for r in self.records], "summary": self.summary()}
 
-    def __rich__(self):
+    def __rich_console__(self, console, options):
+        """The table, with the columns that fit the width (details go first), and numbered notes with
+        the reasons for what was not rewritten."""
+        from rich import box
         from rich.markup import escape
-        from rich.table import Table
+
+        from twell.rendering import Column, Notes, fitted_table, note_for
 
         summary = self.summary()
-        table = Table(
+        notes = Notes()
+        rows = []
+        for r in self.records:
+            decision = r.decision or {}
+            density = decision.get("density")
+            speedups = decision.get("predicted_speedup") or {}
+            speedup = speedups.get("prefill", speedups.get("decode"))
+            rewritten = "[green]yes[/]" if r.rewritten else "[red]no[/]"
+            if r.reason and not r.rewritten:
+                rewritten += " " + escape(notes.mark(note_for(r.reason, r.decision)))
+            rows.append(
+                [
+                    escape(r.path or "<model>"),
+                    r.kind or "-",
+                    r.activation or "-",
+                    f"{r.hidden_size}x{r.model_size}" if r.hidden_size else "-",
+                    f"{density:.1%}" if isinstance(density, float) else "-",
+                    f"{speedup:.2f}x" if speedup is not None else "-",
+                    rewritten,
+                ]
+            )
+        columns = [
+            Column("module"),
+            Column("kind", level=1),
+            Column("activation", level=1),
+            Column("N x K", level=1, justify="right"),
+            Column("density", justify="right"),
+            Column("speedup", justify="right"),
+            Column("rewritten"),
+        ]
+        yield fitted_table(
+            console,
+            options.max_width,
+            columns,
+            rows,
             title=f"twell: {summary['rewritten']} of {summary['candidates']} FFNs rewritten",
             title_justify="left",
+            header_style="bold",
+            box=box.SIMPLE_HEAD,
+            show_edge=False,
+            pad_edge=False,
+            collapse_padding=True,
         )
-        for column in ("module", "kind", "activation", "N x K", "rewritten", "density", "reason"):
-            table.add_column(column, overflow="fold")
-        for r in self.records:
-            density = (r.decision or {}).get("density")
-            table.add_row(
-                escape(r.path or "<model>"),
-                r.kind or "-",
-                r.activation or "-",
-                f"{r.hidden_size} x {r.model_size}" if r.hidden_size else "-",
-                "[green]yes[/]" if r.rewritten else "[red]no[/]",
-                f"{density:.1%}" if isinstance(density, float) else "-",
-                escape(r.reason),
-            )
-        return table
+        if notes:
+            yield notes
 
     def __str__(self) -> str:
         from rich.console import Console
 
         buffer = io.StringIO()
-        Console(file=buffer, width=120, force_terminal=False, color_system=None).print(self)
-        return buffer.getvalue()
+        Console(file=buffer, width=80, force_terminal=False, color_system=None).print(self)
+        return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines())
 
     def __repr__(self) -> str:
         return f"Report({self.summary()})"

@@ -1,6 +1,6 @@
 """Graph passes: find feed-forward blocks, check them, rewrite them to torch.ops.twell.*.
 
-Contract with twell.calibrate (issue 5):
+Contract with twell.calibrate:
 
     find_ffns(model) -> list[Candidate]   every FFN found, rewritable or not, in module order
 
