@@ -9,10 +9,10 @@ with fp32 accumulation: each entry loads both weight rows at once and the entry 
 software-pipelined. The hidden state never reaches global memory.
 
 It leaves two kinds of rows to _fixup_kernel, launched after it: rows with more than WIDTH entries
-(they would not fit the scratch; read one entry at a time instead) and rows with a tile whose count
-exceeds its slots (the hybrid format's overflow: the packed entries are incomplete, so that tile's
-gate values are recomputed here from W_g, a GEMV over TILE_N rows). Both are rare at the densities
-the prefill path is routed to, and neither needs a dense backup buffer or the host.
+(taken WIDTH at a time) and rows with a tile whose count exceeds its slots (the hybrid format's
+overflow: the packed entries are incomplete, so that tile's gate values are recomputed from W_g, a
+GEMV over TILE_N rows). Both are rare at the densities the prefill path is routed to, and neither
+needs a dense backup buffer or the host.
 W_d is read as rows of down_weight^T ([N, K]): pass down_weight.t() with unit stride on K.
 """
 
@@ -184,6 +184,8 @@ def _fixup_kernel(
     wd_ptr,
     bd_ptr,
     y_ptr,
+    g_ptr,
+    n_ptr,
     N,
     K,
     n_tiles,
@@ -208,11 +210,14 @@ def _fixup_kernel(
     SLOTS: tl.constexpr,
     TILES_PAD: tl.constexpr,
     WIDTH: tl.constexpr,
+    CHUNK: tl.constexpr,
+    RECOMPUTE: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """The rare rows _twell_up_down_kernel leaves: an overflowing tile (its packed entries are
-    incomplete, so its gate values are recomputed from W_g) or more than WIDTH entries (read one at a
-    time, without scratch). Every other program returns at once."""
+    """The rows _twell_up_down_kernel leaves (every other program returns at once): more than WIDTH
+    entries, taken WIDTH at a time through the row's scratch; and tiles whose count exceeds their
+    slots, whose gate values are recomputed from W_g, RECOMPUTE neurons at a time, the kept ones going
+    through the scratch too."""
     m = tl.program_id(0).to(tl.int64)
     offs_t = tl.arange(0, TILES_PAD)
     true_cnt = tl.load(cnt_ptr + m * n_tiles + offs_t, mask=offs_t < n_tiles, other=0)
@@ -221,35 +226,55 @@ def _fixup_kernel(
     cnt = tl.where(true_cnt > SLOTS, 0, true_cnt)
     incl = tl.cumsum(cnt, axis=0)
     total = tl.sum(cnt, axis=0)
+    g_row = g_ptr + m * WIDTH
+    n_row = n_ptr + m * WIDTH
     offs_k = tl.arange(0, BLOCK_K)
     k_ok = offs_k < K
     xv = tl.load(x_ptr + m * stride_xm + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
     y = tl.zeros([BLOCK_K], dtype=tl.float32)
-    one = tl.arange(0, 1)
-    for e0 in range(0, total):
-        g1, n1 = _row_entries(cnt, incl, e0 + one, one == 0, m, n_tiles, vals_ptr, idx_ptr, TILE_N, SLOTS, TILES_PAD)
-        g = tl.sum(g1, axis=0)
-        neuron = tl.sum(n1, axis=0).to(tl.int64)
-        y = _entry(
-            y, xv, g, neuron, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un, stride_uk, stride_dn, stride_dk,
-            HAS_UP, HAS_UP_BIAS, DRELU,
-        )  # fmt: skip
+    for b0 in range(0, total, WIDTH):
+        block = tl.minimum(total - b0, WIDTH)
+        for c0 in range(0, block, CHUNK):
+            e = c0 + tl.arange(0, CHUNK)
+            valid = e < block
+            g, neuron = _row_entries(cnt, incl, b0 + e, valid, m, n_tiles, vals_ptr, idx_ptr, TILE_N, SLOTS, TILES_PAD)
+            tl.store(g_row + e, g, mask=valid)
+            tl.store(n_row + e, neuron, mask=valid)
+        tl.debug_barrier()
+        for e in range(0, block):
+            y = _entry(
+                y, xv, tl.load(g_row + e), tl.load(n_row + e).to(tl.int64), offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr,
+                stride_un, stride_uk, stride_dn, stride_dk, HAS_UP, HAS_UP_BIAS, DRELU,
+            )  # fmt: skip
+        tl.debug_barrier()  # the next block overwrites the scratch
+    offs_r = tl.arange(0, RECOMPUTE)
     for t in range(0, n_tiles):
         if tl.load(cnt_ptr + m * n_tiles + t) > SLOTS:
-            for c in range(0, tl.minimum(TILE_N, N - t * TILE_N)):
-                neuron = tl.zeros([], tl.int64) + t * TILE_N + c  # 64-bit offsets
-                wg = tl.load(wg_ptr + neuron * stride_gn + offs_k * stride_gk, mask=k_ok, other=0.0)
-                g = tl.sum(wg.to(tl.float32) * xv, axis=0)
+            for c0 in range(0, TILE_N, RECOMPUTE):
+                cols = t * TILE_N + c0 + offs_r
+                ok = (c0 + offs_r < TILE_N) & (cols < N)
+                rows = cols.to(tl.int64)
+                wg = tl.load(
+                    wg_ptr + rows[:, None] * stride_gn + offs_k[None, :] * stride_gk, ok[:, None] & k_ok[None, :], 0.0
+                )
+                g = tl.sum(wg.to(tl.float32) * xv[None, :], axis=1)
                 if HAS_GATE_BIAS:
-                    g += tl.load(bg_ptr + neuron).to(tl.float32)
+                    g += tl.load(bg_ptr + cols, mask=ok, other=0.0).to(tl.float32)
                 g = g.to(y_ptr.dtype.element_ty).to(tl.float32)  # the dense gate's rounding
-                if (g > threshold) | (g != g):  # not (g <= t): NaN kept, as by relu
-                    if SQUARE:
-                        g = (g * g).to(y_ptr.dtype.element_ty).to(tl.float32)
+                kept = ((g > threshold) | (g != g)) & ok  # not (g <= t): NaN kept, as by relu
+                if SQUARE:
+                    g = (g * g).to(y_ptr.dtype.element_ty).to(tl.float32)
+                slot = tl.cumsum(kept.to(tl.int32), axis=0) - 1
+                n_kept = tl.sum(kept.to(tl.int32), axis=0)
+                tl.store(g_row + slot, g, mask=kept)
+                tl.store(n_row + slot, cols, mask=kept)
+                tl.debug_barrier()
+                for e in range(0, n_kept):
                     y = _entry(
-                        y, xv, g, neuron, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un, stride_uk,
-                        stride_dn, stride_dk, HAS_UP, HAS_UP_BIAS, DRELU,
+                        y, xv, tl.load(g_row + e), tl.load(n_row + e).to(tl.int64), offs_k, k_ok, wu_ptr, bu_ptr,
+                        wd_ptr, stride_un, stride_uk, stride_dn, stride_dk, HAS_UP, HAS_UP_BIAS, DRELU,
                     )  # fmt: skip
+                tl.debug_barrier()
     if HAS_DOWN_BIAS:
         y += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + m * stride_ym + offs_k * stride_yk, y.to(y_ptr.dtype.element_ty), mask=k_ok)
@@ -321,10 +346,13 @@ def twell_up_down(
         x, values, indices, counts, *up, down_weight_t, down_bias, y, g_scratch, n_scratch, k, n_tiles,
         x.stride(0), x.stride(1), *strides, CHUNK=CHUNK, **flags,
     )  # fmt: skip
+    # neurons recomputed at a time: a [RECOMPUTE, BLOCK_K] tile of W_g in registers, kept ones fit the scratch
+    recompute = 1 << (min(16, max(1, 16384 // flags["BLOCK_K"]), tile_n, width).bit_length() - 1)
     _fixup_kernel[(m,)](
         x, values, indices, counts, gate_weight, gate_bias if gate_bias is not None else dummy, *up, down_weight_t,
-        down_bias, y, n, k, n_tiles, threshold_in(threshold, x.dtype), x.stride(0), x.stride(1),
-        gate_weight.stride(0), gate_weight.stride(1), *strides, HAS_GATE_BIAS=gate_bias is not None,
-        SQUARE=square, num_warps=4, **flags,
+        down_bias, y, g_scratch, n_scratch, n, k, n_tiles, threshold_in(threshold, x.dtype), x.stride(0),
+        x.stride(1), gate_weight.stride(0), gate_weight.stride(1), *strides, HAS_GATE_BIAS=gate_bias is not None,
+        SQUARE=square, CHUNK=CHUNK, RECOMPUTE=recompute, num_warps=4,
+        **flags,
     )  # fmt: skip
     return y
