@@ -296,7 +296,7 @@ def test_dispatch_is_exact_on_every_path(m, dtype, variant, sparse_paths):
 
 def test_dense_layers_fall_back_to_dense(sparse_paths):
     """A prefill call denser than DENSE_ABOVE sends the layer's next calls dense (still exact)."""
-    case = make_ffn(300, 24, 64, [0.5], torch.float32, DEVICE, seed=3)
+    case = make_ffn(300, 24, 64, [0.03], torch.float32, DEVICE, seed=3)
     args = (case["gate_weight"], case["up_weight"], case["down_weight"], None, None, None, 0.0, False)
     first = dispatch.gated_ffn(case["x"], *args)
     state = dispatch.layer_state(case["gate_weight"], 300)
@@ -326,6 +326,23 @@ def test_nn_linear_layout_runs_dense(m, sparse_paths, monkeypatch):
     monkeypatch.setattr(dispatch, "twell_up_down", None)
     args = (case["gate_weight"], case["up_weight"], down, None, None, None, 0.0, False)
     assert torch.equal(dispatch.gated_ffn(case["x"], *args), reference.gated_ffn(case["x"], *args))
+
+
+def test_a_probe_in_flight_is_not_replaced(sparse_paths):
+    """While a layer's density probe has not landed, later calls queue no new one (else, with the host
+    ahead of the GPU, the newest probe would never have landed when the next call looks)."""
+    case = make_ffn(300, 24, 64, [0.03], torch.float32, DEVICE, seed=3)
+    args = (case["gate_weight"], case["up_weight"], case["down_weight"], None, None, None, 0.0, False)
+    dispatch.gated_ffn(case["x"], *args)
+    state = dispatch.layer_state(case["gate_weight"], 300)
+
+    class NotLanded:
+        def query(self):
+            return False
+
+    first = state.pending = (NotLanded(), *state.pending[1:])
+    dispatch.gated_ffn(case["x"], *args)
+    assert state.pending is first and state.dense_calls_left == 0
 
 
 def test_layer_state_goes_with_its_weight():

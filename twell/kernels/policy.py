@@ -4,6 +4,8 @@ and by calibration's cost model (to predict what the dispatcher will do). No Tri
 Thresholds measured on an H200, bf16, against the dense FFN in the same run (benchmarks/NOTES.md):
 decode wins at every density up to 5% for 1-8 tokens (1.03-1.85x at K=2048, 1.22-1.77x at K=4096;
 gpu_check-decode-20261130-165108.json) and loses at 16 tokens and 5% (0.85x), so it serves up to 8.
+Prefill wins from 32768 tokens at 0.5% (1.11-1.38x at K=2048 by pattern, 0.98-1.28x at K=4096) but
+not at 8192 with heavy-tailed rows (0.69x at K=2048, 0.88x at K=4096; ffn-20261130-165910.json).
 Tests and benchmarks set these module attributes to route calls to the kernels.
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 TILE_N = 128
 SLOTS = 16  # compression 8, as the reference code
 DECODE_MAX_M = 8
-PREFILL_MIN_M: int | None = 4096
+PREFILL_MIN_M: int | None = 32768
 # Gate of the prefill path: the persistent TMA GEMM with the packing epilogue (True) or cuBLAS + the
 # pack pass (False); the faster measured at K=2048/N=5632 and K=4096/N=14336 on an H200.
 FUSED_GATE = False
