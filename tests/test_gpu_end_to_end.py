@@ -68,6 +68,35 @@ def test_sparsified_forward_copies_no_weight(tokens):
     assert torch.cuda.max_memory_allocated() - base < k * n * 2 // 4
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 300], ids=["decode", "prefill"])
+def test_sparse_paths_capture_in_cuda_graphs_and_compile_whole(monkeypatch, tokens):
+    """No host synchronisation on either sparse path: a CUDA-graph capture of the module replays to the
+    eager result, and torch.compile(fullgraph=True) traces it without a graph break."""
+    monkeypatch.setattr(policy, "DECODE_MAX_M", 8)
+    monkeypatch.setattr(policy, "PREFILL_MIN_M", 257)
+    dispatch.forget_layers()
+    calls = []
+    monkeypatch.setattr(dispatch, "decode_ffn", lambda *a, **k: calls.append("decode") or decode(*a, **k))
+    monkeypatch.setattr(dispatch, "twell_up_down", lambda *a, **k: calls.append("prefill") or updown(*a, **k))
+    torch.manual_seed(0)
+    block = _Block(256, 1024).to("cuda", torch.bfloat16).eval()
+    torch.nn.init.constant_(block.mlp.gate_proj.bias, -0.05)
+    twell.sparsify(block)
+    x = torch.randn(tokens, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        eager = block(x)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = block(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        compiled = torch.compile(block, fullgraph=True)(x)
+    assert set(calls) == {"decode" if tokens == 1 else "prefill"}
+    assert torch.equal(captured, eager)
+    assert rel_err(compiled, eager) <= 1e-2
+
+
 class _MLP(torch.nn.Module):
     def __init__(self, k, n):
         super().__init__()

@@ -102,6 +102,22 @@ def test_gate_twell_packs_the_gate(m, k, n, dtype, bias, split):
     assert (values[padding] == 0).all() and (indices[padding] == 0).all(), "slots past the count are zeroed"
 
 
+def test_gate_configs_that_overflow_shared_memory_are_pruned(monkeypatch):
+    """Configs past the shared-memory limit never launch (fp32 ones raised OutOfResources)."""
+    import triton
+
+    monkeypatch.setattr(gate, "interpreting", lambda: False)
+    configs = [triton.Config({"BLOCK_M": 128, "BLOCK_K": bk}, num_stages=4) for bk in (32, 64, 128)]
+
+    def kept(dtype, tile_n):
+        desc = type("Desc", (), {"base": torch.empty(1, dtype=dtype)})()
+        return [c.kwargs["BLOCK_K"] for c in gate._prune(configs, {"x_desc": desc}, TILE_N=tile_n)]
+
+    assert kept(torch.bfloat16, 128) == [32, 64]  # 4 stages x (128 + 128) x 128 x 2 B = 256 KiB > 227
+    assert kept(torch.float32, 128) == [32]
+    assert kept(torch.float32, 256) == []
+
+
 def test_gate_twell_counts_overflow_and_refuses_unaligned_rows():
     case = make_ffn(20, 16, 64, [1.0], torch.float32, DEVICE, seed=2)
     values, indices, counts = gate_twell(case["x"], case["gate_weight"], None, 0.0, 32, 4)
@@ -109,7 +125,7 @@ def test_gate_twell_counts_overflow_and_refuses_unaligned_rows():
     assert torch.equal(counts, (ref > 0).sum(-1, dtype=torch.int32)), "true counts, past the slots"
     x = torch.randn(4, 33, device=DEVICE, dtype=torch.float16)  # 66-byte rows: no TMA
     w = torch.randn(64, 33, device=DEVICE, dtype=torch.float16)
-    assert not gate.fused_gate_supported(x, w)
+    assert not gate.fused_gate_supported(x, w, 64)
     with pytest.raises(ValueError, match="16-byte aligned"):
         gate_twell(x, w, None, 0.0, 64, 16)
 

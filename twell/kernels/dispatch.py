@@ -88,9 +88,12 @@ def _run(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, 
     # (sparsify re-lays them once: twell.passes.modules.store_down_rows).
     wd_t = down_weight.t()
     path = policy.route(m, x2.shape[1]) if wd_t.stride(1) == 1 else "dense"
+    # under CUDA-graph capture the layer's density state is frozen: no event queries, no new probes
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     if path == "prefill":
         state = layer_state(gate_weight, m)
-        state.update()
+        if not capturing:
+            state.update()
         if state.dense_calls_left > 0:
             state.dense_calls_left -= 1
             path = "dense"
@@ -102,7 +105,7 @@ def _run(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, 
         ).reshape(shape)
 
     tile_n, slots = policy.TILE_N, policy.SLOTS
-    if policy.FUSED_GATE and fused_gate_supported(x2, gate_weight):
+    if policy.FUSED_GATE and fused_gate_supported(x2, gate_weight, tile_n):
         values, indices, counts = gate_twell(x2, gate_weight, gate_bias, threshold, tile_n, slots, square=square)
     else:
         pre = F.linear(x2, gate_weight, gate_bias)
@@ -125,7 +128,7 @@ def _run(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, 
         square=square,
     )
     # one probe in flight per layer: a newer one would never land while the host runs ahead of the GPU
-    if state.pending is None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if state.pending is None and not capturing:
         state.pending = _probe(counts, m * gate_weight.shape[0])
     return y.reshape(shape)
 

@@ -140,16 +140,22 @@ GATE_CONFIGS = [
 ]
 
 
+def _smem(block_m: int, block_k: int, stages: int, tile_n: int, element: int) -> int:
+    """Shared memory of a config's pipelined operand tiles (fp32 operands need twice bf16's)."""
+    return stages * (block_m + tile_n) * block_k * element
+
+
 def _prune(configs, named_args, **kwargs):
-    """Drop configs whose pipelined operand tiles overflow shared memory (fp32 needs twice bf16's):
-    fp32 at K=8192 raised OutOfResources before."""
+    """Configs whose operand tiles fit shared memory (fused_gate_supported guarantees one does; the
+    interpreter has no such limit)."""
+    if interpreting():
+        return configs
     tile_n, element = kwargs["TILE_N"], named_args["x_desc"].base.element_size()
-
-    def smem(c):
-        return c.num_stages * (c.kwargs["BLOCK_M"] + tile_n) * c.kwargs["BLOCK_K"] * element
-
-    fits = [c for c in configs if smem(c) <= SMEM_LIMIT]
-    return fits or [min(configs, key=smem)]
+    return [
+        c
+        for c in configs
+        if _smem(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_K"], c.num_stages, tile_n, element) <= SMEM_LIMIT
+    ]
 
 
 def _set_blocks(nargs):
@@ -276,14 +282,18 @@ def _programs(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def fused_gate_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def fused_gate_supported(x: torch.Tensor, weight: torch.Tensor, tile_n: int) -> bool:
     """Whether gate_twell can take these operands: TMA needs unit stride on K, 16-byte aligned rows and
-    base addresses, and a Hopper-class GPU (compute capability >= 9)."""
-    if x.is_cuda and torch.cuda.get_device_capability(x.device)[0] < 9:
-        return False
-    return all(
+    base addresses, and a Hopper-class GPU (compute capability >= 9); on a GPU, some config's operand
+    tiles must fit shared memory at this tile width (fp32 fits none: it raised OutOfResources)."""
+    aligned = all(
         t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (x, weight)
     )
+    if not aligned or not x.is_cuda:
+        return aligned
+    if torch.cuda.get_device_capability(x.device)[0] < 9:
+        return False
+    return any(_smem(bm, bk, s, tile_n, x.element_size()) <= SMEM_LIMIT for bm, bk, _, s, _ in GATE_CONFIGS)
 
 
 def gate_twell(
@@ -305,8 +315,11 @@ def gate_twell(
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gate_twell expects x [M, K] and weight [N, K], got {list(x.shape)} and {list(weight.shape)}")
-    if not fused_gate_supported(x, weight):
-        raise ValueError("gate_twell needs unit stride on K and 16-byte aligned rows (see fused_gate_supported)")
+    if not fused_gate_supported(x, weight, tile_n):
+        raise ValueError(
+            "gate_twell needs unit stride on K, 16-byte aligned rows and a config that fits shared memory "
+            "(see fused_gate_supported)"
+        )
     check_tile(tile_n, slots)
     m, k = x.shape
     n = weight.shape[0]
