@@ -16,7 +16,7 @@ def test_sparsified_llama_matches_on_gpu(monkeypatch, tokens):
     transformers = pytest.importorskip("transformers")
     monkeypatch.setattr(policy, "DECODE_MAX_M", 64)
     monkeypatch.setattr(policy, "PREFILL_MIN_M", 65)
-    dispatch._dense_calls_left.clear()
+    dispatch.forget_layers()
     calls = []
     monkeypatch.setattr(dispatch, "decode_ffn", lambda *a, **k: calls.append("decode") or decode(*a, **k))
     monkeypatch.setattr(dispatch, "twell_up_down", lambda *a, **k: calls.append("prefill") or updown(*a, **k))
