@@ -629,7 +629,8 @@ def _adapt_up_proj(model):
 
 def _load_assign(model):
     torch.manual_seed(9)
-    fresh = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    # randn, not randn_like: the values must not depend on a tensor's memory layout
+    fresh = {k: torch.randn(v.shape, dtype=v.dtype) for k, v in model.state_dict().items()}
     model.load_state_dict(fresh, assign=True)  # new Parameter and buffer objects
 
 

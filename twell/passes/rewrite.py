@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from twell.passes.candidates import Candidate
@@ -14,13 +13,14 @@ from twell.passes.modules import GatePassthrough, InlineFFN, SparseFFN, UpUnit, 
 @dataclass
 class Swap:
     """parent.<name> was `original` before sparsify (and is `replacement` while sparsified).
-    relaid: the down weight whose storage sparsify transposed (store_down_rows), if any."""
+    relaid: the down projection whose weight sparsify re-laid (store_down_rows), if any; restore lays
+    out whatever weight it holds then (load_state_dict(assign=True) may have replaced the tensor)."""
 
     parent: nn.Module
     name: str
     original: nn.Module
     replacement: nn.Module
-    relaid: torch.Tensor | None = None
+    relaid: nn.Module | None = None
 
 
 def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
@@ -47,11 +47,11 @@ def apply(model: nn.Module, candidate: Candidate) -> list[Swap]:
             {name: nn.Identity().train(getattr(owner, name).training) for name in candidate.activation_children}
         )
         swaps = [Swap(owner, name, getattr(owner, name), module) for name, module in replacements.items()]
+    down = getattr(owner, spec.down)  # the original linear: a child shared with SparseFFN, or swapped inline
     for swap in swaps:
         setattr(swap.parent, swap.name, swap.replacement)
-    down_weight = getattr(owner, spec.down).weight
-    if store_down_rows(down_weight):
-        swaps[-1].relaid = down_weight
+    if store_down_rows(down.weight):
+        swaps[-1].relaid = down
     return swaps
 
 
@@ -63,5 +63,6 @@ def undo(swaps: list[Swap]) -> None:
         else:
             swap.original.training = swap.replacement.training
         setattr(swap.parent, swap.name, swap.original)
+    for swap in swaps:  # after every sync: the originals hold the current tensors
         if swap.relaid is not None:
-            store_contiguous(swap.relaid)
+            store_contiguous(swap.relaid.weight)
