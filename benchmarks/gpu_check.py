@@ -117,6 +117,28 @@ def gate_point(k, n, m) -> list[dict]:
     return rows
 
 
+def kernel_times(k, n, m, pattern) -> dict:
+    """Mean CUDA time of each kernel of the sparsified module's call (torch.profiler, 50 eager calls):
+    where the time of a path goes, launch gaps excluded."""
+    x, block = make_inputs(m, k, n, 0.005, pattern, seed=m + n)
+    twell.sparsify(block)
+    with torch.no_grad():
+        for _ in range(3):
+            block(x)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(50):
+                block(x)
+            torch.cuda.synchronize()
+    times = {}
+    for event in prof.key_averages():
+        us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if us:
+            times[event.key[:60]] = us / 50
+    print(f"{k}x{n} M={m} {pattern}: " + ", ".join(f"{name} {us:.1f}us" for name, us in times.items()), flush=True)
+    return {"K": k, "N": n, "M": m, "pattern": pattern, "kernel_us": times}
+
+
 def first_call_seconds() -> dict:
     """Wall time of the first call of a new shape in this process (compilation and autotuning)."""
     out = {}
@@ -139,7 +161,7 @@ def first_call_seconds() -> dict:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("part", choices=["decode", "prefill"])
+    parser.add_argument("part", choices=["decode", "prefill", "profile"])
     parser.add_argument("--shapes", default="2048x5632,4096x14336")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
@@ -161,6 +183,11 @@ def main():
             for m in (1, 2, 4, 8, 16, 32):
                 for density in (0.005, 0.01, 0.02, 0.05):
                     result["rows"] += decode_point(k, n, m, density, [None], [None])
+    elif args.part == "profile":
+        for k, n, m, pattern in ((2048, 5632, 1, "exact"), (4096, 14336, 1, "exact"), (2048, 5632, 8192, "uniform")):
+            if m > 8:
+                policy.PREFILL_MIN_M = m  # the prefill path, whatever the shipped threshold
+            result["rows"].append(kernel_times(k, n, m, pattern))
     else:
         for k, n, m in ((2048, 5632, 131072), (4096, 14336, 65536)):
             result["rows"] += gate_point(k, n, m)
