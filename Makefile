@@ -34,6 +34,7 @@ lint: $(VENV)/.dev-installed
 
 MUTANTS ?=
 mutate: $(VENV)/.dev-installed
+	$(BIN)/python -m pip install -q -e ".[mutate]"
 	set -f; $(BIN)/mutmut run --max-children 2 $(MUTANTS)
 	$(BIN)/mutmut results
 
