@@ -189,6 +189,11 @@ def test_up_down_checks_its_arrays():
         twell_up_down(case["x"], values, indices, counts[:, :1], *args, tile_n=32, threshold=0.0)
     with pytest.raises(ValueError, match="do not cover"):
         twell_up_down(case["x"], values, indices, counts, *args, tile_n=16, threshold=0.0)
+    with pytest.raises(ValueError, match=r"down_weight_t must be \[64, 16\]"):
+        bad = (*args[:4], case["down_weight"], None)  # [K, N], not its transpose
+        twell_up_down(case["x"], values, indices, counts, *bad, tile_n=32, threshold=0.0)
+    with pytest.raises(ValueError, match="out must be"):
+        twell_up_down(case["x"], values, indices, counts, *args, tile_n=32, threshold=0.0, out=case["x"][:2])
 
 
 @pytest.fixture
@@ -342,6 +347,24 @@ def test_nn_linear_layout_runs_dense(m, sparse_paths, monkeypatch):
     monkeypatch.setattr(dispatch, "twell_up_down", None)
     args = (case["gate_weight"], case["up_weight"], down, None, None, None, 0.0, False)
     assert torch.equal(dispatch.gated_ffn(case["x"], *args), reference.gated_ffn(case["x"], *args))
+
+
+@pytest.mark.parametrize("density,path", [(0.005, "decode"), (0.03, "dense")])
+def test_decode_serves_more_tokens_where_prefill_measured_the_layer_sparse(density, path, monkeypatch):
+    """DECODE_MAX_M < M <= DECODE_SPARSE_MAX_M decodes only once a prefill probe found the layer sparse."""
+    monkeypatch.setattr(policy, "PREFILL_MIN_M", 257)
+    dispatch.forget_layers()
+    calls = []
+    monkeypatch.setattr(dispatch, "decode_ffn", lambda *a, **k: calls.append("decode") or decode_ffn(*a, **k))
+    case = make_ffn(300, 24, 256, [density], torch.float32, DEVICE, seed=4)
+    args = (case["gate_weight"], case["up_weight"], case["down_weight"], None, None, None, 0.0, False)
+    m = policy.DECODE_SPARSE_MAX_M
+    few = case["x"][:m]
+    dispatch.gated_ffn(few, *args)  # nothing measured yet: dense
+    dispatch.gated_ffn(case["x"], *args)  # prefill: queues the probe
+    y = dispatch.gated_ffn(few, *args)
+    assert calls == (["decode"] if path == "decode" else [])
+    assert rel_err(y, gated_ref(case)[:m]) <= 1e-5
 
 
 def test_a_probe_in_flight_is_not_replaced(sparse_paths):

@@ -2,8 +2,9 @@
 anything back to the host, so every path runs inside CUDA graphs and under torch.compile.
 
 Thresholds and layout live in twell.kernels.policy.
-- M <= DECODE_MAX_M tokens: the two decode kernels (gate + up, then down; only active rows of W_u / W_d
-  are read).
+- M <= DECODE_MAX_M tokens, or up to DECODE_SPARSE_MAX_M for a layer whose prefill calls measured at
+  most DECODE_SPARSE_DENSITY: the two decode kernels (gate + up, then down; only active rows of W_u /
+  W_d are read).
 - M >= PREFILL_MIN_M: the gate packed to TwELL (policy.FUSED_GATE: the persistent TMA GEMM packing in
   its epilogue, where the operands allow; otherwise cuBLAS + a pack pass), then the fused up+down
   kernels, which recompute the gate of tiles that overflow their slots: exact at any sparsity.
@@ -33,6 +34,7 @@ from twell.kernels.updown import twell_up_down
 class _LayerState:
     dense_calls_left: int = 0
     pending: tuple | None = None  # (event or None, kept-entry count on the host, M * N)
+    density: float | None = None  # what the last landed probe measured
 
     def update(self) -> None:
         """Take the last probe's density into account once its copy has landed."""
@@ -42,7 +44,8 @@ class _LayerState:
         if ready is not None and not ready.query():
             return
         self.pending = None
-        if kept.item() > policy.DENSE_ABOVE * possible:
+        self.density = kept.item() / max(possible, 1)
+        if self.density > policy.DENSE_ABOVE:
             self.dense_calls_left = policy.DENSE_RETRY
 
 
@@ -58,6 +61,21 @@ def layer_state(weight: torch.Tensor, m: int) -> _LayerState:
         weakref.finalize(base, _layers.pop, id(base), None)
     key = (tuple(weight.shape), weight.storage_offset(), triton.next_power_of_2(m))
     return _layers[id(base)].setdefault(key, _LayerState())
+
+
+def layer_density(weight: torch.Tensor, capturing: bool) -> float | None:
+    """The layer's density as its prefill calls measured it (the densest token bucket), None before any
+    probe has landed; under CUDA-graph capture, what had landed before."""
+    base = weight._base if weight._base is not None else weight
+    where = (tuple(weight.shape), weight.storage_offset())
+    densities = []
+    for key, state in _layers.get(id(base), {}).items():
+        if key[:2] == where:
+            if not capturing:
+                state.update()
+            if state.density is not None:
+                densities.append(state.density)
+    return max(densities, default=None)
 
 
 def forget_layers() -> None:
@@ -87,9 +105,10 @@ def _run(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, 
     # the sparse FFN saves at decode sizes, so weights in the plain nn.Linear layout run dense
     # (sparsify re-lays them once: twell.passes.modules.store_down_rows).
     wd_t = down_weight.t()
-    path = policy.route(m, x2.shape[1]) if wd_t.stride(1) == 1 else "dense"
     # under CUDA-graph capture the layer's density state is frozen: no event queries, no new probes
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    density = layer_density(gate_weight, capturing) if policy.DECODE_MAX_M < m <= policy.DECODE_SPARSE_MAX_M else None
+    path = policy.route(m, x2.shape[1], density) if wd_t.stride(1) == 1 else "dense"
     if path == "prefill":
         state = layer_state(gate_weight, m)
         if not capturing:

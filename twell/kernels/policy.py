@@ -3,7 +3,8 @@ and by calibration's cost model (to predict what the dispatcher will do). No Tri
 
 Thresholds measured on an H200, bf16, against the dense FFN in the same run (benchmarks/NOTES.md):
 decode wins at every density up to 5% for 1-8 tokens (1.03-1.85x at K=2048, 1.22-1.77x at K=4096;
-gpu_check-decode-20261130-165108.json) and loses at 16 tokens and 5% (0.85x), so it serves up to 8.
+gpu_check-decode-20261130-165108.json) and loses at 16 tokens and 5% (0.85x), so it serves up to 8,
+and up to 16 on layers whose prefill calls measured them at most 1% dense.
 Prefill wins from 32768 tokens at 0.5% (1.11-1.38x at K=2048 by pattern, 0.98-1.28x at K=4096) but
 not at 8192 with heavy-tailed rows (0.69x at K=2048, 0.88x at K=4096; ffn-20261130-165910.json).
 Tests and benchmarks set these module attributes to route calls to the kernels.
@@ -14,6 +15,9 @@ from __future__ import annotations
 TILE_N = 128
 SLOTS = 16  # compression 8, as the reference code
 DECODE_MAX_M = 8
+# 9-16 tokens: decode where the layer is known sparse (1.19-1.37x at <= 1%; 1.06-1.17x at 2%, 0.85x at 5%)
+DECODE_SPARSE_MAX_M = 16
+DECODE_SPARSE_DENSITY = 0.01
 PREFILL_MIN_M: int | None = 32768
 # Gate of the prefill path: the persistent TMA GEMM with the packing epilogue (True) or cuBLAS + the
 # pack pass (False); the faster measured at K=2048/N=5632 and K=4096/N=14336 on an H200.
@@ -24,11 +28,12 @@ DENSE_ABOVE = 0.008
 DENSE_RETRY = 64  # dense calls before such a layer is probed again
 
 
-def route(m: int, k: int) -> str:
-    """ "decode", "prefill" or "dense" for a call of m tokens of width k."""
+def route(m: int, k: int, density: float | None = None) -> str:
+    """ "decode", "prefill" or "dense" for a call of m tokens of width k; density: the layer's, where
+    measured."""
     if m == 0 or k > MAX_K:
         return "dense"
-    if m <= DECODE_MAX_M:
+    if m <= DECODE_MAX_M or (m <= DECODE_SPARSE_MAX_M and density is not None and density <= DECODE_SPARSE_DENSITY):
         return "decode"
     if PREFILL_MIN_M is not None and m >= PREFILL_MIN_M:
         return "prefill"

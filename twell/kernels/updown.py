@@ -317,6 +317,13 @@ def twell_up_down(
         )
     if n_tiles != triton.cdiv(n, tile_n):
         raise ValueError(f"{n_tiles} tiles do not cover N={n} at tile_n={tile_n}")
+    for name, t in (("gate_weight", gate_weight), ("up_weight", up_weight), ("down_weight_t", down_weight_t)):
+        if t is not None and (tuple(t.shape) != (n, k) or t.dtype != x.dtype or t.device != x.device):
+            raise ValueError(
+                f"{name} must be [{n}, {k}] {x.dtype} on {x.device}, got {list(t.shape)} {t.dtype} on {t.device}"
+            )
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype):
+        raise ValueError(f"out must be {list(x.shape)} {x.dtype}, got {list(out.shape)} {out.dtype}")
     y = torch.empty_like(x) if out is None else out
     width = min(n_tiles * slots, MAX_WIDTH)
     g_scratch = torch.empty(m, width, dtype=torch.float32, device=x.device)
