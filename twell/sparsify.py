@@ -229,28 +229,23 @@ def warmup(model: torch.nn.Module, token_counts=(1, 16, 4096)) -> dict[int, floa
     (run the model on a representative batch instead). A model that is not sparsified is left alone.
     """
     _check_model(model)
+    bad = [m for m in token_counts if not isinstance(m, int) or isinstance(m, bool) or m < 1]
+    if bad:
+        raise ValueError(f"token_counts must hold positive ints, got {bad[0]!r}")
     import time
 
-    from twell.passes.modules import InlineFFN, SparseFFN, run_ffn
+    from twell.passes.modules import InlineFFN, SparseFFN
 
     state = getattr(model, _STATE, None)
-    swaps = state.swaps if state is not None else []
-    ffns = [s.replacement for s in swaps if isinstance(s.replacement, (SparseFFN, InlineFFN))]
+    ffns = [s.replacement for s in (state.swaps if state else []) if isinstance(s.replacement, (SparseFFN, InlineFFN))]
     seconds = {}
     for m in token_counts:
-        if not isinstance(m, int) or isinstance(m, bool) or m < 1:
-            raise ValueError(f"token_counts must hold positive ints, got {m!r}")
         start = time.perf_counter()
         for ffn in ffns:
-            if isinstance(ffn, SparseFFN):
-                spec, gate, down = ffn.spec, getattr(ffn, ffn.spec.gate), getattr(ffn, ffn.spec.down)
-                up = getattr(ffn, spec.up) if spec.up is not None else None
-            else:
-                spec, gate, up, down = ffn.spec, ffn.__dict__["gate"], ffn.__dict__["up"], ffn
-            weight = down.weight
+            weight = (getattr(ffn, ffn.spec.down) if isinstance(ffn, SparseFFN) else ffn).weight
             x = torch.randn(m, weight.shape[0], dtype=weight.dtype, device=weight.device)
             with torch.no_grad():
-                run_ffn(spec, gate, up, down, x)
+                ffn.forward(x)  # the module's own path, without the forward hooks of the user's model
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         seconds[m] = time.perf_counter() - start
