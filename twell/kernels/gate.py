@@ -130,13 +130,20 @@ def _pack_tile(
     _pack_finish(cnt, offs_m, tile, M, vals_ptr, idx_ptr, cnt_ptr, n_tiles, SLOTS)
 
 
-# (BLOCK_M, BLOCK_K, num_warps, num_stages, SPLIT); BLOCK_N is the TwELL tile width: one GEMM tile packs
-# exactly one TwELL tile. Best on the H200 at tile 128: 7.07 ms at M=131072, K=2048 (cuBLAS alone 4.26;
+# (BLOCK_M, BLOCK_K, num_warps, num_stages, SPLIT, PER_SM); BLOCK_N is the TwELL tile width: one GEMM
+# tile packs exactly one TwELL tile. PER_SM persistent programs per multiprocessor: with two, one
+# program's packing epilogue overlaps the other's mainloop (it needs operand tiles in half the shared
+# memory). Best on the H200 at tile 128 with one: 7.07 ms at M=131072, K=2048 (cuBLAS alone 4.26;
 # flattening the persistent loop did not help): gpu_check-prefill-20261130-161757.json, NOTES.md.
 GATE_CONFIGS = [
-    (128, 64, 8, 4, 1),
-    (128, 128, 8, 3, 1),
-    (128, 64, 8, 4, 2),
+    (128, 64, 8, 4, 1, 1),
+    (128, 128, 8, 3, 1, 1),
+    (128, 64, 8, 4, 2, 1),
+    (128, 64, 8, 3, 1, 2),
+    (128, 64, 8, 3, 2, 2),
+    (64, 64, 4, 4, 1, 2),
+    (128, 32, 8, 4, 1, 2),
+    (64, 64, 4, 3, 1, 3),
 ]
 
 
@@ -154,7 +161,8 @@ def _prune(configs, named_args, **kwargs):
     return [
         c
         for c in configs
-        if _smem(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_K"], c.num_stages, tile_n, element) <= SMEM_LIMIT
+        if _smem(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_K"], c.num_stages, tile_n, element) * c.kwargs["PER_SM"]
+        <= SMEM_LIMIT
     ]
 
 
@@ -166,8 +174,10 @@ def _set_blocks(nargs):
 
 @triton.autotune(
     configs=[
-        triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "SPLIT": sp}, num_warps=w, num_stages=s, pre_hook=_set_blocks)
-        for bm, bk, w, s, sp in GATE_CONFIGS[: 1 if interpreting() else None]
+        triton.Config(
+            {"BLOCK_M": bm, "BLOCK_K": bk, "SPLIT": sp, "PER_SM": per_sm}, num_warps=w, num_stages=s, pre_hook=_set_blocks
+        )
+        for bm, bk, w, s, sp, per_sm in GATE_CONFIGS[: 1 if interpreting() else None]
     ],
     key=["M_BUCKET", "N", "K", "TILE_N", "SLOTS"],
     cache_results=True,  # tuned configs persist on disk across processes
@@ -195,6 +205,7 @@ def _gate_twell_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr,
+    PER_SM: tl.constexpr,  # read by the launch grid only
     GROUP_M: tl.constexpr = 8,
 ):
     """Persistent gate GEMM (TMA loads of x and W_g tiles) whose epilogue packs each output tile."""
@@ -293,7 +304,9 @@ def fused_gate_supported(x: torch.Tensor, weight: torch.Tensor, tile_n: int) -> 
         return aligned
     if torch.cuda.get_device_capability(x.device)[0] < 9:
         return False
-    return any(_smem(bm, bk, s, tile_n, x.element_size()) <= SMEM_LIMIT for bm, bk, _, s, _ in GATE_CONFIGS)
+    return any(
+        _smem(bm, bk, s, tile_n, x.element_size()) * per_sm <= SMEM_LIMIT for bm, bk, _, s, _, per_sm in GATE_CONFIGS
+    )
 
 
 def gate_twell(
@@ -304,7 +317,7 @@ def gate_twell(
     tile_n: int,
     slots: int,
     square: bool = False,
-    config: tuple[int, int, int, int, int] | None = None,
+    config: tuple[int, int, int, int, int, int] | None = None,
 ):
     """TwELL arrays (values, indices, counts) of act_t(x @ weight^T + bias), x: [M, K], weight: [N, K];
     the dense gate never reaches memory.
@@ -331,12 +344,13 @@ def gate_twell(
     w_desc = TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [16, 16])
 
     def grid(meta):
-        return (min(programs, triton.cdiv(m, meta["BLOCK_M"]) * n_tiles),)
+        return (min(programs * meta["PER_SM"], triton.cdiv(m, meta["BLOCK_M"]) * n_tiles),)
 
     kernel, meta = _gate_twell_kernel, {}
     if config is not None:
-        block_m, block_k, warps, stages, split = config
-        meta = {"BLOCK_M": block_m, "BLOCK_K": block_k, "SPLIT": split, "num_warps": warps, "num_stages": stages}
+        block_m, block_k, warps, stages, split, per_sm = config
+        meta = {"BLOCK_M": block_m, "BLOCK_K": block_k, "SPLIT": split, "PER_SM": per_sm, "num_warps": warps,
+                "num_stages": stages}  # fmt: skip
         _set_blocks({"x_desc": x_desc, "w_desc": w_desc, "TILE_N": tile_n, **meta})
         kernel = _gate_twell_kernel.fn
     kernel[grid](
