@@ -41,17 +41,20 @@ def _twell(values, indices, counts, shape, tile_n):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("square", [False, True], ids=["relu", "relu2"])
 @pytest.mark.parametrize(
-    "m,n,tile_n,slots", [(1, 40, 16, 4), (37, 300, 64, 8), (130, 256, 256, 32)], ids=["m1-n40", "m37-n300", "m130-n256"]
+    "m,n,tile_n,slots,config",
+    [(1, 40, 16, 4, None), (37, 300, 64, 8, (8, 2, 4, 2)), (130, 256, 256, 32, None), (21, 720, 16, 4, (4, 8, 4, 3))],
+    ids=["m1-n40", "m37-n300-tiles2", "m130-n256", "m21-n720-tiles8"],
 )
-def test_pack_dense_matches_the_spec(m, n, tile_n, slots, square, dtype):
-    """Bit-exact against format.pack, with a threshold (0.3) that fp16/bf16 cannot represent exactly."""
+def test_pack_dense_matches_the_spec(m, n, tile_n, slots, config, square, dtype):
+    """Bit-exact against format.pack, with a threshold (0.3) that fp16/bf16 cannot represent exactly;
+    programs packing one tile or looping over several (45 tiles in groups of 8: a short last group)."""
     g = torch.Generator().manual_seed(m * n)
     h = torch.randn(m, n, generator=g)
     h[::3] -= 3.0  # mostly-empty rows
     h[1::5] += 5.0  # fully dense rows: overflow
     h = h.to(dtype)
     h[0, :3] = 0.3  # exactly the rounded threshold: dropped, as torch drops it
-    values, indices, counts = pack_dense(h.to(DEVICE), 0.3, tile_n, slots, square=square)
+    values, indices, counts = pack_dense(h.to(DEVICE), 0.3, tile_n, slots, square=square, config=config)
     kept = torch.where(kept_mask(h, 0.3), h * h, 0.0) if square else h
     spec = twell.pack(kept, tile_n=tile_n, compression=tile_n // slots, threshold=0.0 if square else 0.3)
     assert torch.equal(counts.cpu(), spec.counts)
@@ -80,14 +83,14 @@ def test_dispatch_reads_strided_biases(sparse_paths):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-@pytest.mark.parametrize("split,per_sm", [(1, 1), (2, 2)], ids=["whole", "halves-2persm"])
+@pytest.mark.parametrize("split", [1, 2], ids=["whole", "halves"])
 @pytest.mark.parametrize("m,k,n", [(1, 16, 64), (33, 40, 300), (257, 24, 96)], ids=["m1", "m33", "m257"])
-def test_gate_twell_packs_the_gate(m, k, n, dtype, bias, split, per_sm):
+def test_gate_twell_packs_the_gate(m, k, n, dtype, bias, split):
     """The persistent gate kernel (several output tiles per program, partial last tiles in M and N),
-    its epilogue packing the tile whole or in two column slices; one or two programs per SM."""
+    its epilogue packing the tile whole or in two column slices."""
     case = make_ffn(m, k, n, [0.0, 0.05, 0.1, 0.01], dtype, DEVICE, seed=m + n, biases=bias)
     threshold = 0.05
-    config = (16, 16, 4, 1, split, per_sm)
+    config = (16, 16, 4, 1, split)
     values, indices, counts = gate_twell(
         case["x"], case["gate_weight"], case["gate_bias"], threshold, 64, 16, config=config
     )
@@ -107,8 +110,7 @@ def test_gate_configs_that_overflow_shared_memory_are_pruned(monkeypatch):
     import triton
 
     monkeypatch.setattr(gate, "interpreting", lambda: False)
-    configs = [triton.Config({"BLOCK_M": 128, "BLOCK_K": bk, "PER_SM": 1}, num_stages=4) for bk in (32, 64, 128)]
-    configs.append(triton.Config({"BLOCK_M": 128, "BLOCK_K": 64, "PER_SM": 2}, num_stages=4))  # 2 x 128 KiB
+    configs = [triton.Config({"BLOCK_M": 128, "BLOCK_K": bk}, num_stages=4) for bk in (32, 64, 128)]
 
     def kept(dtype, tile_n):
         desc = type("Desc", (), {"base": torch.empty(1, dtype=dtype)})()
@@ -132,21 +134,22 @@ def test_gate_twell_counts_overflow_and_refuses_unaligned_rows():
 
 
 UPDOWN_CASES = {
-    # m, k, n, entries per step (E), rows heaviest first
-    "m1": (1, 16, 64, 1, True),
-    "m40": (40, 72, 200, 2, True),
-    "m40-e4-in-order": (40, 72, 200, 4, False),
-    "m24-k33": (24, 33, 130, 4, True),
+    # m, k, n, scratch width, rows heaviest first
+    "m1": (1, 16, 64, 256, True),
+    "m40": (40, 72, 200, 256, True),
+    "m40-in-order": (40, 72, 200, 256, False),
+    "m40-narrow": (40, 72, 200, 8, True),
+    "m24-k33": (24, 33, 130, 256, True),
 }
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("variant", ["gated", "gated-bias", "drelu", "plain", "relu2", "fatrelu"])
 @pytest.mark.parametrize("case_id", list(UPDOWN_CASES))
-def test_up_down_matches_reference(case_id, dtype, variant):
-    """Rows with empty, sparse and overflowing tiles (recomputed from W_g), ragged last tile, awkward K,
-    output poisoned; entry steps of 1, 2 and 4 (a row's last step part empty), rows in and out of order."""
-    m, k, n, entries, order = UPDOWN_CASES[case_id]
+def test_up_down_matches_reference(case_id, dtype, variant, monkeypatch):
+    """Rows with empty, sparse and overflowing tiles (recomputed by the fixup kernel), ragged last tile,
+    awkward K, output poisoned; a narrow scratch sends rows with many entries to the fixup kernel too."""
+    m, k, n, width, order = UPDOWN_CASES[case_id]
     gated = variant not in ("plain", "relu2")
     biases = variant in ("gated-bias", "fatrelu")
     case = make_ffn(m, k, n, MIXED, dtype, DEVICE, seed=k * n, biases=biases, gated=gated)
@@ -157,6 +160,7 @@ def test_up_down_matches_reference(case_id, dtype, variant):
     values, indices, counts = pack_dense(pre, threshold, tile_n, slots, square=variant == "relu2")
     if m > 1:
         assert (counts > slots).any() and (counts <= slots).all(1).any(), "rows with and without overflow"
+    monkeypatch.setattr(updown, "MAX_WIDTH", width)
     out = torch.full_like(case["x"], float("nan"))
     twell_up_down(
         case["x"],
@@ -175,7 +179,6 @@ def test_up_down_matches_reference(case_id, dtype, variant):
         square=variant == "relu2",
         out=out,
         order=order,
-        config=(entries, 4, 1),
     )
     if gated:
         ref = gated_ref(case, threshold, drelu=variant == "drelu")

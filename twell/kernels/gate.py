@@ -130,20 +130,13 @@ def _pack_tile(
     _pack_finish(cnt, offs_m, tile, M, vals_ptr, idx_ptr, cnt_ptr, n_tiles, SLOTS)
 
 
-# (BLOCK_M, BLOCK_K, num_warps, num_stages, SPLIT, PER_SM); BLOCK_N is the TwELL tile width: one GEMM
-# tile packs exactly one TwELL tile. PER_SM persistent programs per multiprocessor: with two, one
-# program's packing epilogue overlaps the other's mainloop (it needs operand tiles in half the shared
-# memory). Best on the H200 at tile 128 with one: 7.07 ms at M=131072, K=2048 (cuBLAS alone 4.26;
+# (BLOCK_M, BLOCK_K, num_warps, num_stages, SPLIT); BLOCK_N is the TwELL tile width: one GEMM tile packs
+# exactly one TwELL tile. Best on the H200 at tile 128: 7.07 ms at M=131072, K=2048 (cuBLAS alone 4.26;
 # flattening the persistent loop did not help): gpu_check-prefill-20261130-161757.json, NOTES.md.
 GATE_CONFIGS = [
-    (128, 64, 8, 4, 1, 1),
-    (128, 128, 8, 3, 1, 1),
-    (128, 64, 8, 4, 2, 1),
-    (128, 64, 8, 3, 1, 2),
-    (128, 64, 8, 3, 2, 2),
-    (64, 64, 4, 4, 1, 2),
-    (128, 32, 8, 4, 1, 2),
-    (64, 64, 4, 3, 1, 3),
+    (128, 64, 8, 4, 1),
+    (128, 128, 8, 3, 1),
+    (128, 64, 8, 4, 2),
 ]
 
 
@@ -161,8 +154,7 @@ def _prune(configs, named_args, **kwargs):
     return [
         c
         for c in configs
-        if _smem(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_K"], c.num_stages, tile_n, element) * c.kwargs["PER_SM"]
-        <= SMEM_LIMIT
+        if _smem(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_K"], c.num_stages, tile_n, element) <= SMEM_LIMIT
     ]
 
 
@@ -174,10 +166,8 @@ def _set_blocks(nargs):
 
 @triton.autotune(
     configs=[
-        triton.Config(
-            {"BLOCK_M": bm, "BLOCK_K": bk, "SPLIT": sp, "PER_SM": per_sm}, num_warps=w, num_stages=s, pre_hook=_set_blocks
-        )
-        for bm, bk, w, s, sp, per_sm in GATE_CONFIGS[: 1 if interpreting() else None]
+        triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "SPLIT": sp}, num_warps=w, num_stages=s, pre_hook=_set_blocks)
+        for bm, bk, w, s, sp in GATE_CONFIGS[: 1 if interpreting() else None]
     ],
     key=["M_BUCKET", "N", "K", "TILE_N", "SLOTS"],
     cache_results=True,  # tuned configs persist on disk across processes
@@ -205,7 +195,6 @@ def _gate_twell_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr,
-    PER_SM: tl.constexpr,  # read by the launch grid only
     GROUP_M: tl.constexpr = 8,
 ):
     """Persistent gate GEMM (TMA loads of x and W_g tiles) whose epilogue packs each output tile."""
@@ -236,17 +225,21 @@ def _gate_twell_kernel(
 
 
 PACK_CONFIGS = [
-    # (BLOCK_M, num_warps, num_stages): a memory-bound pass, so small tiles and many programs
-    (8, 4, 1),
-    (4, 2, 1),
-    (16, 4, 1),
-    (32, 4, 1),
-    (16, 8, 1),
+    # (BLOCK_M, TILES, num_warps, num_stages): a memory-bound pass; each program packs TILES tiles of
+    # its rows in a loop (loads of the next tile pipelined behind the current one's packing)
+    (8, 1, 4, 1),
+    (4, 1, 2, 1),
+    (16, 1, 4, 1),
+    (8, 4, 4, 2),
+    (8, 8, 4, 3),
+    (16, 4, 4, 2),
+    (16, 8, 8, 3),
+    (4, 8, 2, 3),
 ]
 
 
 @triton.autotune(
-    configs=autotune_configs(PACK_CONFIGS, lambda bm, w, s: {"BLOCK_M": bm}),
+    configs=autotune_configs(PACK_CONFIGS, lambda bm, tiles, w, s: {"BLOCK_M": bm, "TILES": tiles}),
     key=["M_BUCKET", "N", "TILE_N", "SLOTS"],
     cache_results=True,
 )
@@ -267,15 +260,16 @@ def _pack_dense_kernel(
     TILE_N: tl.constexpr,
     SLOTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    TILES: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    tile = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tile * TILE_N + tl.arange(0, TILE_N)
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_n[None, :] * stride_hn
-    acc = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    _pack_tile(acc, offs_m, tile, M, N, threshold, vals_ptr, idx_ptr, cnt_ptr, n_tiles, TILE_N, SLOTS, SQUARE, 1)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    first = tl.program_id(1) * TILES
+    rows = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm
+    for tile in tl.range(first, tl.minimum(first + TILES, n_tiles)):
+        offs_n = tile * TILE_N + tl.arange(0, TILE_N)
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        acc = tl.load(rows + offs_n[None, :] * stride_hn, mask=mask, other=0.0).to(tl.float32)
+        _pack_tile(acc, offs_m, tile, M, N, threshold, vals_ptr, idx_ptr, cnt_ptr, n_tiles, TILE_N, SLOTS, SQUARE, 1)
 
 
 def _alloc(m: int, n: int, tile_n: int, slots: int, dtype, device):
@@ -304,9 +298,7 @@ def fused_gate_supported(x: torch.Tensor, weight: torch.Tensor, tile_n: int) -> 
         return aligned
     if torch.cuda.get_device_capability(x.device)[0] < 9:
         return False
-    return any(
-        _smem(bm, bk, s, tile_n, x.element_size()) * per_sm <= SMEM_LIMIT for bm, bk, _, s, _, per_sm in GATE_CONFIGS
-    )
+    return any(_smem(bm, bk, s, tile_n, x.element_size()) <= SMEM_LIMIT for bm, bk, _, s, _ in GATE_CONFIGS)
 
 
 def gate_twell(
@@ -317,7 +309,7 @@ def gate_twell(
     tile_n: int,
     slots: int,
     square: bool = False,
-    config: tuple[int, int, int, int, int, int] | None = None,
+    config: tuple[int, int, int, int, int] | None = None,
 ):
     """TwELL arrays (values, indices, counts) of act_t(x @ weight^T + bias), x: [M, K], weight: [N, K];
     the dense gate never reaches memory.
@@ -344,13 +336,12 @@ def gate_twell(
     w_desc = TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [16, 16])
 
     def grid(meta):
-        return (min(programs * meta["PER_SM"], triton.cdiv(m, meta["BLOCK_M"]) * n_tiles),)
+        return (min(programs, triton.cdiv(m, meta["BLOCK_M"]) * n_tiles),)
 
     kernel, meta = _gate_twell_kernel, {}
     if config is not None:
-        block_m, block_k, warps, stages, split, per_sm = config
-        meta = {"BLOCK_M": block_m, "BLOCK_K": block_k, "SPLIT": split, "PER_SM": per_sm, "num_warps": warps,
-                "num_stages": stages}  # fmt: skip
+        block_m, block_k, warps, stages, split = config
+        meta = {"BLOCK_M": block_m, "BLOCK_K": block_k, "SPLIT": split, "num_warps": warps, "num_stages": stages}
         _set_blocks({"x_desc": x_desc, "w_desc": w_desc, "TILE_N": tile_n, **meta})
         kernel = _gate_twell_kernel.fn
     kernel[grid](
@@ -376,15 +367,28 @@ def gate_twell(
     return values, indices, counts
 
 
-def pack_dense(h: torch.Tensor, threshold: float, tile_n: int, slots: int, square: bool = False):
-    """TwELL arrays of a dense pre-activation h [M, N]: the pack pass for a cuBLAS gate."""
+def pack_dense(
+    h: torch.Tensor,
+    threshold: float,
+    tile_n: int,
+    slots: int,
+    square: bool = False,
+    config: tuple[int, int, int, int] | None = None,
+):
+    """TwELL arrays of a dense pre-activation h [M, N]: the pack pass for a cuBLAS gate. config: one
+    row of PACK_CONFIGS instead of autotuning (tests, benchmarks)."""
     if h.dim() != 2:
         raise ValueError(f"pack_dense expects h [M, N], got {list(h.shape)}")
     check_tile(tile_n, slots)
     m, n = h.shape
     values, indices, counts = _alloc(m, n, tile_n, slots, h.dtype, h.device)
     n_tiles = counts.shape[1]
-    _pack_dense_kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), n_tiles)](
+    kernel, meta = _pack_dense_kernel, {}
+    if config is not None:
+        block_m, tiles, warps, stages = config
+        kernel, meta = _pack_dense_kernel.fn, {"BLOCK_M": block_m, "TILES": tiles, "num_warps": warps,
+                                               "num_stages": stages}  # fmt: skip
+    kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n_tiles, meta["TILES"]))](
         h,
         values,
         indices,
@@ -399,5 +403,6 @@ def pack_dense(h: torch.Tensor, threshold: float, tile_n: int, slots: int, squar
         SQUARE=square,
         TILE_N=tile_n,
         SLOTS=slots,
+        **meta,
     )
     return values, indices, counts

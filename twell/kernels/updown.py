@@ -1,19 +1,18 @@
 """Fused sparse up + down projection from TwELL (Algorithm 2 of the paper), exact at any sparsity.
 
-One program per token row m, with the whole x_m and y_m rows in registers. The row's per-tile counts
-give a flat numbering of its R packed (gate value g, neuron n) entries (prefix sum over tiles in
-registers); the program walks them E at a time:
-    u_e = x_m . W_u[n_e]  (skipped for non-gated FFNs);  y_m += sum_e (g_e * u_e) W_d[n_e]
-with fp32 accumulation, the E entries' weight rows loaded together (more loads in flight per
-program: a long row's serial chain is R / E steps, not R). The hidden state never reaches global
-memory and rows of any length need no scratch.
+_twell_up_down_kernel, one program per token row m, shaped like the reference CUDA kernel: the row's
+per-tile counts become one flat list of its R (gate value g, neuron n) pairs in a per-row scratch
+(prefix sum over tiles in registers, CHUNK entries at a time); then, with the whole x_m and y_m rows in
+registers,
+    for each entry j:  u_j = x_m . W_u[n_j]  (skipped for non-gated FFNs);  y_m += (g_j * u_j) W_d[n_j]
+with fp32 accumulation: each entry loads both weight rows at once and the entry loop is
+software-pipelined. The hidden state never reaches global memory.
 
-Tiles whose count exceeds their slots (the hybrid format's overflow: the packed entries are
-incomplete) are recomputed from W_g in the same program, E neurons at a time, every kept neuron
-going through the same entry step: exact at any density, no dense backup buffer, no host.
-
-Rows are taken heaviest first (an argsort of the row totals on the device, `order=True`): a long row
-then runs beside the bulk of short ones instead of after them, at the end of the grid.
+It leaves two kinds of rows to _fixup_kernel, launched after it: rows with more than WIDTH entries
+(taken WIDTH at a time) and rows with a tile whose count exceeds its slots (the hybrid format's
+overflow: the packed entries are incomplete, so that tile's gate values are recomputed from W_g, a
+GEMV over TILE_N rows). Both are rare at the densities the prefill path is routed to, and neither
+needs a dense backup buffer or the host.
 W_d is read as rows of down_weight^T ([N, K]): pass down_weight.t() with unit stride on K.
 """
 
@@ -24,7 +23,10 @@ import triton
 import triton.language as tl
 
 from twell.kernels import policy
-from twell.kernels.common import interpreting, threshold_in
+from twell.kernels.common import autotune_configs, threshold_in
+
+CHUNK = 16  # entries flattened at a time
+MAX_WIDTH = 256  # scratch entries per row; rows with more take the fixup kernel
 
 
 @triton.jit
@@ -32,7 +34,7 @@ def _row_entries(
     cnt,
     incl,
     e,
-    live,
+    valid,
     m,
     n_tiles,
     vals_ptr,
@@ -47,18 +49,17 @@ def _row_entries(
     tile = tl.sum((incl[None, :] <= e[:, None]).to(tl.int32), axis=1)
     start = tl.sum(tl.where(offs_t[None, :] == tile[:, None], (incl - cnt)[None, :], 0), axis=1)
     slot_off = (m * n_tiles + tile) * SLOTS + (e - start)
-    g = tl.load(vals_ptr + slot_off, mask=live, other=0.0).to(tl.float32)
-    neuron = tile * TILE_N + tl.load(idx_ptr + slot_off, mask=live, other=0).to(tl.int32)
+    g = tl.load(vals_ptr + slot_off, mask=valid, other=0.0).to(tl.float32)
+    neuron = tile * TILE_N + tl.load(idx_ptr + slot_off, mask=valid, other=0).to(tl.int32)
     return g, neuron
 
 
 @triton.jit
-def _entries(
+def _entry(
     y,
     xv,
     g,
     neuron,
-    live,
     offs_k,
     k_ok,
     wu_ptr,
@@ -72,42 +73,35 @@ def _entries(
     HAS_UP_BIAS: tl.constexpr,
     DRELU: tl.constexpr,
 ):
-    """y + sum over the live entries e of (g_e * u_e) W_d[neuron_e], u_e = x . W_u[neuron_e] (+ bias,
-    dReLU); y + sum g_e W_d[neuron_e] for non-gated FFNs. Dead entries load nothing."""
-    rows = neuron.to(tl.int64)[:, None]
-    mask = live[:, None] & k_ok[None, :]
-    wd = tl.load(wd_ptr + rows * stride_dn + offs_k[None, :] * stride_dk, mask=mask, other=0.0).to(tl.float32)
+    """y + (g * u) W_d[neuron] with u = x . W_u[neuron] (+ bias, dReLU), or y + g W_d[neuron]."""
+    wd = tl.load(wd_ptr + neuron * stride_dn + offs_k * stride_dk, mask=k_ok, other=0.0).to(tl.float32)
     if HAS_UP:
-        wu = tl.load(wu_ptr + rows * stride_un + offs_k[None, :] * stride_uk, mask=mask, other=0.0).to(tl.float32)
-        u = tl.sum(wu * xv[None, :], axis=1)
+        wu = tl.load(wu_ptr + neuron * stride_un + offs_k * stride_uk, mask=k_ok, other=0.0).to(tl.float32)
+        u = tl.sum(wu * xv, axis=0)
         if HAS_UP_BIAS:
-            u += tl.load(bu_ptr + neuron, mask=live, other=0.0).to(tl.float32)
+            u += tl.load(bu_ptr + neuron).to(tl.float32)
         if DRELU:
             u = tl.where(u <= 0.0, 0.0, u)
         h = g * u
     else:
         h = g
-    h = tl.where(live, h, 0.0)
-    return y + tl.sum(h[:, None] * wd, axis=0)
+    return y + h * wd
 
 
-# (E, num_warps, num_stages): E entries per step of a row's loop, their weight rows loaded together
-UPDOWN_CONFIGS = [
-    (2, 4, 3),
-    (1, 4, 3),
-    (4, 4, 3),
-    (2, 8, 3),
-    (4, 8, 3),
-    (1, 8, 3),
+ROWVEC_CONFIGS = [
+    # (num_warps, num_stages): the whole K row lives in registers, entries stream one at a time
+    (4, 3),
+    (8, 3),
+    (4, 4),
+    (2, 3),
 ]
 
 
-def _configs() -> list[triton.Config]:
-    rows = UPDOWN_CONFIGS[:1] if interpreting() else UPDOWN_CONFIGS
-    return [triton.Config({"E": e}, num_warps=w, num_stages=s) for e, w, s in rows]
-
-
-@triton.autotune(configs=_configs(), key=["K", "TILE_N", "SLOTS", "HAS_UP"], cache_results=True)
+@triton.autotune(
+    configs=autotune_configs(ROWVEC_CONFIGS, lambda w, s: {}),
+    key=["K", "TILE_N", "SLOTS", "HAS_UP", "WIDTH"],
+    cache_results=True,
+)
 @triton.jit
 def _twell_up_down_kernel(
     x_ptr,
@@ -115,6 +109,80 @@ def _twell_up_down_kernel(
     idx_ptr,
     cnt_ptr,
     order_ptr,
+    wu_ptr,
+    bu_ptr,
+    wd_ptr,
+    bd_ptr,
+    y_ptr,
+    g_ptr,
+    n_ptr,
+    K,
+    n_tiles,
+    stride_xm,
+    stride_xk,
+    stride_un,
+    stride_uk,
+    stride_dn,
+    stride_dk,
+    stride_ym,
+    stride_yk,
+    HAS_ORDER: tl.constexpr,
+    HAS_UP: tl.constexpr,
+    HAS_UP_BIAS: tl.constexpr,
+    HAS_DOWN_BIAS: tl.constexpr,
+    DRELU: tl.constexpr,
+    TILE_N: tl.constexpr,
+    SLOTS: tl.constexpr,
+    TILES_PAD: tl.constexpr,
+    WIDTH: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The common row: no overflowing tile and at most WIDTH entries (the others: _fixup_kernel).
+    Program i takes row order[i] with HAS_ORDER (heaviest first), else row i."""
+    if HAS_ORDER:
+        m = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
+    else:
+        m = tl.program_id(0).to(tl.int64)
+    offs_t = tl.arange(0, TILES_PAD)
+    cnt = tl.load(cnt_ptr + m * n_tiles + offs_t, mask=offs_t < n_tiles, other=0)
+    total = tl.sum(cnt, axis=0)
+    if (tl.max(cnt, axis=0) > SLOTS) | (total > WIDTH):
+        return
+    incl = tl.cumsum(cnt, axis=0)
+    g_row = g_ptr + m * WIDTH
+    n_row = n_ptr + m * WIDTH
+    # flat list of the row's (gate value, neuron) pairs, so the entry loop below has no tile bookkeeping
+    for c0 in range(0, total, CHUNK):
+        e = c0 + tl.arange(0, CHUNK)
+        valid = e < total
+        g, neuron = _row_entries(cnt, incl, e, valid, m, n_tiles, vals_ptr, idx_ptr, TILE_N, SLOTS, TILES_PAD)
+        tl.store(g_row + e, g, mask=valid)
+        tl.store(n_row + e, neuron, mask=valid)
+    tl.debug_barrier()  # the loop below reads scratch entries that other threads of this program wrote
+
+    offs_k = tl.arange(0, BLOCK_K)
+    k_ok = offs_k < K
+    xv = tl.load(x_ptr + m * stride_xm + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
+    y = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for e in range(0, total):
+        g = tl.load(g_row + e)
+        neuron = tl.load(n_row + e).to(tl.int64)
+        y = _entry(
+            y, xv, g, neuron, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un, stride_uk, stride_dn, stride_dk,
+            HAS_UP, HAS_UP_BIAS, DRELU,
+        )  # fmt: skip
+    if HAS_DOWN_BIAS:
+        y += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + offs_k * stride_yk, y.to(y_ptr.dtype.element_ty), mask=k_ok)
+
+
+@triton.jit
+def _fixup_kernel(
+    x_ptr,
+    vals_ptr,
+    idx_ptr,
+    cnt_ptr,
     wg_ptr,
     bg_ptr,
     wu_ptr,
@@ -122,6 +190,8 @@ def _twell_up_down_kernel(
     wd_ptr,
     bd_ptr,
     y_ptr,
+    g_ptr,
+    n_ptr,
     N,
     K,
     n_tiles,
@@ -136,7 +206,6 @@ def _twell_up_down_kernel(
     stride_dk,
     stride_ym,
     stride_yk,
-    HAS_ORDER: tl.constexpr,
     HAS_UP: tl.constexpr,
     HAS_GATE_BIAS: tl.constexpr,
     HAS_UP_BIAS: tl.constexpr,
@@ -146,53 +215,72 @@ def _twell_up_down_kernel(
     TILE_N: tl.constexpr,
     SLOTS: tl.constexpr,
     TILES_PAD: tl.constexpr,
+    WIDTH: tl.constexpr,
+    CHUNK: tl.constexpr,
+    RECOMPUTE: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    E: tl.constexpr,
 ):
-    if HAS_ORDER:
-        m = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
-    else:
-        m = tl.program_id(0).to(tl.int64)
+    """The rows _twell_up_down_kernel leaves (every other program returns at once): more than WIDTH
+    entries, taken WIDTH at a time through the row's scratch; and tiles whose count exceeds their
+    slots, whose gate values are recomputed from W_g, RECOMPUTE neurons at a time, the kept ones going
+    through the scratch too."""
+    m = tl.program_id(0).to(tl.int64)
     offs_t = tl.arange(0, TILES_PAD)
     true_cnt = tl.load(cnt_ptr + m * n_tiles + offs_t, mask=offs_t < n_tiles, other=0)
-    cnt = tl.where(true_cnt > SLOTS, 0, true_cnt)  # an overflowing tile's packed entries are incomplete
+    if (tl.max(true_cnt, axis=0) <= SLOTS) & (tl.sum(true_cnt, axis=0) <= WIDTH):
+        return
+    cnt = tl.where(true_cnt > SLOTS, 0, true_cnt)
     incl = tl.cumsum(cnt, axis=0)
     total = tl.sum(cnt, axis=0)
+    g_row = g_ptr + m * WIDTH
+    n_row = n_ptr + m * WIDTH
     offs_k = tl.arange(0, BLOCK_K)
     k_ok = offs_k < K
     xv = tl.load(x_ptr + m * stride_xm + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
     y = tl.zeros([BLOCK_K], dtype=tl.float32)
-    offs_e = tl.arange(0, E)
-    for e0 in range(0, total, E):
-        e = e0 + offs_e
-        live = e < total
-        g, neuron = _row_entries(cnt, incl, e, live, m, n_tiles, vals_ptr, idx_ptr, TILE_N, SLOTS, TILES_PAD)
-        y = _entries(
-            y, xv, g, neuron, live, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un, stride_uk, stride_dn,
-            stride_dk, HAS_UP, HAS_UP_BIAS, DRELU,
-        )  # fmt: skip
-    if tl.max(true_cnt, axis=0) > SLOTS:
-        for t in range(0, n_tiles):
-            if tl.load(cnt_ptr + m * n_tiles + t) > SLOTS:
-                for c0 in range(0, TILE_N, E):
-                    cols = t * TILE_N + c0 + offs_e
-                    ok = (c0 + offs_e < TILE_N) & (cols < N)
-                    wg = tl.load(
-                        wg_ptr + cols.to(tl.int64)[:, None] * stride_gn + offs_k[None, :] * stride_gk,
-                        mask=ok[:, None] & k_ok[None, :],
-                        other=0.0,
-                    )
-                    g = tl.sum(wg.to(tl.float32) * xv[None, :], axis=1)
-                    if HAS_GATE_BIAS:
-                        g += tl.load(bg_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-                    g = g.to(y_ptr.dtype.element_ty).to(tl.float32)  # the dense gate's rounding
-                    kept = ((g > threshold) | (g != g)) & ok  # not (g <= t): NaN kept, as by relu
-                    if SQUARE:
-                        g = (g * g).to(y_ptr.dtype.element_ty).to(tl.float32)
-                    y = _entries(
-                        y, xv, g, cols, kept, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un, stride_uk,
-                        stride_dn, stride_dk, HAS_UP, HAS_UP_BIAS, DRELU,
+    for b0 in range(0, total, WIDTH):
+        block = tl.minimum(total - b0, WIDTH)
+        for c0 in range(0, block, CHUNK):
+            e = c0 + tl.arange(0, CHUNK)
+            valid = e < block
+            g, neuron = _row_entries(cnt, incl, b0 + e, valid, m, n_tiles, vals_ptr, idx_ptr, TILE_N, SLOTS, TILES_PAD)
+            tl.store(g_row + e, g, mask=valid)
+            tl.store(n_row + e, neuron, mask=valid)
+        tl.debug_barrier()
+        for e in range(0, block):
+            y = _entry(
+                y, xv, tl.load(g_row + e), tl.load(n_row + e).to(tl.int64), offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr,
+                stride_un, stride_uk, stride_dn, stride_dk, HAS_UP, HAS_UP_BIAS, DRELU,
+            )  # fmt: skip
+        tl.debug_barrier()  # the next block overwrites the scratch
+    offs_r = tl.arange(0, RECOMPUTE)
+    for t in range(0, n_tiles):
+        if tl.load(cnt_ptr + m * n_tiles + t) > SLOTS:
+            for c0 in range(0, TILE_N, RECOMPUTE):
+                cols = t * TILE_N + c0 + offs_r
+                ok = (c0 + offs_r < TILE_N) & (cols < N)
+                rows = cols.to(tl.int64)
+                wg = tl.load(
+                    wg_ptr + rows[:, None] * stride_gn + offs_k[None, :] * stride_gk, ok[:, None] & k_ok[None, :], 0.0
+                )
+                g = tl.sum(wg.to(tl.float32) * xv[None, :], axis=1)
+                if HAS_GATE_BIAS:
+                    g += tl.load(bg_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+                g = g.to(y_ptr.dtype.element_ty).to(tl.float32)  # the dense gate's rounding
+                kept = ((g > threshold) | (g != g)) & ok  # not (g <= t): NaN kept, as by relu
+                if SQUARE:
+                    g = (g * g).to(y_ptr.dtype.element_ty).to(tl.float32)
+                slot = tl.cumsum(kept.to(tl.int32), axis=0) - 1
+                n_kept = tl.sum(kept.to(tl.int32), axis=0)
+                tl.store(g_row + slot, g, mask=kept)
+                tl.store(n_row + slot, cols, mask=kept)
+                tl.debug_barrier()
+                for e in range(0, n_kept):
+                    y = _entry(
+                        y, xv, tl.load(g_row + e), tl.load(n_row + e).to(tl.int64), offs_k, k_ok, wu_ptr, bu_ptr,
+                        wd_ptr, stride_un, stride_uk, stride_dn, stride_dk, HAS_UP, HAS_UP_BIAS, DRELU,
                     )  # fmt: skip
+                tl.debug_barrier()
     if HAS_DOWN_BIAS:
         y += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + m * stride_ym + offs_k * stride_yk, y.to(y_ptr.dtype.element_ty), mask=k_ok)
@@ -216,21 +304,20 @@ def twell_up_down(
     square: bool = False,
     out: torch.Tensor | None = None,
     order: bool = True,
-    config: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """y [M, K] from x [M, K] and the TwELL arrays of act(x gate_weight^T + gate_bias).
 
     up_weight: [N, K] or None (non-gated: h = gate values, squared with `square`); gate_weight: [N, K],
     read only for overflowing tiles (count > slots), whose entries are recomputed; down_weight_t:
     [N, K] (= down_weight.t()). threshold: the activation's (as given to the gate). K <= policy.MAX_K:
-    whole rows are held in registers. order: take rows heaviest first. config: one row of
-    UPDOWN_CONFIGS instead of autotuning (tests, benchmarks).
+    whole rows are held in registers. order: rows heaviest first (an argsort of the row totals on the
+    device; it changes which program takes a row, never the row's result).
     """
     m, k = x.shape
     if k > policy.MAX_K:
         raise ValueError(f"twell_up_down needs K <= {policy.MAX_K} (rows live in registers), got K={k}")
     n = gate_weight.shape[0]
-    n_tiles = values.shape[1]
+    n_tiles, slots = values.shape[1], values.shape[2]
     if counts.shape != (m, n_tiles) or indices.shape != values.shape or values.shape[0] != m:
         raise ValueError(
             f"twell_up_down expects values/indices [{m}, T, S] and counts [{m}, T], got {list(values.shape)}, "
@@ -246,24 +333,42 @@ def twell_up_down(
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype):
         raise ValueError(f"out must be {list(x.shape)} {x.dtype}, got {list(out.shape)} {out.dtype}")
     y = torch.empty_like(x) if out is None else out
-    if m == 0:
-        return y
-    # rows heaviest first; the order changes which program takes a row, never its result
-    row_order = torch.argsort(counts.sum(1), descending=True).to(torch.int32) if order else counts
+    width = min(n_tiles * slots, MAX_WIDTH)
+    g_scratch = torch.empty(m, width, dtype=torch.float32, device=x.device)
+    n_scratch = torch.empty(m, width, dtype=torch.int32, device=x.device)
     dummy = x
-    kernel, meta = _twell_up_down_kernel, {}
-    if config is not None:
-        e, warps, stages = config
-        kernel, meta = _twell_up_down_kernel.fn, {"E": e, "num_warps": warps, "num_stages": stages}
-    kernel[(m,)](
-        x, values, indices, counts, row_order, gate_weight, gate_bias if gate_bias is not None else dummy,
-        *((up_weight, up_bias if up_bias is not None else dummy) if up_weight is not None else (dummy, dummy)),
-        down_weight_t, down_bias if down_bias is not None else dummy, y, n, k, n_tiles,
-        threshold_in(threshold, x.dtype), x.stride(0), x.stride(1), gate_weight.stride(0), gate_weight.stride(1),
-        *(up_weight.stride() if up_weight is not None else (0, 0)), down_weight_t.stride(0), down_weight_t.stride(1),
-        y.stride(0), y.stride(1), HAS_ORDER=order, HAS_UP=up_weight is not None, HAS_GATE_BIAS=gate_bias is not None,
-        HAS_UP_BIAS=up_bias is not None, HAS_DOWN_BIAS=down_bias is not None, DRELU=drelu, SQUARE=square,
-        TILE_N=tile_n, SLOTS=values.shape[2], TILES_PAD=max(triton.next_power_of_2(n_tiles), 2),
-        BLOCK_K=triton.next_power_of_2(k), **meta,
+    up = (up_weight, up_bias) if up_weight is not None else (dummy, dummy)
+    strides = (
+        *(up_weight.stride() if up_weight is not None else (0, 0)),
+        down_weight_t.stride(0),
+        down_weight_t.stride(1),
+        y.stride(0),
+        y.stride(1),
+    )
+    flags = {
+        "HAS_UP": up_weight is not None,
+        "HAS_UP_BIAS": up_bias is not None,
+        "HAS_DOWN_BIAS": down_bias is not None,
+        "DRELU": drelu,
+        "TILE_N": tile_n,
+        "SLOTS": slots,
+        "TILES_PAD": max(triton.next_power_of_2(n_tiles), 2),
+        "WIDTH": width,
+        "BLOCK_K": triton.next_power_of_2(k),
+    }
+    down_bias = down_bias if down_bias is not None else dummy
+    row_order = torch.argsort(counts.sum(1), descending=True).to(torch.int32) if order else counts
+    _twell_up_down_kernel[(m,)](
+        x, values, indices, counts, row_order, *up, down_weight_t, down_bias, y, g_scratch, n_scratch, k, n_tiles,
+        x.stride(0), x.stride(1), *strides, HAS_ORDER=order, CHUNK=CHUNK, **flags,
+    )  # fmt: skip
+    # neurons recomputed at a time: a [RECOMPUTE, BLOCK_K] tile of W_g in registers, kept ones fit the scratch
+    recompute = 1 << (min(16, max(1, 16384 // flags["BLOCK_K"]), tile_n, width).bit_length() - 1)
+    _fixup_kernel[(m,)](
+        x, values, indices, counts, gate_weight, gate_bias if gate_bias is not None else dummy, *up, down_weight_t,
+        down_bias, y, g_scratch, n_scratch, n, k, n_tiles, threshold_in(threshold, x.dtype), x.stride(0),
+        x.stride(1), gate_weight.stride(0), gate_weight.stride(1), *strides, HAS_GATE_BIAS=gate_bias is not None,
+        SQUARE=square, CHUNK=CHUNK, RECOMPUTE=recompute, num_warps=4,
+        **flags,
     )  # fmt: skip
     return y
