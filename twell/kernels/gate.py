@@ -225,21 +225,17 @@ def _gate_twell_kernel(
 
 
 PACK_CONFIGS = [
-    # (BLOCK_M, TILES, num_warps, num_stages): a memory-bound pass; each program packs TILES tiles of
-    # its rows in a loop (loads of the next tile pipelined behind the current one's packing)
-    (8, 1, 4, 1),
-    (4, 1, 2, 1),
-    (16, 1, 4, 1),
-    (8, 4, 4, 2),
-    (8, 8, 4, 3),
-    (16, 4, 4, 2),
-    (16, 8, 8, 3),
-    (4, 8, 2, 3),
+    # (BLOCK_M, num_warps, num_stages): a memory-bound pass, so small tiles and many programs
+    (8, 4, 1),
+    (4, 2, 1),
+    (16, 4, 1),
+    (32, 4, 1),
+    (16, 8, 1),
 ]
 
 
 @triton.autotune(
-    configs=autotune_configs(PACK_CONFIGS, lambda bm, tiles, w, s: {"BLOCK_M": bm, "TILES": tiles}),
+    configs=autotune_configs(PACK_CONFIGS, lambda bm, w, s: {"BLOCK_M": bm}),
     key=["M_BUCKET", "N", "TILE_N", "SLOTS"],
     cache_results=True,
 )
@@ -260,16 +256,15 @@ def _pack_dense_kernel(
     TILE_N: tl.constexpr,
     SLOTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    TILES: tl.constexpr,
 ):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    first = tl.program_id(1) * TILES
-    rows = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm
-    for tile in tl.range(first, tl.minimum(first + TILES, n_tiles)):
-        offs_n = tile * TILE_N + tl.arange(0, TILE_N)
-        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        acc = tl.load(rows + offs_n[None, :] * stride_hn, mask=mask, other=0.0).to(tl.float32)
-        _pack_tile(acc, offs_m, tile, M, N, threshold, vals_ptr, idx_ptr, cnt_ptr, n_tiles, TILE_N, SLOTS, SQUARE, 1)
+    pid_m = tl.program_id(0)
+    tile = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tile * TILE_N + tl.arange(0, TILE_N)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_n[None, :] * stride_hn
+    acc = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    _pack_tile(acc, offs_m, tile, M, N, threshold, vals_ptr, idx_ptr, cnt_ptr, n_tiles, TILE_N, SLOTS, SQUARE, 1)
 
 
 def _alloc(m: int, n: int, tile_n: int, slots: int, dtype, device):
@@ -367,28 +362,15 @@ def gate_twell(
     return values, indices, counts
 
 
-def pack_dense(
-    h: torch.Tensor,
-    threshold: float,
-    tile_n: int,
-    slots: int,
-    square: bool = False,
-    config: tuple[int, int, int, int] | None = None,
-):
-    """TwELL arrays of a dense pre-activation h [M, N]: the pack pass for a cuBLAS gate. config: one
-    row of PACK_CONFIGS instead of autotuning (tests, benchmarks)."""
+def pack_dense(h: torch.Tensor, threshold: float, tile_n: int, slots: int, square: bool = False):
+    """TwELL arrays of a dense pre-activation h [M, N]: the pack pass for a cuBLAS gate."""
     if h.dim() != 2:
         raise ValueError(f"pack_dense expects h [M, N], got {list(h.shape)}")
     check_tile(tile_n, slots)
     m, n = h.shape
     values, indices, counts = _alloc(m, n, tile_n, slots, h.dtype, h.device)
     n_tiles = counts.shape[1]
-    kernel, meta = _pack_dense_kernel, {}
-    if config is not None:
-        block_m, tiles, warps, stages = config
-        kernel, meta = _pack_dense_kernel.fn, {"BLOCK_M": block_m, "TILES": tiles, "num_warps": warps,
-                                               "num_stages": stages}  # fmt: skip
-    kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n_tiles, meta["TILES"]))](
+    _pack_dense_kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), n_tiles)](
         h,
         values,
         indices,
@@ -403,6 +385,5 @@ def pack_dense(
         SQUARE=square,
         TILE_N=tile_n,
         SLOTS=slots,
-        **meta,
     )
     return values, indices, counts
