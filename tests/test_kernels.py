@@ -131,12 +131,13 @@ def test_gate_twell_counts_overflow_and_refuses_unaligned_rows():
 
 
 UPDOWN_CASES = {
-    # m, k, n, scratch width, rows heaviest first
-    "m1": (1, 16, 64, 256, True),
-    "m40": (40, 72, 200, 256, True),
-    "m40-in-order": (40, 72, 200, 256, False),
-    "m40-narrow": (40, 72, 200, 8, True),
-    "m24-k33": (24, 33, 130, 256, True),
+    # m, k, n, scratch width, rows heaviest first, parts of a heavy row, heavy rows split (the rest whole)
+    "m1": (1, 16, 64, 256, True, 8, 1),
+    "m40": (40, 72, 200, 256, True, 8, 40),
+    "m40-in-order": (40, 72, 200, 256, False, 3, 40),
+    "m40-narrow": (40, 72, 200, 8, True, 4, 40),
+    "m40-narrow-few-split": (40, 72, 200, 8, True, 2, 3),
+    "m24-k33": (24, 33, 130, 256, True, 5, 2),
 }
 
 
@@ -144,9 +145,11 @@ UPDOWN_CASES = {
 @pytest.mark.parametrize("variant", ["gated", "gated-bias", "drelu", "plain", "relu2", "fatrelu"])
 @pytest.mark.parametrize("case_id", list(UPDOWN_CASES))
 def test_up_down_matches_reference(case_id, dtype, variant, monkeypatch):
-    """Rows with empty, sparse and overflowing tiles (recomputed by the fixup kernel), ragged last tile,
-    awkward K, output poisoned; a narrow scratch sends rows with many entries to the fixup kernel too."""
-    m, k, n, width, order = UPDOWN_CASES[case_id]
+    """Rows with empty, sparse and overflowing tiles (recomputed by the heavy-row kernel), ragged last
+    tile, awkward K, output poisoned; a narrow scratch sends rows with many entries to the heavy-row
+    kernel too, split in parts (more parts than some rows have entries or tiles) or, past the
+    partials' capacity, whole."""
+    m, k, n, width, order, splits, split_rows = UPDOWN_CASES[case_id]
     gated = variant not in ("plain", "relu2")
     biases = variant in ("gated-bias", "fatrelu")
     case = make_ffn(m, k, n, MIXED, dtype, DEVICE, seed=k * n, biases=biases, gated=gated)
@@ -158,6 +161,8 @@ def test_up_down_matches_reference(case_id, dtype, variant, monkeypatch):
     if m > 1:
         assert (counts > slots).any() and (counts <= slots).all(1).any(), "rows with and without overflow"
     monkeypatch.setattr(updown, "MAX_WIDTH", width)
+    monkeypatch.setattr(updown, "SPLITS", splits)
+    monkeypatch.setattr(updown, "PARTIAL_BYTES", split_rows * splits * k * 4)
     out = torch.full_like(case["x"], float("nan"))
     twell_up_down(
         case["x"],
