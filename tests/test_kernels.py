@@ -189,6 +189,27 @@ def test_up_down_matches_reference(case_id, dtype, variant, monkeypatch):
     assert rel_err(out, ref) <= TOL[dtype] * (4 if variant == "relu2" else 1)
 
 
+def test_up_down_heavy_rows_split_or_whole_give_the_same_bits(monkeypatch):
+    """Which heavy rows get split depends on the order the main kernel lists them in (atomics on a
+    GPU): a row taken whole must come out bit for bit as its split partials would."""
+    case = make_ffn(40, 72, 200, MIXED, torch.float32, DEVICE, seed=3, biases=True)
+    pre = torch.nn.functional.linear(case["x"], case["gate_weight"], case["gate_bias"])
+    values, indices, counts = pack_dense(pre, 0.0, 32, 8)
+    monkeypatch.setattr(updown, "MAX_WIDTH", 8)
+    monkeypatch.setattr(updown, "SPLITS", 4)
+    runs = []
+    for split_rows in (40, 1):
+        monkeypatch.setattr(updown, "PARTIAL_BYTES", split_rows * 4 * 72 * 4)
+        runs.append(
+            twell_up_down(
+                case["x"], values, indices, counts, case["gate_weight"], case["gate_bias"], case["up_weight"],
+                case["up_bias"], case["down_weight"].t(), case["down_bias"], tile_n=32, threshold=0.0,
+            )  # fmt: skip
+        )
+    assert (counts.sum(1) > 8).sum() > 10, "most rows heavy"
+    assert torch.equal(runs[0], runs[1])
+
+
 def test_up_down_checks_its_arrays():
     case = make_ffn(4, 16, 64, [0.1], torch.float32, DEVICE)
     values, indices, counts = pack_dense(case["x"] @ case["gate_weight"].T, 0.0, 32, 8)

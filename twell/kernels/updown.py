@@ -31,7 +31,7 @@ from twell.kernels.common import autotune_configs, threshold_in
 CHUNK = 16  # entries flattened at a time
 MAX_WIDTH = 256  # scratch entries per row; rows with more take the heavy-row kernel
 SPLITS = 8  # parts of a heavy row, each a program's work
-PARTIAL_BYTES = 64 << 20  # fp32 partials of split rows; rows past this capacity are taken whole
+PARTIAL_BYTES = 256 << 20  # fp32 partials of split rows; rows past this capacity are taken whole
 
 
 @triton.jit
@@ -342,7 +342,8 @@ def _heavy_kernel(
     BLOCK_K: tl.constexpr,
 ):
     """Persistent over the heavy list's SPLITS parts per row: rows i < capacity in SPLITS partials
-    (the last part to arrive sums them in order), later rows whole by their part 0."""
+    (the last part to arrive sums them in order), later rows whole by their part 0. Which rows are
+    split depends on the order the main kernel listed them in; the result does not."""
     pid = tl.program_id(0)
     g_row = g_ptr + pid * WIDTH
     n_row = n_ptr + pid * WIDTH
@@ -356,12 +357,16 @@ def _heavy_kernel(
         if split | (part == 0):
             m = tl.load(heavy_ptr + 1 + i).to(tl.int64)
             xv = tl.load(x_ptr + m * stride_xm + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
-            y = _heavy_part(
-                xv, offs_k, k_ok, m, tl.where(split, part, 0), tl.where(split, SPLITS, 1), vals_ptr, idx_ptr,
-                cnt_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, wd_ptr, g_row, n_row, N, n_tiles, threshold, stride_gn,
-                stride_gk, stride_un, stride_uk, stride_dn, stride_dk, HAS_UP, HAS_GATE_BIAS, HAS_UP_BIAS, DRELU,
-                SQUARE, y_ptr.dtype.element_ty, TILE_N, SLOTS, TILES_PAD, WIDTH, CHUNK, RECOMPUTE, BLOCK_K,
-            )  # fmt: skip
+            # a whole row goes through the same parts, summed in the same order: the same bits either way
+            y = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for p in range(tl.where(split, part, 0), tl.where(split, part + 1, SPLITS)):
+                y_p = _heavy_part(
+                    xv, offs_k, k_ok, m, p, SPLITS, vals_ptr, idx_ptr, cnt_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr,
+                    wd_ptr, g_row, n_row, N, n_tiles, threshold, stride_gn, stride_gk, stride_un, stride_uk,
+                    stride_dn, stride_dk, HAS_UP, HAS_GATE_BIAS, HAS_UP_BIAS, DRELU, SQUARE, y_ptr.dtype.element_ty,
+                    TILE_N, SLOTS, TILES_PAD, WIDTH, CHUNK, RECOMPUTE, BLOCK_K,
+                )  # fmt: skip
+                y += y_p
             if split:
                 partial = part_ptr + (i * SPLITS).to(tl.int64) * K + offs_k
                 tl.store(partial + part * K, y, mask=k_ok)
@@ -460,7 +465,9 @@ def twell_up_down(
         "BLOCK_K": triton.next_power_of_2(k),
     }
     down_bias = down_bias if down_bias is not None else dummy
-    row_order = torch.argsort(counts.sum(1), descending=True).to(torch.int32) if order else counts
+    row_order = counts
+    if order:  # a one-byte key sorts in one radix pass; rows past 255 entries are heavy-kernel rows anyway
+        row_order = torch.argsort(counts.sum(1).clamp_(max=255).to(torch.uint8), descending=True).to(torch.int32)
     _twell_up_down_kernel[(m,)](
         x, values, indices, counts, row_order, heavy, *up, down_weight_t, down_bias, y, g_scratch, n_scratch, k,
         n_tiles, x.stride(0), x.stride(1), *strides, HAS_ORDER=order, CHUNK=CHUNK, **flags,
