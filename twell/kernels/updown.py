@@ -342,43 +342,43 @@ def _heavy_kernel(
     BLOCK_K: tl.constexpr,
 ):
     """Persistent over the heavy list's SPLITS parts per row: rows i < capacity in SPLITS partials
-    (the last part to arrive sums them in order), later rows whole by their part 0. Which rows are
+    (the last part to arrive sums them in order), later rows whole, one item each. Which rows are
     split depends on the order the main kernel listed them in; the result does not."""
     pid = tl.program_id(0)
     g_row = g_ptr + pid * WIDTH
     n_row = n_ptr + pid * WIDTH
     offs_k = tl.arange(0, BLOCK_K)
     k_ok = offs_k < K
-    n_items = tl.load(heavy_ptr) * SPLITS
-    for item in range(pid, n_items, tl.num_programs(0)):
-        i = item // SPLITS
+    n_heavy = tl.load(heavy_ptr)
+    n_split = tl.minimum(n_heavy, capacity) * SPLITS  # items: the split rows' parts, then whole rows
+    for item in range(pid, n_split + tl.maximum(n_heavy - capacity, 0), tl.num_programs(0)):
+        split = item < n_split
+        i = tl.where(split, item // SPLITS, capacity + item - n_split)
         part = item % SPLITS
-        split = i < capacity
-        if split | (part == 0):
-            m = tl.load(heavy_ptr + 1 + i).to(tl.int64)
-            xv = tl.load(x_ptr + m * stride_xm + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
-            # a whole row goes through the same parts, summed in the same order: the same bits either way
-            y = tl.zeros([BLOCK_K], dtype=tl.float32)
-            for p in range(tl.where(split, part, 0), tl.where(split, part + 1, SPLITS)):
-                y_p = _heavy_part(
-                    xv, offs_k, k_ok, m, p, SPLITS, vals_ptr, idx_ptr, cnt_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr,
-                    wd_ptr, g_row, n_row, N, n_tiles, threshold, stride_gn, stride_gk, stride_un, stride_uk,
-                    stride_dn, stride_dk, HAS_UP, HAS_GATE_BIAS, HAS_UP_BIAS, DRELU, SQUARE, y_ptr.dtype.element_ty,
-                    TILE_N, SLOTS, TILES_PAD, WIDTH, CHUNK, RECOMPUTE, BLOCK_K,
-                )  # fmt: skip
-                y += y_p
-            if split:
-                partial = part_ptr + (i * SPLITS).to(tl.int64) * K + offs_k
-                tl.store(partial + part * K, y, mask=k_ok)
-                tl.debug_barrier()  # every thread's partial is stored before the arrival is published
-                if tl.atomic_add(sem_ptr + i, 1, sem="acq_rel") == SPLITS - 1:
-                    # the last part of this row: sum the partials in part order
-                    y = tl.zeros([BLOCK_K], dtype=tl.float32)
-                    for p in range(0, SPLITS):
-                        y += tl.load(partial + p * K, mask=k_ok, other=0.0, cache_modifier=".cg")
-                    _store_row(y, m, bd_ptr, y_ptr, offs_k, k_ok, stride_ym, stride_yk, HAS_DOWN_BIAS)
-            else:
+        m = tl.load(heavy_ptr + 1 + i).to(tl.int64)
+        xv = tl.load(x_ptr + m * stride_xm + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
+        # a whole row goes through the same parts, summed in the same order: the same bits either way
+        y = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for p in range(tl.where(split, part, 0), tl.where(split, part + 1, SPLITS)):
+            y_p = _heavy_part(
+                xv, offs_k, k_ok, m, p, SPLITS, vals_ptr, idx_ptr, cnt_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr,
+                wd_ptr, g_row, n_row, N, n_tiles, threshold, stride_gn, stride_gk, stride_un, stride_uk,
+                stride_dn, stride_dk, HAS_UP, HAS_GATE_BIAS, HAS_UP_BIAS, DRELU, SQUARE, y_ptr.dtype.element_ty,
+                TILE_N, SLOTS, TILES_PAD, WIDTH, CHUNK, RECOMPUTE, BLOCK_K,
+            )  # fmt: skip
+            y += y_p
+        if split:
+            partial = part_ptr + (i * SPLITS).to(tl.int64) * K + offs_k
+            tl.store(partial + part * K, y, mask=k_ok)
+            tl.debug_barrier()  # every thread's partial is stored before the arrival is published
+            if tl.atomic_add(sem_ptr + i, 1, sem="acq_rel") == SPLITS - 1:
+                # the last part of this row: sum the partials in part order
+                y = tl.zeros([BLOCK_K], dtype=tl.float32)
+                for p in range(0, SPLITS):
+                    y += tl.load(partial + p * K, mask=k_ok, other=0.0, cache_modifier=".cg")
                 _store_row(y, m, bd_ptr, y_ptr, offs_k, k_ok, stride_ym, stride_yk, HAS_DOWN_BIAS)
+        else:
+            _store_row(y, m, bd_ptr, y_ptr, offs_k, k_ok, stride_ym, stride_yk, HAS_DOWN_BIAS)
 
 
 def _programs(device: torch.device) -> int:
