@@ -18,7 +18,7 @@ DECODE_MAX_M = 8
 # 9-16 tokens: decode where the layer is known sparse (1.19-1.37x at <= 1%; 1.06-1.17x at 2%, 0.85x at 5%)
 DECODE_SPARSE_MAX_M = 16
 DECODE_SPARSE_DENSITY = 0.01
-PREFILL_MIN_M: int | None = 8192
+PREFILL_MIN_M: int | None = 16384
 # Gate of the prefill path: the persistent TMA GEMM with the packing epilogue (True) or cuBLAS + the
 # pack pass (False); the faster measured at K=2048/N=5632 and K=4096/N=14336 on an H200.
 FUSED_GATE = False

@@ -31,7 +31,7 @@ from twell.kernels.common import autotune_configs, threshold_in
 CHUNK = 16  # entries flattened at a time
 MAX_WIDTH = 256  # scratch entries per row; rows with more take the heavy-row kernel
 SPLITS = 8  # parts of a heavy row, each a program's work
-PARTIAL_BYTES = 256 << 20  # fp32 partials of split rows; rows past this capacity are taken whole
+PARTIAL_BYTES = 64 << 20  # fp32 partials of split rows; rows past this capacity are taken whole
 
 
 @triton.jit
