@@ -16,6 +16,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import rel_err
+from models import LAYERS, VOCAB
+from models import build as build_family
+
+import twell
 
 pytest.importorskip("transformers")
 if not dist.is_available() or not dist.is_gloo_available():
@@ -61,7 +66,9 @@ def op_calls():
 
     def recording(fn):
         def call(x, gate_weight, *args, **kwargs):
-            assert type(gate_weight) is torch.Tensor or isinstance(gate_weight, torch.nn.Parameter)
+            from torch.distributed.tensor import DTensor
+
+            assert not isinstance(gate_weight, DTensor), "the op must see this rank's tensors"
             shapes.append(tuple(gate_weight.shape))
             return fn(x, gate_weight, *args, **kwargs)
 
@@ -81,8 +88,6 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def assert_close(name, got, want, tol=1e-5):
-    from conftest import rel_err
-
     err = rel_err(full(got), want)
     assert err < tol, f"{name}: relative error {err:.2e} (rank {dist.get_rank()})"
 
@@ -93,15 +98,12 @@ def assert_same_on_every_rank(value) -> None:
     assert all(v == values[0] for v in values), values
 
 
-def build(**overrides):
-    from models import build as build_model
-
-    return build_model("llama", mlp_bias=True, seed=3, **overrides)
+def build():
+    """The tiny Llama (ReLU, biases on the FFN's linears), the same on every rank."""
+    return build_family("llama", mlp_bias=True, seed=3)
 
 
 def batch(rank: int) -> torch.Tensor:
-    from models import VOCAB
-
     return torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(10 + rank))
 
 
@@ -126,8 +128,6 @@ CALIBRATION = {
 
 
 def rewritten(model) -> list[str]:
-    import twell
-
     return sorted(r.path for r in twell.report(model) if r.rewritten)
 
 
@@ -191,9 +191,6 @@ def fully_shard_layers(model, mesh):
 
 
 def fsdp_worker(rank, mesh):
-    from models import LAYERS
-
-    import twell
 
     reference = fsdp_reference()
     model = build().train()
@@ -269,9 +266,8 @@ def down_rows(model, layer=0) -> bool:
 
 
 def tp_worker(rank, mesh):
-    from models import LAYERS
-
-    import twell
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     ids = batch(0)  # tensor parallelism: the same tokens on every rank
     reference = build()
@@ -291,9 +287,29 @@ def tp_worker(rank, mesh):
     assert_close("logits", got.logits.detach(), out.logits)
     for name, p in model.named_parameters():
         assert_close(f"grad of {name}", p.grad, dict(reference.named_parameters())[name].grad)
+    # a hook of someone else's on a linear: the FFN runs its original forward (PyTorch's TP)
+    handle = model.model.layers[0].mlp.gate_proj.register_forward_hook(lambda *args: None)
+    with op_calls() as shapes:
+        assert_close("logits, extra hook", model(ids).logits.detach(), out.logits)
+    assert shapes == [(32, 32)] * (LAYERS - 1), shapes
+    handle.remove()
     twell.restore(model)
     assert not down_rows(model)
     assert_close("logits after restore", model(ids).logits.detach(), out.logits)
+
+    # An FFN written inline in its layer (OPT's fc1/fc2) is not rewritten when its linears are sharded.
+    opt_reference = build_family("opt")
+    opt = build_family("opt")
+    plan = {}
+    for i in range(LAYERS):
+        plan.update(
+            {f"model.decoder.layers.{i}.fc1": ColwiseParallel(), f"model.decoder.layers.{i}.fc2": RowwiseParallel()}
+        )
+    parallelize_module(opt, mesh, plan)
+    twell.sparsify(opt)
+    assert rewritten(opt) == []
+    assert all("tensor-parallel" in r.reason for r in twell.report(opt)), twell.report(opt).to_dict()
+    assert_close("OPT logits", opt(ids).logits.detach(), opt_reference(ids).logits.detach())
 
     # sparsify, then parallelize_module: exact too; the shards keep the nn.Linear layout (documented)
     model = parallelize(twell.sparsify(build()), mesh)
@@ -303,8 +319,6 @@ def tp_worker(rank, mesh):
     assert not down_rows(model)
 
     # Sequence parallelism: the plan's layouts are honoured (sequence-sharded input and output)
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     layer = build().model.layers[0]
     plan = {
