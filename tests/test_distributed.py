@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import os
 import socket
 
@@ -41,6 +42,7 @@ def _spawn(worker) -> None:
 
 
 def _bootstrap(rank: int, worker, port: int) -> None:
+    faulthandler.enable()  # a rank killed by a signal (an abort in C++) shows its Python stack
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # a rank waiting on a collective the other will never join fails instead of hanging
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
