@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import platform
@@ -348,6 +349,7 @@ def worker(args) -> None:
             else:
                 print(json.dumps({k: v for k, v in result.items() if k in ("fsdp", "tp")}, indent=1))
     finally:
+        gc.collect()  # models' reference cycles may hold pending collectives: free them before the group
         dist.destroy_process_group()
 
 

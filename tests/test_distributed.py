@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import faulthandler
+import gc
 import os
 import socket
 
@@ -55,6 +56,9 @@ def _bootstrap(rank: int, worker, port: int) -> None:
 
         worker(rank, init_device_mesh("cpu", (WORLD,)))
     finally:
+        # Models form reference cycles (hooks, stand-ins) that may hold gloo's pending work objects;
+        # freed at interpreter shutdown instead, they abort the process.
+        gc.collect()
         dist.destroy_process_group()
 
 
