@@ -160,7 +160,7 @@ def time_steps(step, inputs, args, device) -> list[float]:
         start = time.perf_counter()
         step(inputs[i % len(inputs)])
         synchronize(device)
-        elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+        elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64, device=device)  # NCCL: on GPU
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if i >= args.warmup:
             times.append(elapsed.item())
