@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
+from twell.distributed import tensor_parallel_linear
 from twell.passes.match import Dialect, FFNMatch, find_matches, skip_identities
 from twell.passes.modules import TWELL_MODULES, FFNSpec
 
@@ -200,6 +201,9 @@ def _candidate(path: str, module: nn.Module, graph: fx.Graph, match: FFNMatch, i
         problems.append("the model itself is the FFN; sparsify a module that contains it")
     if whole and "forward" in module.__dict__:
         problems.append("forward is replaced on the instance (e.g. by offloading hooks)")
+    linears = [module.get_submodule(name) for name in (gate_name, up_name, down_name) if name is not None]
+    if not whole and any(tensor_parallel_linear(m) for m in linears):
+        problems.append("tensor-parallel linears of an FFN written inline in a bigger forward (twell runs FFN modules)")
     if not whole and not problems:
         activation_children, reason = _inline_children(graph, match)
         if reason:
