@@ -6,10 +6,11 @@ Model: hidden 2048, intermediate 5632 (the FFN shape of benchmarks/ffn.py), 16 h
 weights. Each layer's gate bias is set from that layer's own inputs (random prompts through the layers
 below it, already biased) so that every neuron fires on `density` of the tokens: uniform neuron
 rates, with whatever row spread the model's activations give.
-Per batch size: greedy `generate()` with a static cache and the forward compiled with
-mode="reduce-overhead" (CUDA graphs; --eager: neither, so host launch overhead counts), dense first,
-then the same model after twell.sparsify; each timed as the median of --repeats runs after one
-warm-up run. tokens/s = batch * new tokens / time. The generated
+Per batch size: greedy `generate()` with a static cache, eager (transformers 5.17 did not compile the
+step itself, and compiling the forward with mode="reduce-overhead" under generate() failed: its CUDA
+graphs' outputs are overwritten by the next step), dense first, then the same model after
+twell.sparsify; each timed as the median of --repeats runs after one warm-up run. Eager, each FFN
+call's host launch overhead is part of the time. tokens/s = batch * new tokens / time. The generated
 tokens of both are compared (random weights make near-ties in the logits likely, so a late
 divergence is reported, not hidden). JSON to benchmarks/results/ (or --out).
 """
@@ -62,11 +63,7 @@ def build(layers: int, density: float, seed: int = 0, calib_tokens: int = 4096):
     return model
 
 
-def timed_generate(model, prompt, new_tokens, repeats, compiled):
-    forward = model.forward
-    if compiled:  # transformers' recipe for static-cache generation: CUDA graphs via reduce-overhead
-        model.forward = torch.compile(forward, mode="reduce-overhead", fullgraph=True)
-
+def timed_generate(model, prompt, new_tokens, repeats):
     def run():
         return model.generate(
             prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
@@ -82,7 +79,6 @@ def timed_generate(model, prompt, new_tokens, repeats, compiled):
             run()
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
-    model.forward = forward
     return out[:, prompt.shape[1] :], statistics.median(times)
 
 
@@ -94,7 +90,6 @@ def main():
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--density", type=float, default=0.005)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--eager", action="store_true", help="no torch.compile: host launch overhead included")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     model = build(args.layers, args.density)
@@ -108,11 +103,11 @@ def main():
         "rows": [],
     }
     prompts = {b: torch.randint(0, 32000, (b, args.prompt), device="cuda") for b in map(int, args.batches.split(","))}
-    dense = {b: timed_generate(model, p, args.new_tokens, args.repeats, not args.eager) for b, p in prompts.items()}
+    dense = {b: timed_generate(model, p, args.new_tokens, args.repeats) for b, p in prompts.items()}
     twell.sparsify(model)
     print(twell.report(model).summary(), flush=True)
     for b, prompt in prompts.items():
-        tokens, seconds = timed_generate(model, prompt, args.new_tokens, args.repeats, not args.eager)
+        tokens, seconds = timed_generate(model, prompt, args.new_tokens, args.repeats)
         ref, dense_s = dense[b]
         same = (tokens == ref).all(0)
         diverged = int((~same).nonzero()[0]) if not same.all() else None
