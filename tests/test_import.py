@@ -37,3 +37,16 @@ def test_calibrate_and_sparsify_stay_functions():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_train_is_a_lazy_attribute():
+    """twell.train loads on first access, and loading it imports neither transformers nor the passes."""
+    code = (
+        "import sys, twell\n"
+        "assert 'twell.train' not in sys.modules\n"
+        "assert callable(twell.train.l1_penalty) and callable(twell.train.relufy)\n"
+        "bad = [m for m in ('transformers', 'triton', 'twell.passes') if m in sys.modules]\n"
+        "assert not bad, f'imported by twell.train: {bad}'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

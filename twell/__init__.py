@@ -3,6 +3,7 @@
     import twell
     model = twell.sparsify(model)          # rewrite sparse FFNs to twell ops
     torch.compile(model, backend="twell")  # or through the compile backend
+    twell.train.relufy(model)              # training sparse models: ReLU gates, the L1 penalty
 
 Importing twell initialises no CUDA context, compiles no kernel and imports no transformers:
 everything heavy loads on first use.
@@ -23,6 +24,7 @@ __version__ = "0.1.0"
 # attribute of this package when it is first imported, which would replace a lazily bound function.
 _LAZY = {
     "ops": ("twell.ops", None),
+    "train": ("twell.train", None),
 }
 
 

@@ -1,0 +1,329 @@
+"""Training sparse models: the L1 activation penalty and relufication.
+
+    twell.train.relufy(model)                 # SiLU/GELU FFN activations -> ReLU, for sparsity fine-tuning
+    with twell.train.track_l1(model):         # hooks every FFN; each forward records its mean |h|
+        out = model(ids, labels=ids)
+        loss = out.loss + lam * twell.train.l1_penalty(model)
+        loss.backward()
+
+h is an FFN's hidden activation, the input of its down projection: act(x W_gate^T) * (x W_up^T) for a
+gated FFN, act(x W_up^T) for a plain one. The penalty is the mean over FFN layers of
+(1/(M*N)) * sum |h| for the layer's [M, N] hidden activation in the model's last forward; with ReLU
+gates it drives most of h to exactly zero.
+
+FFNs are found by twell's FFN matcher (twell.passes). Where an FFN runs as written, a forward pre-hook
+on its down projection reads h as it is computed, at no extra cost. Where twell.sparsify rewrote it
+(SparseFFN, InlineFFN), the op never materialises h: a hook on the rewritten module recomputes it from
+the module's input and weights, two extra [M, K] x [K, N] products (one for a plain FFN) forward and
+their backward. A tracker therefore belongs to the model's structure at the time it was registered:
+sparsify refuses FFNs whose down projection carries a hook, so sparsify first (or remove the tracker).
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Attribute on the model instance holding its L1Tracker (one per model).
+_TRACKER = "_twell_l1_tracker"
+
+# Activation names (as twell's matcher reports them, lower-cased) that relufy switches to ReLU.
+SWITCHABLE = ("silu", "swish", "gelu")
+
+
+# ---------------------------------------------------------------------------------------------------
+# L1 activation penalty
+
+
+class _Probe:
+    """Records one FFN's mean |h| (differentiable) and density (detached) into its tracker.
+
+    spec: None when hooked on the down projection (h is its input); else the FFNSpec of the rewritten
+    module whose input x it receives, from which h is recomputed."""
+
+    def __init__(self, tracker: L1Tracker, path: str, spec=None):
+        self.tracker = tracker
+        self.path = path
+        self.spec = spec
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.spec is None:
+            hidden = args[0] if args else kwargs["input"]
+        else:
+            x = args[0] if args else kwargs[self.spec.input_name]
+            hidden = _recompute_hidden(self.spec, module, x)
+        self.tracker._record(self.path, hidden)
+
+
+def _linear_rows(linear: nn.Module, rows: slice | None, x: torch.Tensor) -> torch.Tensor:
+    weight, bias = linear.weight, linear.bias
+    if rows is not None:
+        weight, bias = weight[rows], None if bias is None else bias[rows]
+    return F.linear(x, weight, bias)
+
+
+def _recompute_hidden(spec, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """h [..., N] of a rewritten FFN from its input x [..., K]: what twell.ops computes before the down
+    projection (kept entries are those not <= spec.threshold)."""
+    if hasattr(module, "sync_original") and spec.down in module._modules:  # SparseFFN: children by name
+        gate = getattr(module, spec.gate)
+        up = getattr(module, spec.up) if spec.up is not None else None
+    else:  # InlineFFN: the layer's gate and up stand-ins
+        gate, up = module.__dict__["gate"], module.__dict__["up"]
+    pre = _linear_rows(gate, spec.gate_rows, x)
+    hidden = pre.masked_fill(pre <= spec.threshold, 0.0)
+    if spec.kind == "plain":
+        return hidden * hidden if spec.squared else hidden
+    up_out = _linear_rows(up, spec.up_rows, x)
+    return hidden * (torch.relu(up_out) if spec.drelu else up_out)
+
+
+class L1Tracker:
+    """Forward hooks on every FFN of a model, recording each layer's mean |h| of the last forward.
+
+    Made by track_l1(model); remove() (or leaving its `with` block) detaches the hooks. `l1` maps FFN
+    path -> mean |h| (a scalar tensor in the autograd graph) of that FFN's last call."""
+
+    def __init__(self, model: nn.Module):
+        from twell.passes import scan
+        from twell.passes.modules import InlineFFN, SparseFFN
+
+        self.model = model
+        self.l1: dict[str, torch.Tensor] = {}
+        self._nonzero: dict[str, torch.Tensor] = {}
+        self._handles = []
+        candidates, _ = scan(model)
+        untrackable = [c for c in candidates if c.spec is None]
+        if untrackable:
+            lines = "\n".join(f"  {c.path}: {c.reason}" for c in untrackable)
+            raise ValueError(
+                "twell.train.track_l1 tracks FFNs twell can rewrite (a ReLU-family activation, plain "
+                f"nn.Linear projections); these are not:\n{lines}\n"
+                "twell.train.relufy(model) switches SiLU/GELU activations to ReLU."
+            )
+        hooks: list[tuple[nn.Module, _Probe]] = []
+        for c in candidates:
+            hooks.append((getattr(c.owner, c.spec.down), _Probe(self, c.path)))
+        for path, module in model.named_modules():
+            if isinstance(module, SparseFFN):
+                hooks.append((module, _Probe(self, path, module.spec)))
+            elif isinstance(module, InlineFFN):
+                spec = module.spec  # named as the candidate was: owner[gate,up,down] or owner[up,down]
+                names = [n for n in (spec.gate, spec.up, spec.down) if n is not None]
+                hooks.append((module, _Probe(self, f"{path.rpartition('.')[0]}[{','.join(names)}]", spec)))
+        if not hooks:
+            raise ValueError(f"no FFN found in {type(model).__name__}: nothing to penalise")
+        for module, probe in hooks:
+            self._handles.append(module.register_forward_pre_hook(probe, with_kwargs=True))
+        self.paths = [probe.path for _, probe in hooks]
+        model.__dict__[_TRACKER] = self
+
+    def _record(self, path: str, hidden: torch.Tensor) -> None:
+        self.l1[path] = hidden.abs().mean()
+        with torch.no_grad():
+            self._nonzero[path] = torch.stack([torch.count_nonzero(hidden).double(), torch.tensor(hidden.numel())])
+
+    def penalty(self) -> torch.Tensor:
+        """Mean over FFN layers of the layer's mean |h| in the last forward (differentiable)."""
+        if not self.l1:
+            raise RuntimeError("no forward recorded yet: run the model, then take the penalty")
+        values = list(self.l1.values())
+        return torch.stack([v.to(values[0].device) for v in values]).mean()
+
+    def density(self) -> dict[str, float]:
+        """FFN path -> fraction of h that was nonzero in its last call (synchronises with the device)."""
+        return {path: float(counts[0] / counts[1]) for path, counts in self._nonzero.items()}
+
+    def remove(self) -> None:
+        """Detach the hooks and forget the records; l1_penalty(model) then raises."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.l1.clear()
+        self._nonzero.clear()
+        if self.model.__dict__.get(_TRACKER) is self:
+            del self.model.__dict__[_TRACKER]
+
+    def __enter__(self) -> L1Tracker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return f"L1Tracker({len(self.paths)} FFNs)"
+
+
+def track_l1(model: nn.Module) -> L1Tracker:
+    """Hook every FFN of `model` so that each forward records its L1 term; returns the L1Tracker
+    (also a context manager that removes the hooks). Raises ValueError if the model is tracked already,
+    has no FFN, or has FFNs twell cannot rewrite (relufy SiLU/GELU models first)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if model.__dict__.get(_TRACKER) is not None:
+        raise ValueError("model is tracked already: use its tracker, or remove() it first")
+    return L1Tracker(model)
+
+
+def l1_penalty(model: nn.Module) -> torch.Tensor:
+    """The L1 activation penalty of the model's last forward: mean over FFN layers of
+    (1/(M*N)) * sum |h|, a scalar in the autograd graph. Needs track_l1(model) before that forward:
+
+        loss = lm_loss + lam * twell.train.l1_penalty(model)
+    """
+    tracker = model.__dict__.get(_TRACKER) if isinstance(model, nn.Module) else None
+    if tracker is None:
+        raise RuntimeError("model is not tracked: call twell.train.track_l1(model) before its forward")
+    return tracker.penalty()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Relufication
+
+
+@dataclass
+class Change:
+    """One FFN's activation: `module` (path of the activation module) went from `before` to `after`;
+    `reason` says why it was not switched ("" when it was)."""
+
+    ffn: str
+    module: str
+    before: str
+    after: str
+    reason: str = ""
+
+    @property
+    def switched(self) -> bool:
+        return not self.reason
+
+
+class RelufyReport:
+    """What relufy did, one Change per FFN; print() shows a table. `config` says how the model's
+    config was updated (so save_pretrained writes a ReLU model), or why it was not."""
+
+    def __init__(self, changes: list[Change], config: str):
+        self.changes = changes
+        self.config = config
+
+    def __iter__(self):
+        return iter(self.changes)
+
+    def __len__(self) -> int:
+        return len(self.changes)
+
+    def __rich_console__(self, console, options):
+        from rich import box
+        from rich.table import Table
+
+        switched = sum(c.switched for c in self.changes)
+        table = Table(
+            title=f"relufy: {switched} of {len(self.changes)} FFN activations switched to ReLU",
+            title_justify="left",
+            box=box.SIMPLE_HEAD,
+            show_edge=False,
+            pad_edge=False,
+        )
+        for column in ("activation module", "before", "after"):
+            table.add_column(column)
+        for c in self.changes:
+            table.add_row(c.module or c.ffn, c.before, c.after if c.switched else f"unchanged: {c.reason}")
+        yield table
+        yield f"config: {self.config}"
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        buffer = io.StringIO()
+        Console(file=buffer, width=100, force_terminal=False, color_system=None).print(self)
+        return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines())
+
+    def __repr__(self) -> str:
+        return f"RelufyReport({sum(c.switched for c in self.changes)} of {len(self.changes)} switched)"
+
+
+def _activation_child(candidate) -> tuple[str, str]:
+    """(name of the owner's child that computes the candidate's activation, or "", reason if none)."""
+    from twell.passes.candidates import TraceFailure, _stack_root, trace_module
+    from twell.passes.match import Dialect, find_matches
+
+    owner = candidate.owner
+    try:
+        graph = trace_module(owner)
+    except TraceFailure as failure:
+        return "", f"could not trace {type(owner).__name__}: {failure}"
+    dialect = Dialect(owner)
+    gate = candidate.gate_module
+    for match in find_matches(graph, dialect):
+        if match.activation is None or dialect.module(match.gate.linear.node) is not gate:
+            continue
+        if match.gate.rows != candidate.gate_slice:
+            continue
+        owners = {_stack_root(node) for node in match.activation.nodes}
+        if len(owners) != 1 or None in owners:
+            return "", "the activation is written in the forward, not held by an activation module"
+        (name,) = owners
+        if "." in name:
+            return "", f"the activation is computed inside {name.split('.')[0]}, not by a module of its own"
+        calls = [n for n in graph.nodes if _stack_root(n) == name and n not in match.activation.nodes]
+        if calls:
+            return "", f"activation module {name} is used for more than this activation"
+        return name, ""
+    return "", "the activation was not found again in the traced forward"
+
+
+def relufy(model: nn.Module) -> RelufyReport:
+    """Switch the SiLU/GELU activations of the model's FFNs to ReLU, for sparsity fine-tuning (with
+    track_l1 / l1_penalty); returns a RelufyReport (print it for a table).
+
+    The activation module each FFN calls (e.g. LlamaMLP's `act_fn`) is replaced on that module
+    instance by an nn.ReLU; no class is changed. When every FFN was switched and the model has a
+    `config` with a `hidden_act`, it is set to "relu", so save_pretrained writes a ReLU model. Raises
+    ValueError naming what it expected when no FFN activation can be switched.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    from twell.passes import scan
+
+    candidates, unmatched = scan(model)
+    changes: list[Change] = []
+    for c in candidates:
+        name = c.activation
+        if not any(s in name.lower() for s in SWITCHABLE):
+            reason = "already sparse" if c.activation in ("relu", "fatrelu", "relu2", "drelu") else "not SiLU or GELU"
+            changes.append(Change(c.path, "", name, name, reason))
+            continue
+        child, reason = _activation_child(c)
+        owner_path = c.path.split("[")[0]
+        module_path = f"{owner_path}.{child}" if owner_path and child else child
+        changes.append(Change(c.path, module_path, name, "relu", reason))
+    to_switch = [(c, ch) for c, ch in zip(candidates, changes, strict=True) if ch.switched]
+    if not to_switch:
+        found = "; ".join(f"{ch.ffn}: {ch.before} ({ch.reason})" for ch in changes) or "no FFN found"
+        if unmatched:
+            found += "; not analysed: " + ", ".join(f"{u.path} ({u.reason})" for u in unmatched)
+        raise ValueError(
+            "relufy expected FFNs whose activation is SiLU or GELU, held by an activation module (like "
+            f"LlamaMLP.act_fn), found none it can switch: {found}"
+        )
+    for candidate, change in to_switch:
+        child = change.module.rsplit(".", 1)[-1]
+        old = getattr(candidate.owner, child)
+        change.before = f"{change.before} ({type(old).__name__})"
+        setattr(candidate.owner, child, nn.ReLU().train(old.training))
+    config = getattr(model, "config", None)
+    hidden_act = getattr(config, "hidden_act", None)
+    if len(to_switch) < len(changes):
+        status = "unchanged: not every FFN was switched"
+    elif not isinstance(hidden_act, str):
+        status = "unchanged: the model has no config.hidden_act"
+    else:
+        config.hidden_act = "relu"
+        status = f"hidden_act {hidden_act!r} -> 'relu'"
+    return RelufyReport(changes, status)
+
+
+__all__ = ["Change", "L1Tracker", "RelufyReport", "l1_penalty", "relufy", "track_l1"]
