@@ -1,0 +1,267 @@
+"""twell.train: the L1 activation penalty (eager and sparsified models), relufication, and the training
+example's loop."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import twell
+import twell.train
+
+pytest.importorskip("transformers")
+
+from models import build, logits, token_ids  # noqa: E402
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_sparse.py"
+
+# family -> (FFN modules of each layer, by path relative to the layer: gate, up (None: plain), down)
+LAYOUT = {
+    "llama": ("model.layers", "mlp.gate_proj", "mlp.up_proj"),
+    "llama-bias": ("model.layers", "mlp.gate_proj", "mlp.up_proj"),
+    "phi3": ("model.layers", "mlp.gate_up_proj", "fused"),
+    "gpt_neox": ("gpt_neox.layers", "mlp.dense_h_to_4h", None),
+    "opt": ("model.decoder.layers", "fc1", None),
+}
+
+
+def hand_penalty(model, ids, family):
+    """mean over layers of sum |h| / (M * N), h computed here from each FFN's input and weights."""
+    layers_path, gate_path, up_path = LAYOUT[family]
+    layers = model.get_submodule(layers_path)
+    inputs, handles = [], []
+    for layer in layers:
+        gate = layer.get_submodule(gate_path)
+        handles.append(gate.register_forward_pre_hook(lambda _m, args: inputs.append(args[0])))
+    try:
+        model(ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    terms = []
+    for layer, x in zip(layers, inputs, strict=True):
+        gate = layer.get_submodule(gate_path)
+        pre = F.linear(x, gate.weight, gate.bias)
+        if up_path == "fused":
+            g, u = pre.chunk(2, dim=-1)
+            h = torch.relu(g) * u
+        elif up_path is not None:
+            up = layer.get_submodule(up_path)
+            h = torch.relu(pre) * F.linear(x, up.weight, up.bias)
+        else:
+            h = torch.relu(pre)
+        terms.append(h.abs().sum() / h.numel())
+    return torch.stack(terms).mean()
+
+
+@pytest.mark.parametrize("sparsified", [False, True], ids=["eager", "sparsified"])
+@pytest.mark.parametrize("family", list(LAYOUT))
+def test_penalty_is_the_mean_over_layers_of_mean_abs_h(family, sparsified):
+    model, ids = build(family), token_ids()
+    with torch.no_grad():
+        expected = hand_penalty(model, ids, family)
+    if sparsified:
+        twell.sparsify(model)
+        assert twell.report(model).summary()["rewritten"] == 2
+    with twell.train.track_l1(model) as tracker:
+        with torch.no_grad():
+            model(ids)
+        assert len(tracker.l1) == 2
+        torch.testing.assert_close(twell.train.l1_penalty(model), expected, rtol=1e-5, atol=0)
+        h_density = tracker.density()
+    assert all(0.2 < d < 0.8 for d in h_density.values())  # random weights: about half of relu's outputs
+
+
+def test_density_is_the_fraction_of_nonzero_h():
+    model, ids = build("llama"), token_ids()
+    kept = []
+    with twell.train.track_l1(model) as tracker, torch.no_grad():
+        down = model.model.layers[0].mlp.down_proj
+        handle = down.register_forward_pre_hook(lambda _m, args: kept.append(args[0] != 0))
+        model(ids)
+        handle.remove()
+        assert tracker.density()["model.layers.0.mlp"] == pytest.approx(kept[0].double().mean().item())
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3", "opt"])
+def test_gradients_flow_and_match_between_eager_and_sparsified(family):
+    ids = token_ids()
+    grads = []
+    for sparsified in (False, True):
+        model = build(family).train()
+        if sparsified:
+            twell.sparsify(model)
+        with twell.train.track_l1(model):
+            model(ids)
+            twell.train.l1_penalty(model).backward()
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    eager, sparse = grads
+    layers_path, gate_path, up_path = LAYOUT[family]
+    for i in range(2):
+        prefix = f"{layers_path}.{i}."
+        assert eager[f"{prefix}{gate_path}.weight"].abs().sum() > 0
+        if up_path not in (None, "fused"):
+            assert eager[f"{prefix}{up_path}.weight"].abs().sum() > 0
+    # through the residual stream, the penalty reaches the attention and the embeddings too
+    assert any(g is not None and g.abs().sum() > 0 for n, g in eager.items() if "attn" in n)
+    assert set(eager) == set(sparse)
+    for name, grad in eager.items():
+        if grad is None:
+            assert sparse[name] is None, name
+        else:
+            torch.testing.assert_close(sparse[name], grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_penalty_records_the_last_forward_only():
+    model = build("llama")
+    with twell.train.track_l1(model):
+        with torch.no_grad():
+            model(token_ids(1))
+            first = twell.train.l1_penalty(model)
+            model(token_ids(2))
+            second = twell.train.l1_penalty(model)
+            expected = hand_penalty(model, token_ids(2), "llama")
+    assert not torch.equal(first, second)
+    torch.testing.assert_close(second, expected, rtol=1e-5, atol=0)
+
+
+def test_tracking_errors_and_removal():
+    model = build("llama")
+    with pytest.raises(RuntimeError, match="track_l1"):
+        twell.train.l1_penalty(model)
+    tracker = twell.train.track_l1(model)
+    with pytest.raises(RuntimeError, match="no forward recorded"):
+        twell.train.l1_penalty(model)
+    with pytest.raises(ValueError, match="tracked already"):
+        twell.train.track_l1(model)
+    down = model.model.layers[0].mlp.down_proj
+    assert len(down._forward_pre_hooks) == 1
+    tracker.remove()
+    assert len(down._forward_pre_hooks) == 0
+    with pytest.raises(RuntimeError, match="not tracked"):
+        twell.train.l1_penalty(model)
+    twell.sparsify(model)  # nothing left behind that would stop the rewrite
+    assert twell.report(model).summary()["rewritten"] == 2
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        twell.train.track_l1("model")
+
+
+def test_silu_model_is_refused_until_relufied():
+    model = build("llama", activation=None)
+    with pytest.raises(ValueError, match=r"(?s)model.layers.0.mlp: activation silu is not sparse.*relufy"):
+        twell.train.track_l1(model)
+    twell.train.relufy(model)
+    with twell.train.track_l1(model):
+        model(token_ids())
+        assert twell.train.l1_penalty(model) > 0
+
+
+def test_model_without_ffn_is_refused():
+    with pytest.raises(ValueError, match="no FFN found"):
+        twell.train.track_l1(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+
+
+# --- relufy ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("family", "activation", "module", "before"),
+    [
+        ("llama", "silu", "model.layers.{}.mlp.act_fn", "silu (SiLUActivation)"),
+        ("mistral", "silu", "model.layers.{}.mlp.act_fn", "silu (SiLUActivation)"),
+        ("phi3", "silu", "model.layers.{}.mlp.activation_fn", "silu (SiLUActivation)"),
+        ("gemma", "gelu_pytorch_tanh", "model.layers.{}.mlp.act_fn", "gelu_tanh (GELUTanh)"),
+        ("gpt_neox", "gelu", "gpt_neox.layers.{}.mlp.act", "gelu (GELUActivation)"),
+        ("opt", "gelu", "model.decoder.layers.{}.activation_fn", "gelu (GELUActivation)"),
+    ],
+)
+def test_relufy_switches_to_relu(family, activation, module, before):
+    model, ids = build(family, activation=activation), token_ids()
+    reference = build(family, activation="relu")  # same seed: the same weights, ReLU activations
+    relu_logits = logits(reference, ids)
+    assert not torch.allclose(logits(model, ids), relu_logits, atol=1e-3)
+    classes_before = {type(m) for m in model.modules()}
+    report = twell.train.relufy(model)
+    torch.testing.assert_close(logits(model, ids), relu_logits, rtol=0, atol=0)
+    assert [(c.module, c.before, c.after, c.switched) for c in report] == [
+        (module.format(i), before, "relu", True) for i in range(2)
+    ]
+    assert all(isinstance(model.get_submodule(module.format(i)), nn.ReLU) for i in range(2))
+    assert {type(m) for m in model.modules()} - classes_before == {nn.ReLU}
+    # the transformers class is untouched: a new model of it still has the original activation
+    assert not torch.allclose(logits(build(family, activation=activation), ids), relu_logits, atol=1e-3)
+    assert twell.report(model).summary()["rewritable"] == 2
+    text = str(report)
+    assert "relufy: 2 of 2 FFN activations switched to ReLU" in text and module.format(1) in text
+
+
+def test_relufy_updates_the_config_so_the_saved_model_is_relu(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model, ids = build("llama", activation=None), token_ids()
+    report = twell.train.relufy(model)
+    assert report.config == "hidden_act 'silu' -> 'relu'"
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert reloaded.config.hidden_act == "relu"
+    torch.testing.assert_close(logits(reloaded, ids), logits(model, ids))
+
+
+def test_relufy_refuses_models_with_nothing_to_switch():
+    expected = r"relufy expected FFNs whose activation is SiLU or GELU"
+    with pytest.raises(ValueError, match=expected + r".*model.layers.0.mlp: relu \(already sparse\)"):
+        twell.train.relufy(build("llama"))
+    with pytest.raises(ValueError, match=expected + r".*model.layers.0.mlp: tanh \(not SiLU or GELU\)"):
+        twell.train.relufy(build("llama", activation="tanh"))
+    with pytest.raises(ValueError, match=expected + ".*no FFN found"):
+        twell.train.relufy(nn.Sequential(nn.Linear(4, 4)))
+
+
+class InlineSiLU(nn.Module):
+    """A gated FFN whose activation is a function call in its forward: nothing to swap."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(8, 32), nn.Linear(8, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+def test_relufy_refuses_an_activation_written_in_the_forward():
+    model = nn.Sequential(InlineSiLU())
+    with pytest.raises(ValueError, match=r"0: silu \(the activation is written in the forward"):
+        twell.train.relufy(model)
+
+
+# --- the training example ------------------------------------------------------------------------
+
+
+def load_example(monkeypatch):
+    spec = importlib.util.spec_from_file_location("train_sparse", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_short_training_run_reduces_the_l1_term(monkeypatch):
+    example = load_example(monkeypatch)
+    tiny = dict(
+        steps=12, batch_size=4, seq_len=32, hidden_size=32, intermediate_size=128, layers=2, log_every=1, eval_batches=1
+    )
+    data = example.corpus(1 << 17)
+    assert len(data) == 1 << 17 and data.dtype == torch.int64 and int(data.max()) < 256
+    torch.manual_seed(0)
+    penalised = example.train(example.Settings(**tiny, l1=20.0, l1_warmup=0.0), data, "cpu")
+    plain = example.train(example.Settings(**tiny, l1=0.0), data, "cpu")
+    l1 = [h["l1"] for h in penalised.history]
+    assert [h["step"] for h in penalised.history] == list(range(12))
+    assert l1[-1] < 0.5 * l1[0]  # the penalty is working
+    assert l1[-1] < 0.5 * plain.history[-1]["l1"]  # and it is the penalty, not the language-model loss
+    assert penalised.mean_density < plain.mean_density
+    assert set(penalised.density) == {f"model.layers.{i}.mlp" for i in range(2)}
