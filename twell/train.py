@@ -94,7 +94,7 @@ class L1Tracker:
 
         self.model = model
         self.l1: dict[str, torch.Tensor] = {}
-        self._nonzero: dict[str, torch.Tensor] = {}
+        self._nonzero: dict[str, tuple[torch.Tensor, int]] = {}
         self._handles = []
         candidates, _ = scan(model)
         untrackable = [c for c in candidates if c.spec is None]
@@ -124,8 +124,8 @@ class L1Tracker:
 
     def _record(self, path: str, hidden: torch.Tensor) -> None:
         self.l1[path] = hidden.abs().mean()
-        with torch.no_grad():
-            self._nonzero[path] = torch.stack([torch.count_nonzero(hidden).double(), torch.tensor(hidden.numel())])
+        with torch.no_grad():  # kept on the device: density() synchronises, a training step need not
+            self._nonzero[path] = (torch.count_nonzero(hidden), hidden.numel())
 
     def penalty(self) -> torch.Tensor:
         """Mean over FFN layers of the layer's mean |h| in the last forward (differentiable)."""
@@ -136,7 +136,7 @@ class L1Tracker:
 
     def density(self) -> dict[str, float]:
         """FFN path -> fraction of h that was nonzero in its last call (synchronises with the device)."""
-        return {path: float(counts[0] / counts[1]) for path, counts in self._nonzero.items()}
+        return {path: count.item() / numel for path, (count, numel) in self._nonzero.items()}
 
     def remove(self) -> None:
         """Detach the hooks and forget the records; l1_penalty(model) then raises."""
