@@ -1,7 +1,8 @@
 """Calibrate on text, rewrite only the FFNs where twell pays, save a plan, and re-apply it after reloading.
 
-Uses twell's built-in demo model (a tiny Llama whose FFN gates are sparse by construction, shipped
-inside the package): nothing is downloaded. The same steps apply to any local checkpoint.
+Uses twell's built-in demo model (a tiny byte-level Llama trained on Python source with the L1
+penalty, shipped inside the package): nothing is downloaded. The same steps apply to any local
+checkpoint.
 
     python examples/calibrate_and_save_plan.py
 """
@@ -25,7 +26,7 @@ def main() -> None:
 def run(workdir: Path) -> None:
     # Calibration data: plain text, or JSON Lines of strings or of {"text": ...} objects.
     data = workdir / "calibration.jsonl"
-    texts = ["The quick brown fox jumps over the lazy dog. " * 8, "Pack my box with five dozen liquor jugs. " * 8]
+    texts = ["def add(a, b):\n    return a + b\n\n" * 8, "for item in items:\n    print(item)\n" * 8]
     data.write_text("\n".join(json.dumps({"text": t}) for t in texts) + "\n")
 
     loaded = load_model("twell-demo")  # or a checkpoint directory, or a hub id already in the local cache

@@ -7,11 +7,14 @@ Corpus: the Python standard library's source files (every machine has them), rea
 256), files in sorted path order; the last 5% of the bytes are held out. The model is a 4-layer Llama
 (hidden 64, ReLU-gated FFNs of width 1024) trained with AdamW; the loss is the language-model loss plus
 lambda * twell.train.l1_penalty(model), with lambda warmed up linearly over the first part of training
-so the model first learns, then sparsifies. Runs on the GPU when there is one, else the CPU.
+so the model first learns, then sparsifies. Each batch also holds a few rows of uniformly random
+bytes, left out of the language-model loss but inside the penalty: the model learns to stay sparse on
+input unlike its corpus too, which is what `twell report` measures without --data. Runs on the GPU
+when there is one, else the CPU.
 
 Prints progress (rich), then for both runs the held-out loss and each FFN's density (fraction of the
-hidden activation h that is nonzero), measured on held-out text: the difference in loss is what the
-sparsity costs.
+hidden activation h that is nonzero), measured on held-out text and on random bytes: the difference
+in loss is what the sparsity costs.
 """
 
 from __future__ import annotations
@@ -33,10 +36,11 @@ HELD_OUT = 0.05
 
 @dataclass
 class Settings:
-    steps: int = 1500
-    l1: float = 1.0  # lambda at the end of its warm-up
+    steps: int = 1200
+    l1: float = 60.0  # lambda at the end of its warm-up
     l1_warmup: float = 0.3  # fraction of the steps over which lambda rises from 0
-    batch_size: int = 16
+    batch_size: int = 16  # rows of text per step
+    random_rows: int = 4  # rows of random bytes per step (penalised, not in the language-model loss)
     seq_len: int = 128
     lr: float = 3e-3
     corpus_mb: float = 8.0
@@ -53,12 +57,17 @@ class Result:
     model: torch.nn.Module
     loss: float  # held-out language-model loss, nats per byte
     density: dict[str, float]  # FFN path -> fraction of h nonzero on held-out text
+    random_density: dict[str, float]  # the same on random bytes
     history: list[dict] = field(default_factory=list)  # logged training steps
     seconds: float = 0.0
 
     @property
     def mean_density(self) -> float:
         return sum(self.density.values()) / len(self.density)
+
+    @property
+    def mean_random_density(self) -> float:
+        return sum(self.random_density.values()) / len(self.random_density)
 
 
 def corpus(limit_bytes: int) -> torch.Tensor:
@@ -106,6 +115,15 @@ def windows(data: torch.Tensor, count: int, seq_len: int, gen: torch.Generator) 
     return torch.stack([data[s : s + seq_len] for s in starts.tolist()])
 
 
+def training_batch(data: torch.Tensor, settings: Settings, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, labels) [batch_size + random_rows, seq_len]: text windows, then random bytes labelled -100
+    (ignored by the loss)."""
+    text = windows(data, settings.batch_size, settings.seq_len, gen)
+    noise = torch.randint(0, 256, (settings.random_rows, settings.seq_len), generator=gen)
+    ignored = torch.full_like(noise, -100)
+    return torch.cat([text, noise]), torch.cat([text, ignored])
+
+
 def l1_weight(step: int, settings: Settings) -> float:
     warmup = max(1, round(settings.l1_warmup * settings.steps))
     return settings.l1 * min(1.0, step / warmup)
@@ -120,21 +138,27 @@ def lr_at(step: int, settings: Settings) -> float:
     return settings.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
 
+def _mean(densities: list[dict[str, float]]) -> dict[str, float]:
+    return {path: sum(d[path] for d in densities) / len(densities) for path in densities[0]}
+
+
 @torch.no_grad()
-def evaluate(model, data: torch.Tensor, settings: Settings, device) -> tuple[float, dict[str, float]]:
-    """Held-out loss (nats per byte) and per-FFN density, over fixed windows of `data`."""
+def evaluate(model, data: torch.Tensor, settings: Settings, device) -> tuple[float, dict[str, float], dict[str, float]]:
+    """Held-out loss (nats per byte) and per-FFN density over fixed windows of `data`, and per-FFN
+    density on random bytes."""
     was_training = model.training
     model.eval()
     gen = torch.Generator().manual_seed(settings.seed + 1)
-    losses, densities = [], []
+    losses, densities, random_densities = [], [], []
     with twell.train.track_l1(model) as tracker:
         for _ in range(settings.eval_batches):
             ids = windows(data, settings.batch_size, settings.seq_len, gen).to(device)
             losses.append(model(ids, labels=ids).loss.item())
             densities.append(tracker.density())
+            model(torch.randint(0, 256, (settings.batch_size, settings.seq_len), generator=gen).to(device))
+            random_densities.append(tracker.density())
     model.train(was_training)
-    density = {path: sum(d[path] for d in densities) / len(densities) for path in densities[0]}
-    return sum(losses) / len(losses), density
+    return sum(losses) / len(losses), _mean(densities), _mean(random_densities)
 
 
 def train(settings: Settings, data: torch.Tensor, device, *, progress=None, label: str = "") -> Result:
@@ -151,8 +175,8 @@ def train(settings: Settings, data: torch.Tensor, device, *, progress=None, labe
         for step in range(settings.steps):
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, settings)
-            ids = windows(train_data, settings.batch_size, settings.seq_len, gen).to(device)
-            lm_loss = model(ids, labels=ids).loss
+            ids, labels = (t.to(device) for t in training_batch(train_data, settings, gen))
+            lm_loss = model(ids, labels=labels).loss
             penalty = twell.train.l1_penalty(model)
             lam = l1_weight(step, settings)
             loss = lm_loss + lam * penalty if lam > 0 else lm_loss
@@ -181,8 +205,8 @@ def train(settings: Settings, data: torch.Tensor, device, *, progress=None, labe
             if progress is not None:
                 progress.advance(task)
     seconds = time.perf_counter() - start
-    loss, density = evaluate(model, held_out, settings, device)
-    return Result(model.eval(), loss, density, history, seconds)
+    loss, density, random_density = evaluate(model, held_out, settings, device)
+    return Result(model.eval(), loss, density, random_density, history, seconds)
 
 
 def save(result: Result, out: Path) -> None:
@@ -201,7 +225,8 @@ def main() -> None:
     parser.add_argument(
         "--l1-warmup", type=float, default=defaults.l1_warmup, help="fraction of steps to warm up lambda"
     )
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="rows of text per step")
+    parser.add_argument("--random-rows", type=int, default=defaults.random_rows, help="rows of random bytes per step")
     parser.add_argument("--seq-len", type=int, default=defaults.seq_len)
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--seed", type=int, default=defaults.seed)
@@ -228,6 +253,7 @@ def main() -> None:
         l1=args.l1,
         l1_warmup=args.l1_warmup,
         batch_size=args.batch_size,
+        random_rows=args.random_rows,
         seq_len=args.seq_len,
         lr=args.lr,
         seed=args.seed,
@@ -250,16 +276,23 @@ def main() -> None:
         for label, run_settings in runs:
             results[label] = train(run_settings, data, args.device, progress=progress, label=label)
 
-    table = Table(title="held-out text (nats per byte)", title_justify="left")
+    table = Table(title="held-out text (loss in nats per byte), and random bytes", title_justify="left")
     table.add_column("run")
     table.add_column("loss", justify="right")
-    table.add_column("mean density", justify="right")
+    table.add_column("density", justify="right")
     table.add_column("per layer", justify="right")
+    table.add_column("density (random)", justify="right")
+    table.add_column("per layer (random)", justify="right")
     table.add_column("train time", justify="right")
     for label, result in results.items():
-        per_layer = " ".join(f"{d:.2%}" for d in result.density.values())
         table.add_row(
-            label, f"{result.loss:.4f}", f"{result.mean_density:.2%}", per_layer, f"{result.seconds / 60:.1f} min"
+            label,
+            f"{result.loss:.4f}",
+            f"{result.mean_density:.2%}",
+            " ".join(f"{d:.2%}" for d in result.density.values()),
+            f"{result.mean_random_density:.2%}",
+            " ".join(f"{d:.2%}" for d in result.random_density.values()),
+            f"{result.seconds / 60:.1f} min",
         )
     console.print(table)
     if "L1=0" in results:

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,7 +114,8 @@ def test_report_on_the_demo_model(capsys):
     assert_fits_80_columns(out)
     assert f"twell report: {DEMO_MODEL} (LlamaForCausalLM)" in out
     assert all(f"model.layers.{i}.mlp " in out for i in range(4))
-    assert "rewrite" in out and "keep dense" in out and "(1)" not in out  # measured: the speedup is the reason
+    # random bytes: the demo was trained to stay sparse on them too, every layer is rewritten
+    assert "rewrite" in out and "keep dense" not in out and "(1)" not in out
     text = flat(out)
     assert "predicted model speedup" in text and "random token sequences" in text
     assert "an FFN is rewritten when its predicted speedup is at least 1.05x" in text
@@ -128,18 +130,23 @@ def test_wide_console_shows_every_column(monkeypatch, capsys):
     assert "nnz/row" in out and "tile/C" in out and "256/8" in out
 
 
-def test_demo_model_is_sparse_where_designed(tmp_path, capsys):
-    """The demo's four layers straddle the CPU break-even density: two rewritten, two kept dense."""
+# Python source, the kind of text the demo model was trained on (examples/train_sparse.py)
+PYTHON_TEXT = Path(twell.format.__file__)
+
+
+def test_demo_model_is_sparse_as_trained(tmp_path, capsys):
+    """On Python source the trained demo's first FFN is just above the CPU break-even density (0.8%)
+    and kept dense; the other three are a few tenths of a percent dense and rewritten."""
     out_json = tmp_path / "report.json"
-    rc, _, err = run(["report", DEMO_MODEL, *QUICK, "--json", out_json], capsys)
+    rc, _, err = run(["report", DEMO_MODEL, *QUICK, "--data", PYTHON_TEXT, "--json", out_json], capsys)
     assert rc == 0, err
     report = json.loads(out_json.read_text())
     densities = [f["density"] for f in report["ffns"]]
-    assert densities == sorted(densities) and 0.002 < densities[0] < 0.007 and 0.025 < densities[-1] < 0.06
-    assert [f["rewrite"] for f in report["ffns"]] == [True, True, False, False]
+    assert 0.008 < densities[0] < 0.03 and all(d < 0.008 for d in densities[1:]) and sum(densities) / 4 < 0.01
+    assert [f["rewrite"] for f in report["ffns"]] == [False, True, True, True]
     assert all(f["dead_neurons"] > 0 and f["tile_n"] == 256 and f["compression"] == 8 for f in report["ffns"])
     summary = report["summary"]
-    assert (summary["ffns"], summary["rewritable"], summary["rewritten"]) == (4, 4, 2)
+    assert (summary["ffns"], summary["rewritable"], summary["rewritten"]) == (4, 4, 3)
     # Time shares are measured (so machine-dependent); the summary must be Amdahl over them.
     for phase in ("prefill", "decode"):
         shares = [f["time_share"][phase] for f in report["ffns"]]
@@ -150,12 +157,12 @@ def test_demo_model_is_sparse_where_designed(tmp_path, capsys):
             if f["rewrite"]
         )
         assert summary[phase]["ffn_time_share"] == pytest.approx(sum(shares))
-        assert summary[phase]["rewritten_time_share"] == pytest.approx(sum(shares[:2]))
+        assert summary[phase]["rewritten_time_share"] == pytest.approx(sum(shares[1:]))
         assert summary[phase]["speedup"] == pytest.approx(1 / (1 - saved))
     assert summary["prefill"]["speedup"] > 1
     assert summary["min_speedup"] == 1.05 and all(f["min_speedup"] == 1.05 for f in report["ffns"])
-    assert report["ffns"][0]["reason"].endswith("reaching the 1.05x threshold")
-    assert report["ffns"][3]["reason"].endswith("below the 1.05x threshold")
+    assert report["ffns"][0]["reason"].endswith("below the 1.05x threshold")
+    assert report["ffns"][3]["reason"].endswith("reaching the 1.05x threshold")
     assert summary["decode"]["speedup"] == pytest.approx(1.0)  # decode runs dense (twell.kernels.policy)
     assert report["model"]["path"] == str(demo_model_dir())
 
@@ -168,15 +175,15 @@ def test_json_to_stdout(capsys):
 
 def test_convert_writes_a_plan_that_sparsify_applies(tmp_path, capsys):
     plan = tmp_path / "plan.json"
-    rc, out, err = run(["convert", DEMO_MODEL, "--out", plan, *QUICK], capsys)
+    rc, out, err = run(["convert", DEMO_MODEL, "--out", plan, *QUICK, "--data", PYTHON_TEXT], capsys)
     assert rc == 0, err
     assert f"plan written to {plan}\n" in out and f"twell.sparsify(model, plan='{plan}')\n" in out
     model = load_model(DEMO_MODEL).model
     decisions = load_plan(plan, find_ffns(model))
-    assert [d.rewrite for d in decisions.values()] == [True, True, False, False]
+    assert [d.rewrite for d in decisions.values()] == [False, True, True, True]
     twell.sparsify(model, plan=plan)
-    rewritten = [r for r in twell.report(model).to_dict()["records"] if r["rewritten"]]
-    assert len(rewritten) == 2
+    rewritten = [r["path"] for r in twell.report(model).to_dict()["records"] if r["rewritten"]]
+    assert rewritten == [f"model.layers.{i}.mlp" for i in (1, 2, 3)]
 
 
 def test_sparselm_layout_loads_as_relu_llama(sparselm, tmp_path, capsys):
@@ -474,23 +481,6 @@ def test_closed_pipe_is_a_normal_end(json_out):
     process.stdout.close()
     stderr = process.stderr.read()
     assert (process.wait(), stderr) == (0, "")
-
-
-def test_demo_model_regenerates_from_its_script():
-    """twell/demo is what examples/make_demo_model.py builds (fp16 tolerance: BLAS may differ by machine)."""
-    import importlib.util
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parent.parent / "examples" / "make_demo_model.py"
-    spec = importlib.util.spec_from_file_location("make_demo_model", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    rebuilt = module.build_demo_model().half().state_dict()
-    shipped = load_file(demo_model_dir() / "model.safetensors")
-    assert set(shipped) <= set(rebuilt) and len(shipped) >= len(rebuilt) - 1  # lm_head is tied, not stored
-    for name, tensor in shipped.items():
-        torch.testing.assert_close(rebuilt[name], tensor, rtol=1e-3, atol=1e-3, msg=lambda m, name=name: f"{name}: {m}")
-    assert sum(f.stat().st_size for f in demo_model_dir().iterdir()) < 2 * 1024 * 1024
 
 
 def test_render_without_ffns_names_the_modules_it_could_not_analyse():
