@@ -116,6 +116,18 @@ def test_gradients_flow_and_match_between_eager_and_sparsified(family):
             torch.testing.assert_close(sparse[name], grad, rtol=1e-4, atol=1e-7, msg=name)
 
 
+def test_tracking_a_sparsified_model_survives_restore():
+    """A SparseFFN's hooks are its original's: after restore the recomputing hook still records h."""
+    model, ids = build("llama"), token_ids()
+    with torch.no_grad():
+        expected = hand_penalty(model, ids, "llama")
+    twell.sparsify(model)
+    with twell.train.track_l1(model), torch.no_grad():
+        twell.restore(model)
+        model(ids)
+        torch.testing.assert_close(twell.train.l1_penalty(model), expected, rtol=1e-5, atol=0)
+
+
 def test_penalty_works_under_torch_compile():
     """Dynamo inlines the hooks: the compiled forward records the eager penalty, with the same gradient."""
     model = build("llama").train()

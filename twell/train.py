@@ -15,8 +15,9 @@ FFNs are found by twell's FFN matcher (twell.passes). Where an FFN runs as writt
 on its down projection reads h as it is computed, at no extra cost. Where twell.sparsify rewrote it
 (SparseFFN, InlineFFN), the op never materialises h: a hook on the rewritten module recomputes it from
 the module's input and weights, two extra [M, K] x [K, N] products (one for a plain FFN) forward and
-their backward. A tracker therefore belongs to the model's structure at the time it was registered:
-sparsify refuses FFNs whose down projection carries a hook, so sparsify first (or remove the tracker).
+their backward (a SparseFFN's hooks are its original module's, so after restore the original keeps
+recomputing). sparsify leaves an FFN whose down projection carries a hook dense: sparsify first, or
+remove the tracker before.
 """
 
 from __future__ import annotations
@@ -69,11 +70,13 @@ def _linear_rows(linear: nn.Module, rows: slice | None, x: torch.Tensor) -> torc
 def _recompute_hidden(spec, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """h [..., N] of a rewritten FFN from its input x [..., K]: what twell.ops computes before the down
     projection (kept entries are those not <= spec.threshold)."""
-    if hasattr(module, "sync_original") and spec.down in module._modules:  # SparseFFN: children by name
+    from twell.passes.modules import InlineFFN
+
+    if isinstance(module, InlineFFN):  # the layer's gate and up stand-ins
+        gate, up = module.__dict__["gate"], module.__dict__["up"]
+    else:  # SparseFFN, or the original module after restore (SparseFFN shares its hooks): children by name
         gate = getattr(module, spec.gate)
         up = getattr(module, spec.up) if spec.up is not None else None
-    else:  # InlineFFN: the layer's gate and up stand-ins
-        gate, up = module.__dict__["gate"], module.__dict__["up"]
     pre = _linear_rows(gate, spec.gate_rows, x)
     hidden = pre.masked_fill(pre <= spec.threshold, 0.0)
     if spec.kind == "plain":
