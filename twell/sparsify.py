@@ -125,12 +125,15 @@ class Report:
             Column("speedup", justify="right"),
             Column("rewritten"),
         ]
+        title = f"twell: {summary['rewritten']} of {summary['candidates']} FFNs rewritten"
+        if summary["unmatched"]:
+            title += f", {summary['unmatched']} FFN-shaped modules not analysed"
         yield fitted_table(
             console,
             options.max_width,
             columns,
             rows,
-            title=f"twell: {summary['rewritten']} of {summary['candidates']} FFNs rewritten",
+            title=title,
             title_justify="left",
             header_style="bold",
             box=box.SIMPLE_HEAD,
@@ -252,10 +255,14 @@ def warmup(model: torch.nn.Module, token_counts=(1, 16, 4096)) -> dict[int, floa
     return seconds
 
 
-def _records(state: _State) -> list[Record]:
+def build_records(candidates, unmatched, decisions: dict | None, rewritten: set[str]) -> list[Record]:
+    """The report's records: one per candidate (module order), then one per module not analysed.
+
+    decisions: {path: twell.calibrate.Decision} or None; rewritten: the paths that are (or, for a report
+    of calibration alone, would be) rewritten. twell.report and `twell report --json` share these."""
     records = []
-    for c in state.candidates:
-        decision = state.decisions.get(c.path) if state.decisions is not None else None
+    for c in candidates:
+        decision = decisions.get(c.path) if decisions is not None else None
         reason = c.reason
         if not reason and decision is not None and not decision.rewrite:
             reason = decision.reason
@@ -266,7 +273,7 @@ def _records(state: _State) -> list[Record]:
                 matched=True,
                 activation=c.activation,
                 rewritable=c.rewritable,
-                rewritten=c.path in state.rewritten,
+                rewritten=c.path in rewritten,
                 reason=reason,
                 hidden_size=c.hidden_size,
                 model_size=c.model_size,
@@ -274,7 +281,7 @@ def _records(state: _State) -> list[Record]:
                 decision=decision.to_dict() if decision is not None else None,
             )
         )
-    for u in state.unmatched:
+    for u in unmatched:
         records.append(Record(u.path, "", False, "", False, False, u.reason))
     return records
 
@@ -287,7 +294,7 @@ def report(model: torch.nn.Module) -> Report:
         from twell.passes import scan
 
         state = _State(*scan(model), decisions=None, swaps=[])
-    return Report(_records(state))
+    return Report(build_records(state.candidates, state.unmatched, state.decisions, state.rewritten))
 
 
 def save_plan(model: torch.nn.Module, path: str | os.PathLike) -> None:
@@ -301,4 +308,4 @@ def save_plan(model: torch.nn.Module, path: str | os.PathLike) -> None:
     _save(state.decisions, state.candidates, path)
 
 
-__all__ = ["Record", "Report", "restore", "report", "save_plan", "sparsify", "warmup"]
+__all__ = ["Record", "Report", "build_records", "restore", "report", "save_plan", "sparsify", "warmup"]
