@@ -27,6 +27,15 @@ FAMILIES = {
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}, "hidden_act", "gated", "model.layers.0.mlp"),
     "granite": ("GraniteConfig", "GraniteForCausalLM", {"mlp_bias": True}, "hidden_act", "gated", "model.layers.0.mlp"),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {}, "hidden_act", "plain", "gpt_neox.layers.0.mlp"),
+    # GPT-2's projections are transformers' Conv1D: weights stored [in, out], computed by addmm.
+    "gpt2": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        {"n_inner": 64, "bos_token_id": 0, "eos_token_id": 0},
+        "activation_function",
+        "plain",
+        "transformer.h.0.mlp",
+    ),
     "opt": (
         "OPTConfig",
         "OPTForCausalLM",
@@ -37,7 +46,14 @@ FAMILIES = {
     ),
 }
 # Families whose default activation is not ReLU (OPT's is ReLU).
-DEFAULT_NOT_RELU = {"llama": "silu", "phi3": "silu", "gemma": "gelu_tanh", "olmo2": "silu", "gpt_neox": "gelu"}
+DEFAULT_NOT_RELU = {
+    "llama": "silu",
+    "phi3": "silu",
+    "gemma": "gelu_tanh",
+    "olmo2": "silu",
+    "gpt_neox": "gelu",
+    "gpt2": "NewGELUActivation",
+}
 
 
 def build(family: str, activation: str | None = "relu", seed: int = 0, **overrides):

@@ -65,7 +65,7 @@ def test_twell_backend_leaves_non_relu_alone(family, op_calls):
     assert op_calls == {"gated_ffn": 0, "ffn": 0}
 
 
-@pytest.mark.parametrize("family", ["phi3", "opt"])
+@pytest.mark.parametrize("family", ["phi3", "opt", "gpt2"])
 def test_inductor_custom_pass(family, op_calls):
     model = build(family)
     ids = token_ids()

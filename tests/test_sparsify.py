@@ -11,9 +11,11 @@ from models import DECODER, DEFAULT_NOT_RELU, FAMILIES, LAYERS, VOCAB, build, lo
 import twell
 from twell.passes import find_ffns
 from twell.passes.modules import TWELL_MODULES
+from twell.passes.projections import linear_weight
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
+CONV1D_FAMILIES = {"gpt2"}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -34,12 +36,14 @@ def test_relu_family(family):
     assert twell.sparsify(model) is model
     assert sum(isinstance(m, TWELL_MODULES) for m in model.modules()) >= LAYERS
     torch.testing.assert_close(logits(model, ids), expected, atol=1e-5, rtol=1e-5)
-    # Same keys, shapes and tensor objects, no second copy: the storage is the same except the down
-    # projections', re-laid once so that the kernels read rows of down_weight^T
+    # Same keys, shapes and tensor objects, no second copy: the storage is the same except nn.Linear down
+    # projections', re-laid once so that the kernels read rows of down_weight^T (a Conv1D's are already)
     now = {k: v.data_ptr() for k, v in model.state_dict().items()}
     assert list(now) == list(storage)
     moved = {k for k in storage if now[k] != storage[k]}
-    assert len(moved) == LAYERS and all(model.get_parameter(k).t().is_contiguous() for k in moved), moved
+    downs = [f"{c.path.split('[')[0]}.{c.spec.down}.weight" for c in candidates]
+    assert moved == (set() if family in CONV1D_FAMILIES else set(downs)), moved
+    assert all(linear_weight(model.get_submodule(k.removesuffix(".weight"))).t().is_contiguous() for k in downs)
     assert {k: id(p) for k, p in model.named_parameters()} == params
     report = twell.report(model)
     assert [r.path for r in report] == [c.path for c in candidates]
@@ -292,3 +296,21 @@ def test_warmup_runs_every_rewritten_ffn(monkeypatch):
         16: pytest.approx(0, abs=1),
         4096: pytest.approx(0, abs=1),
     }
+
+
+def test_conv1d_ffn_reaches_the_sparse_route_without_copies(monkeypatch):
+    """GPT-2's Conv1D weights go to the op as views of the very Parameters. The down weight passes the
+    dispatcher's layout test for the sparse kernels (down_weight.t() with unit stride on K); gate weights
+    are read through their strides."""
+    from twell.kernels import reference
+
+    model = twell.sparsify(build("gpt2"))
+    seen = []
+    ffn = reference.ffn
+    monkeypatch.setattr(reference, "ffn", lambda x, up, down, *rest: seen.append((up, down)) or ffn(x, up, down, *rest))
+    logits(model, token_ids())
+    assert len(seen) == LAYERS
+    for (up, down), block in zip(seen, model.transformer.h, strict=True):
+        assert down.t().stride(1) == 1  # twell.kernels.dispatch: `wd_t.stride(1) == 1` routes sparse
+        assert down.t().data_ptr() == block.mlp.c_proj.weight.data_ptr() and down.shape == (32, 64)
+        assert up.data_ptr() == block.mlp.c_fc.weight.data_ptr() and up.shape == (64, 32)

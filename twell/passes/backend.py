@@ -37,9 +37,19 @@ def _rows(graph: fx.Graph, ref: fx.Node | None, rows: slice | None, aten: bool) 
     return graph.call_function(operator.getitem, (ref, slice(rows.start, rows.stop)))
 
 
+def _linear_layout(graph: fx.Graph, linear, aten: bool) -> fx.Node:
+    """The weight as the ops take it, [out, in]: a transposed view of one stored [in, out] (Conv1D)."""
+    if not linear.transposed:
+        return linear.weight
+    if aten:  # permute, not aten.t: Inductor lowers t only through its decomposition
+        return graph.call_function(torch.ops.aten.permute.default, (linear.weight, [1, 0]))
+    return graph.call_function(torch.t, (linear.weight,))
+
+
 def _weights(graph: fx.Graph, projection: Projection, aten: bool) -> tuple[fx.Node, fx.Node | None]:
     linear = projection.linear
-    return _rows(graph, linear.weight, projection.rows, aten), _rows(graph, linear.bias, projection.rows, aten)
+    weight = _linear_layout(graph, linear, aten)
+    return _rows(graph, weight, projection.rows, aten), _rows(graph, linear.bias, projection.rows, aten)
 
 
 def _same_shape(a: fx.Node, b: fx.Node) -> bool:
@@ -55,11 +65,13 @@ def _rewrite(graph: fx.Graph, match: FFNMatch, aten: bool) -> fx.Node:
         gate_weight, gate_bias = _weights(graph, match.gate, aten)
         if match.kind == "plain":
             target = torch.ops.twell.ffn.default
-            args = (match.x, gate_weight, down.weight, gate_bias, down.bias, match.threshold, match.squared)
+            down_weight = _linear_layout(graph, down, aten)
+            args = (match.x, gate_weight, down_weight, gate_bias, down.bias, match.threshold, match.squared)
         else:
             up_weight, up_bias = _weights(graph, match.up, aten)
             target = torch.ops.twell.gated_ffn.default
-            args = (match.x, gate_weight, up_weight, down.weight, gate_bias, up_bias, down.bias)
+            down_weight = _linear_layout(graph, down, aten)
+            args = (match.x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down.bias)
             args += (match.threshold, match.drelu)
         new = graph.call_function(target, args)
     _propagate_meta(new, down.node)

@@ -19,6 +19,7 @@ from torch import fx, nn
 
 from twell.passes.match import Dialect, FFNMatch, find_matches, skip_identities
 from twell.passes.modules import TWELL_MODULES, FFNSpec
+from twell.passes.projections import features, is_projection
 
 
 @dataclass
@@ -60,7 +61,7 @@ class Unmatched:
 
 class _Tracer(fx.Tracer):
     def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
-        if isinstance(module, (nn.Linear, *TWELL_MODULES)):
+        if isinstance(module, TWELL_MODULES) or is_projection(module):
             return True
         if module.__module__.startswith("torch.nn") and not isinstance(module, nn.Sequential):
             return True
@@ -121,14 +122,13 @@ def trace_module(module: nn.Module) -> fx.Graph:
 
 
 def _ffn_shaped(module: nn.Module) -> tuple[bool, bool]:
-    """(has an up/down pair of direct nn.Linear children, and one that expands: N > K)."""
-    linears = [m for m in module.children() if isinstance(m, nn.Linear)]
+    """(has an up/down pair of direct projection children, and one that expands: N > K)."""
+    shapes = [features(m) for m in module.children() if is_projection(m)]
     pair = expanding = False
-    for up, down in itertools.permutations(linears, 2):
-        n = down.in_features
-        if down.out_features == up.in_features and up.out_features in (n, 2 * n):
+    for (up_in, up_out), (n, down_out) in itertools.permutations(shapes, 2):
+        if down_out == up_in and up_out in (n, 2 * n):
             pair = True
-            expanding = expanding or n > up.in_features
+            expanding = expanding or n > up_in
     return pair, expanding
 
 
@@ -249,7 +249,7 @@ def scan(model: nn.Module) -> tuple[list[Candidate], list[Unmatched]]:
     candidates: list[Candidate] = []
     unmatched: list[Unmatched] = []
     for path, module in model.named_modules():
-        if isinstance(module, TWELL_MODULES) or isinstance(module, nn.Linear):
+        if isinstance(module, TWELL_MODULES) or is_projection(module):
             continue
         pair, expanding = _ffn_shaped(module)
         if not pair:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from twell import ops
+from twell.passes.projections import features, is_conv1d, linear_weight, native_forward
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ def store_contiguous(weight: torch.Tensor) -> None:
 
 
 def _rows(linear: nn.Module, rows: slice | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    weight, bias = linear.weight, linear.bias
+    weight, bias = linear_weight(linear), linear.bias
     if rows is None:
         return weight, bias
     # Row slices of a [2N, K] weight are contiguous views: no copy of the fused weight.
@@ -73,13 +74,14 @@ def _rows(linear: nn.Module, rows: slice | None) -> tuple[torch.Tensor, torch.Te
 
 
 def run_ffn(spec: FFNSpec, gate: nn.Module, up: nn.Module | None, down: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The FFN of `spec` on x [..., K] through twell.ops; gate/up/down hold weight [N, K] / [K, N] and bias."""
+    """The FFN of `spec` on x [..., K] through twell.ops; gate/up/down are projections (nn.Linear, or
+    Conv1D passed as transposed views) with bias."""
     gate_weight, gate_bias = _rows(gate, spec.gate_rows)
     if spec.kind == "plain":
         return ops.ffn(
             x,
             gate_weight,
-            down.weight,
+            linear_weight(down),
             up_bias=gate_bias,
             down_bias=down.bias,
             threshold=spec.threshold,
@@ -90,7 +92,7 @@ def run_ffn(spec: FFNSpec, gate: nn.Module, up: nn.Module | None, down: nn.Modul
         x,
         gate_weight,
         up_weight,
-        down.weight,
+        linear_weight(down),
         gate_bias=gate_bias,
         up_bias=up_bias,
         down_bias=down.bias,
@@ -115,16 +117,16 @@ def dense_ffn(spec: FFNSpec, gate: nn.Module, up: nn.Module | None, down: nn.Mod
     hidden = F.linear(x, gate_weight, gate_bias)
     hidden = hidden.masked_fill(hidden <= spec.threshold, 0.0)
     if spec.kind == "plain":
-        return F.linear(hidden * hidden if spec.squared else hidden, down.weight, down.bias)
+        return F.linear(hidden * hidden if spec.squared else hidden, linear_weight(down), down.bias)
     up_weight, up_bias = _rows(up, spec.up_rows)
     up_out = F.linear(x, up_weight, up_bias)
-    return F.linear(hidden * (torch.relu(up_out) if spec.drelu else up_out), down.weight, down.bias)
+    return F.linear(hidden * (torch.relu(up_out) if spec.drelu else up_out), linear_weight(down), down.bias)
 
 
 def _plain_linear(m: nn.Module) -> bool:
-    """An nn.Linear whose call is exactly F.linear: no subclass forward, instance forward or hooks."""
+    """A projection whose call is exactly its linear map: no subclass forward, instance forward or hooks."""
     return (
-        type(m).forward is nn.Linear.forward
+        native_forward(m)
         and "forward" not in m.__dict__
         and not any(getattr(m, hooks) for hooks in _FORWARD_HOOKS)
     )
@@ -203,7 +205,8 @@ class GatePassthrough(_StandIn):
 
     def __init__(self, linear: nn.Linear):
         super().__init__(linear, children=False)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.in_features, self.out_features = features(linear)
+        self.weight_transposed = is_conv1d(linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -214,7 +217,8 @@ class UpUnit(_StandIn):
 
     def __init__(self, linear: nn.Linear):
         super().__init__(linear, children=False)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.in_features, self.out_features = features(linear)
+        self.weight_transposed = is_conv1d(linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.new_ones(())
@@ -225,7 +229,8 @@ class InlineFFN(_StandIn):
 
     def __init__(self, linear: nn.Linear, spec: FFNSpec, gate: GatePassthrough, up: UpUnit | None):
         super().__init__(linear, children=False)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.in_features, self.out_features = features(linear)
+        self.weight_transposed = is_conv1d(linear)
         self.spec = spec
         # Not submodules: the layer owns them under their own names.
         self.__dict__["gate"] = gate

@@ -50,7 +50,8 @@ def apply(model: nn.Module, candidate: Candidate) -> list[Swap]:
     down = getattr(owner, spec.down)  # the original linear: a child shared with SparseFFN, or swapped inline
     for swap in swaps:
         setattr(swap.parent, swap.name, swap.replacement)
-    if store_down_rows(down.weight):
+    # A Conv1D down weight is [N, K] row-major already: the rows the kernels gather.
+    if isinstance(down, nn.Linear) and store_down_rows(down.weight):
         swaps[-1].relaid = down
     return swaps
 
