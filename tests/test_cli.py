@@ -147,9 +147,7 @@ def test_demo_model_is_sparse_where_designed(tmp_path, capsys):
         shares = [f["time_share"][phase] for f in ffns]
         assert all(s > 0 for s in shares)
         saved = sum(
-            s * (1 - 1 / f["predicted_speedup"][phase])
-            for s, f in zip(shares, ffns, strict=True)
-            if f["rewrite"]
+            s * (1 - 1 / f["predicted_speedup"][phase]) for s, f in zip(shares, ffns, strict=True) if f["rewrite"]
         )
         assert summary[phase]["ffn_time_share"] == pytest.approx(sum(shares))
         assert summary[phase]["rewritten_time_share"] == pytest.approx(sum(shares[:2]))

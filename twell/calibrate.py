@@ -5,7 +5,9 @@
     save_plan(decisions, candidates, "plan.json"); load_plan("plan.json", candidates)
 
 Measurement: forward hooks on each candidate's ``gate_module`` (the linear whose output, the
-pre-activation, is thresholded) count, per call, the entries that survive ``not (h <= threshold)``:
+pre-activation, is thresholded; for one expert of a mixture-of-experts layer, the experts module, whose
+call gives that expert's pre-activation through the candidate's ``measure``) count, per call, the
+entries that survive ``not (h <= threshold)``:
 nonzeros per row, per (row, tile) for each candidate tile width, per neuron. Prefill-shaped calls
 (many tokens per sequence) and decode-shaped calls (one token per sequence, from a few greedy cached
 decode steps after each batch) are kept apart. Separately, the model and each FFN module (on the inputs
@@ -218,8 +220,10 @@ class _LayerRecorder:
         self.driver = driver  # {"phase": ...} set by the loop that runs the model
         self.phases: dict[str, _PhaseCounter] = {}
 
-    def __call__(self, module, args, output) -> None:
-        h = output
+    def __call__(self, module, args, kwargs, output) -> None:
+        h = output if self.candidate.measure is None else self.candidate.measure(args, kwargs, output)
+        if h is None:  # nothing of this FFN ran in this call (an expert no token was routed to)
+            return
         if self.candidate.gate_slice is not None:
             h = h[..., self.candidate.gate_slice]
         if h.shape[-1] != self.n:
@@ -740,7 +744,7 @@ def calibrate(model: torch.nn.Module, candidates, data, *, config=None) -> dict[
 
     model: the model to run (left unchanged; eval mode during calibration, its mode restored after).
     candidates: twell.passes.find_ffns(model) records (path, kind, rewritable, reason, gate_module,
-        gate_slice, threshold, hidden_size, model_size).
+        gate_slice, measure, threshold, hidden_size, model_size).
     data: an iterable of batches: token-id tensors [batch, seq] or dicts of forward kwargs.
     config: CalibrationConfig, a dict of its fields, or None.
     Returns {candidate.path: Decision}, one per candidate; candidates that are not rewritable get
@@ -766,7 +770,7 @@ def calibrate(model: torch.nn.Module, candidates, data, *, config=None) -> dict[
         if cfg.timing_repeats and ffns:
             shares = _time_shares(model, batches[0], ffns, cfg.timing_repeats, cfg.decode_steps)
 
-        handles = [c.gate_module.register_forward_hook(recorders[c.path]) for c in measured]
+        handles = [c.gate_module.register_forward_hook(recorders[c.path], with_kwargs=True) for c in measured]
         try:
             # Nothing to measure (no rewritable FFN): no need to run the model at all.
             for kwargs in _progress(batches if measured else [], cfg.progress, "calibrating"):

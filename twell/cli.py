@@ -214,7 +214,9 @@ def _summary(data: dict) -> list[tuple[str, str]]:
     lines = [("data", escape(data["data"]))]
     if data["cost_model"]:
         lines.append(("cost model", escape(data["cost_model"])))
-    if any((r["decision"] or {}).get("predicted_speedup") for r in data["records"]) and not data["device"].startswith("cuda"):
+    if any((r["decision"] or {}).get("predicted_speedup") for r in data["records"]) and not data["device"].startswith(
+        "cuda"
+    ):
         lines.append(
             (
                 f"on {data['device']}",

@@ -10,13 +10,17 @@ reaches the matcher as the same graph.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import inspect
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import fx, nn
 
+from twell.passes import experts
 from twell.passes.match import Dialect, FFNMatch, find_matches, skip_identities
 from twell.passes.modules import TWELL_MODULES, FFNSpec
 from twell.passes.projections import features, is_projection
@@ -31,7 +35,9 @@ class Candidate:
     "model.decoder.layers.0[fc1,fc2]" (plain) or "layers.0[w1,w3,w2]" (gated: gate, up, down).
     gate_module: the nn.Linear whose output (pre-activation, [..., N]) is thresholded; for plain FFNs
     the up linear. gate_slice: for a fused gate_up linear, the slice of its last dim that is the gate.
-    hidden_size: N; model_size: K.
+    hidden_size: N; model_size: K. For one expert of a mixture-of-experts layer (path
+    "<experts module>.<e>"), gate_module is the experts module, `expert` its index, and `measure` gives
+    that expert's gate pre-activation from a call of the experts module.
     """
 
     path: str
@@ -46,9 +52,13 @@ class Candidate:
     model_size: int
     # How to rewrite it (None when not rewritable): the module that owns the FFN and the op's spec.
     owner: nn.Module | None = field(default=None, repr=False, compare=False)
-    spec: FFNSpec | None = field(default=None, repr=False, compare=False)
+    spec: FFNSpec | experts.ExpertsSpec | None = field(default=None, repr=False, compare=False)
     inline: bool = field(default=False, repr=False, compare=False)
     activation_children: tuple[str, ...] = field(default=(), repr=False, compare=False)
+    expert: int | None = field(default=None, repr=False, compare=False)
+    # (args, kwargs, output) of a gate_module call -> the pre-activation [..., N] to measure, None if
+    # nothing of this FFN ran in that call; None: gate_module's output (sliced by gate_slice)
+    measure: Callable | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -242,6 +252,66 @@ def _candidate(path: str, module: nn.Module, graph: fx.Graph, match: FFNMatch, i
     )
 
 
+class _ActivationProbe(nn.Module):
+    """A two-neuron FFN around a given activation module: the matcher names and checks the activation of
+    experts (whose own forward, over routed tokens, does not trace) as it does any other FFN's."""
+
+    def __init__(self, act: nn.Module, gated: bool):
+        super().__init__()
+        self.gate = nn.Linear(1, 2, bias=False)
+        self.up = nn.Linear(1, 2, bias=False) if gated else None
+        self.down = nn.Linear(2, 1, bias=False)
+        self.act = act
+
+    def forward(self, x):
+        hidden = self.act(self.gate(x))
+        return self.down(hidden * self.up(x) if self.up is not None else hidden)
+
+
+def _experts_candidates(path: str, module: nn.Module) -> list[Candidate]:
+    """One candidate per expert when twell can serve the layer, else one for the layer with the reason."""
+    spec, problems = experts.layout(module)
+    kind = "gated" if module.has_gate else "plain"
+    activation, threshold, squared = "", 0.0, False
+    act = getattr(module, "act_fn", None)
+    if not isinstance(act, nn.Module):
+        problems.append("experts have no activation module (act_fn)")
+    else:
+        probe = _ActivationProbe(act, kind == "gated")
+        try:
+            (match,) = find_matches(trace_module(probe), Dialect(probe))
+        except (TraceFailure, ValueError) as failure:
+            problems.append(f"the experts' activation could not be analysed: {failure}")
+        else:
+            activation, threshold, squared = match.activation_name, match.threshold, match.squared
+            problems.extend(match.problems)
+    down = module._parameters["down_proj"]
+    transposed = bool(module.is_transposed)
+    n, k = (down.shape[-2], down.shape[-1]) if transposed else (down.shape[-1], down.shape[-2])
+    common = dict(kind=kind, activation=activation, gate_slice=None, threshold=threshold, hidden_size=n, model_size=k)
+    if problems:
+        return [Candidate(path, rewritable=False, reason="; ".join(problems), gate_module=module, **common)]
+    spec = dataclasses.replace(spec, threshold=threshold, squared=squared)
+    return [
+        Candidate(
+            f"{path}.{e}" if path else str(e),
+            rewritable=True,
+            reason="",
+            gate_module=module,
+            owner=module,
+            spec=spec,
+            expert=e,
+            measure=functools.partial(_expert_preactivation, module, spec, e),
+            **common,
+        )
+        for e in range(experts.sizes(module, spec)[0])
+    ]
+
+
+def _expert_preactivation(module, spec, expert, args, kwargs, output):
+    return experts.gate_preactivation(module, spec, expert, args, kwargs)
+
+
 def scan(model: nn.Module) -> tuple[list[Candidate], list[Unmatched]]:
     """Every FFN of `model` (module order), and the modules that could not be analysed."""
     if not isinstance(model, nn.Module):
@@ -249,7 +319,10 @@ def scan(model: nn.Module) -> tuple[list[Candidate], list[Unmatched]]:
     candidates: list[Candidate] = []
     unmatched: list[Unmatched] = []
     for path, module in model.named_modules():
-        if isinstance(module, TWELL_MODULES) or is_projection(module):
+        if isinstance(module, (*TWELL_MODULES, experts.SparseExperts)) or is_projection(module):
+            continue
+        if experts.is_experts(module):
+            candidates.extend(_experts_candidates(path, module))
             continue
         pair, expanding = _ffn_shaped(module)
         if not pair:

@@ -202,7 +202,13 @@ class Dialect:
                 return None
             in_features, out_features = features(module)
             return Linear(
-                node, node.args[0], out_features, in_features, module=module, nodes=(node,), transposed=is_conv1d(module)
+                node,
+                node.args[0],
+                out_features,
+                in_features,
+                module=module,
+                nodes=(node,),
+                transposed=is_conv1d(module),
             )
         name = op_name(node)
         if name == "linear":

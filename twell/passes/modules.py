@@ -47,14 +47,15 @@ class FFNSpec:
 
 
 def store_down_rows(weight: torch.Tensor) -> bool:
-    """Re-lay a down projection's weight [K, N] in place so that weight.t() ([N, K], one row per hidden
-    neuron) is contiguous: the kernels gather whole rows of it for the active neurons, and a copy per
-    call would cost more than the whole sparse FFN at decode sizes. Same tensor object, shape and
-    values; only the strides change (.to()/.half() keep them). Returns whether it re-laid the weight."""
-    if type(weight.data) is not torch.Tensor or weight.dim() != 2 or weight.t().is_contiguous():
+    """Re-lay a down projection's weight [K, N] (or a stack of them, [E, K, N]: one per expert) in place
+    so that weight.t() ([N, K], one row per hidden neuron) is contiguous: the kernels gather whole rows
+    of it for the active neurons, and a copy per call would cost more than the whole sparse FFN at
+    decode sizes. Same tensor object, shape and values; only the strides change (.to()/.half() keep
+    them). Returns whether it re-laid the weight."""
+    if type(weight.data) is not torch.Tensor or weight.dim() < 2 or weight.transpose(-2, -1).is_contiguous():
         return False
     with torch.no_grad():
-        weight.data = weight.data.t().contiguous().t()
+        weight.data = weight.data.transpose(-2, -1).contiguous().transpose(-2, -1)
     return True
 
 
@@ -125,11 +126,7 @@ def dense_ffn(spec: FFNSpec, gate: nn.Module, up: nn.Module | None, down: nn.Mod
 
 def _plain_linear(m: nn.Module) -> bool:
     """A projection whose call is exactly its linear map: no subclass forward, instance forward or hooks."""
-    return (
-        native_forward(m)
-        and "forward" not in m.__dict__
-        and not any(getattr(m, hooks) for hooks in _FORWARD_HOOKS)
-    )
+    return native_forward(m) and "forward" not in m.__dict__ and not any(getattr(m, hooks) for hooks in _FORWARD_HOOKS)
 
 
 def _op_dtype(x: torch.Tensor, linear: nn.Module) -> bool:

@@ -7,20 +7,22 @@ from dataclasses import dataclass
 from torch import nn
 
 from twell.passes.candidates import Candidate
+from twell.passes.experts import ExpertsSpec, SparseExperts, store_expert_rows
 from twell.passes.modules import GatePassthrough, InlineFFN, SparseFFN, UpUnit, store_contiguous, store_down_rows
 
 
 @dataclass
 class Swap:
     """parent.<name> was `original` before sparsify (and is `replacement` while sparsified).
-    relaid: the down projection whose weight sparsify re-laid (store_down_rows), if any; restore lays
-    out whatever weight it holds then (load_state_dict(assign=True) may have replaced the tensor)."""
+    relaid: (module, parameter name) of the down weight sparsify re-laid (store_down_rows), if any;
+    restore lays out whatever tensor the module holds then (load_state_dict(assign=True) may have
+    replaced it)."""
 
     parent: nn.Module
     name: str
     original: nn.Module
     replacement: nn.Module
-    relaid: nn.Module | None = None
+    relaid: tuple[nn.Module, str] | None = None
 
 
 def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
@@ -33,6 +35,8 @@ def apply(model: nn.Module, candidate: Candidate) -> list[Swap]:
     if not candidate.rewritable or candidate.spec is None:
         raise ValueError(f"{candidate.path!r} is not rewritable: {candidate.reason}")
     spec, owner = candidate.spec, candidate.owner
+    if isinstance(spec, ExpertsSpec):
+        return _apply_expert(model, candidate)
     if not candidate.inline:
         parent, name = _parent(model, candidate.path)
         swaps = [Swap(parent, name, owner, SparseFFN(owner, spec))]
@@ -52,8 +56,25 @@ def apply(model: nn.Module, candidate: Candidate) -> list[Swap]:
         setattr(swap.parent, swap.name, swap.replacement)
     # A Conv1D down weight is [N, K] row-major already: the rows the kernels gather.
     if isinstance(down, nn.Linear) and store_down_rows(down.weight):
-        swaps[-1].relaid = down
+        swaps[-1].relaid = (down, "weight")
     return swaps
+
+
+def _apply_expert(model: nn.Module, candidate: Candidate) -> list[Swap]:
+    """One expert: the experts module is swapped for a SparseExperts on its first rewritten expert, and
+    each further expert joins that one's rewritten set (no new swap)."""
+    parent, name = _parent(model, candidate.path.rpartition(".")[0])
+    current = getattr(parent, name)
+    if isinstance(current, SparseExperts) and current.sync_original() is candidate.owner:
+        current.rewritten.add(candidate.expert)
+        return []
+    replacement = SparseExperts(candidate.owner, candidate.spec)
+    replacement.rewritten.add(candidate.expert)
+    swap = Swap(parent, name, candidate.owner, replacement)
+    setattr(parent, name, replacement)
+    if store_expert_rows(candidate.owner, candidate.spec):
+        swap.relaid = (candidate.owner, "down_proj")
+    return [swap]
 
 
 def undo(swaps: list[Swap]) -> None:
@@ -66,4 +87,4 @@ def undo(swaps: list[Swap]) -> None:
         setattr(swap.parent, swap.name, swap.original)
     for swap in swaps:  # after every sync: the originals hold the current tensors
         if swap.relaid is not None:
-            store_contiguous(swap.relaid.weight)
+            store_contiguous(getattr(*swap.relaid))
