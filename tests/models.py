@@ -36,6 +36,15 @@ FAMILIES = {
         "plain",
         "transformer.h.0.mlp",
     ),
+    # BERT splits its FFN across two modules: intermediate (act(dense(x))) and output (dense(h), residual, norm).
+    "bert": (
+        "BertConfig",
+        "BertForMaskedLM",
+        {},
+        "hidden_act",
+        "plain",
+        "bert.encoder.layer.0[intermediate.dense,output.dense]",
+    ),
     "opt": (
         "OPTConfig",
         "OPTForCausalLM",
@@ -53,6 +62,7 @@ DEFAULT_NOT_RELU = {
     "olmo2": "silu",
     "gpt_neox": "gelu",
     "gpt2": "NewGELUActivation",
+    "bert": "gelu",
 }
 
 

@@ -757,3 +757,103 @@ def test_inline_ffn_whose_linear_is_called_again_is_not_rewritten(x):
     (c,) = find_ffns(model)
     assert not c.rewritable and c.reason == "linear w1 is called more than once"
     _check_rewrite(model, x, tol=0.0)
+
+
+class Intermediate(nn.Module):
+    """BERT-style first half of a split FFN: act(dense(x))."""
+
+    def __init__(self, act=None, functional=False):
+        super().__init__()
+        self.dense = nn.Linear(K, N)
+        self.act = act if act is not None else nn.ReLU()
+        self.functional = functional
+
+    def forward(self, x):
+        return F.relu(self.dense(x)) if self.functional else self.act(self.dense(x))
+
+
+class Output(nn.Module):
+    """BERT-style second half: dense(h), dropout, residual and norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense, self.norm, self.drop = nn.Linear(N, K), nn.LayerNorm(K), nn.Dropout(0.1)
+
+    def forward(self, h, residual):
+        return self.norm(self.drop(self.dense(h)) + residual)
+
+
+class SplitBlock(nn.Module):
+    def __init__(self, leak=False, **intermediate):
+        super().__init__()
+        self.intermediate, self.output = Intermediate(**intermediate), Output()
+        self.leak = leak
+
+    def forward(self, x):
+        h = self.intermediate(x)
+        y = self.output(h, x)
+        return y + h.mean(-1, keepdim=True) if self.leak else y
+
+
+SPLIT_PATH = "layers.0[intermediate.dense,output.dense]"
+
+
+def test_ffn_split_across_two_modules(x):
+    torch.manual_seed(13)
+    model = Net(SplitBlock()).eval()
+    (c,) = find_ffns(model)
+    assert (c.path, c.kind, c.activation, c.rewritable) == (SPLIT_PATH, "plain", "relu", True), c.reason
+    assert c.gate_module is model.layers[0].intermediate.dense and (c.hidden_size, c.model_size) == (N, K)
+    _check_rewrite(model, x)
+    twell.sparsify(model)
+    block = model.layers[0]
+    assert isinstance(block.intermediate.dense, GatePassthrough) and isinstance(block.output.dense, InlineFFN)
+    assert isinstance(block.intermediate.act, nn.Identity)
+    # training mode: the second half's dropout acts on the FFN's output, as it did
+    model.train()
+    torch.manual_seed(14)
+    got = model(x)
+    twell.restore(model)
+    torch.manual_seed(14)
+    assert torch.allclose(got, model(x), atol=1e-5)
+
+
+def _hook_intermediate(block):
+    block.intermediate.register_forward_hook(lambda m, args, out: out)
+
+
+SPLIT_REASONS = {
+    "activation-inline": (dict(functional=True), None, "activation is written inline in intermediate's forward"),
+    "not-sparse": (dict(act=nn.GELU()), None, "activation gelu is not sparse"),
+    "output-used-elsewhere": (dict(leak=True), None, "intermediate's output is also used outside output's first"),
+    "hooked-half": ({}, _hook_intermediate, "intermediate has forward hooks"),
+}
+
+
+@pytest.mark.parametrize("name", list(SPLIT_REASONS))
+def test_split_ffn_left_alone_has_its_reason(name, x):
+    options, change, reason = SPLIT_REASONS[name]
+    model = Net(SplitBlock(**options)).eval()
+    if change is not None:
+        change(model.layers[0])
+    (c,) = find_ffns(model)
+    assert c.path == SPLIT_PATH and not c.rewritable and reason in c.reason, c.reason
+    _check_rewrite(model, x, tol=0.0)
+    assert isinstance(model.layers[0].output.dense, nn.Linear)
+
+
+class NoActivation(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(K, N), nn.Linear(N, K)
+
+    def forward(self, x):
+        return self.down(self.up(x))  # a linear map: no activation between the projections
+
+
+def test_ffn_shaped_module_without_the_pattern_has_its_reason():
+    candidates, unmatched = scan(Net(NoActivation()))
+    assert candidates == [] and [u.path for u in unmatched] == ["layers.0"]
+    assert "neither down(act(up(x))) nor down(act(gate(x)) * up(x))" in unmatched[0].reason
+    text = " ".join(str(twell.report(Net(NoActivation()))).split())
+    assert "0 of 0 FFNs rewritten, 1 FFN-shaped modules not analysed" in text and "layers.0 " in text

@@ -41,17 +41,20 @@ def apply(model: nn.Module, candidate: Candidate) -> list[Swap]:
         parent, name = _parent(model, candidate.path)
         swaps = [Swap(parent, name, owner, SparseFFN(owner, spec))]
     else:
-        gate = GatePassthrough(getattr(owner, spec.gate))
-        up = UpUnit(getattr(owner, spec.up)) if spec.up is not None else None
-        down = InlineFFN(getattr(owner, spec.down), spec, gate, up)
+        # Names are paths below the owner: children, or grandchildren for an FFN split across two of them.
+        gate = GatePassthrough(owner.get_submodule(spec.gate))
+        up = UpUnit(owner.get_submodule(spec.up)) if spec.up is not None else None
+        down = InlineFFN(owner.get_submodule(spec.down), spec, gate, up)
         replacements = {spec.gate: gate, spec.down: down}
         if up is not None:
             replacements[spec.up] = up
         replacements.update(
-            {name: nn.Identity().train(getattr(owner, name).training) for name in candidate.activation_children}
+            {name: nn.Identity().train(owner.get_submodule(name).training) for name in candidate.activation_children}
         )
-        swaps = [Swap(owner, name, getattr(owner, name), module) for name, module in replacements.items()]
-    down = getattr(owner, spec.down)  # the original linear: a child shared with SparseFFN, or swapped inline
+        swaps = [
+            Swap(*_parent(owner, name), owner.get_submodule(name), module) for name, module in replacements.items()
+        ]
+    down = owner.get_submodule(spec.down)  # the original linear: a child shared with SparseFFN, or swapped inline
     for swap in swaps:
         setattr(swap.parent, swap.name, swap.replacement)
     # A Conv1D down weight is [N, K] row-major already: the rows the kernels gather.
