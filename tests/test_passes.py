@@ -14,7 +14,15 @@ import twell
 from twell.passes import find_ffns, scan
 from twell.passes import modules as twell_modules
 from twell.passes.match import _split_rows
-from twell.passes.modules import FFNSpec, GatePassthrough, InlineFFN, SparseFFN, dense_ffn, run_ffn
+from twell.passes.modules import (
+    ActivationPassthrough,
+    FFNSpec,
+    GatePassthrough,
+    InlineFFN,
+    SparseFFN,
+    dense_ffn,
+    run_ffn,
+)
 
 K, N = 24, 40
 
@@ -331,7 +339,7 @@ def test_inline_ffn_in_block(gated, x):
     twell.sparsify(model)
     block = model.layers[0]
     assert isinstance(block.w1, GatePassthrough) and isinstance(block.w2, InlineFFN)
-    assert isinstance(block.act, nn.Identity)
+    assert isinstance(block.act, ActivationPassthrough)
     assert block.w1.weight is c.gate_module.weight  # the same Parameter, not a copy
 
 
@@ -344,7 +352,7 @@ def test_inline_functional_activation_is_reported(x):
 
 
 class SharedActivation(Block):
-    """The FFN's activation module is called again outside the FFN: swapping it for nn.Identity would
+    """The FFN's activation module is called again outside the FFN: swapping it for a passthrough would
     change that other call."""
 
     def forward(self, x):
@@ -808,7 +816,7 @@ def test_ffn_split_across_two_modules(x):
     twell.sparsify(model)
     block = model.layers[0]
     assert isinstance(block.intermediate.dense, GatePassthrough) and isinstance(block.output.dense, InlineFFN)
-    assert isinstance(block.intermediate.act, nn.Identity)
+    assert isinstance(block.intermediate.act, ActivationPassthrough)
     # training mode: the second half's dropout acts on the FFN's output, as it did
     model.train()
     torch.manual_seed(14)
@@ -857,3 +865,43 @@ def test_ffn_shaped_module_without_the_pattern_has_its_reason():
     assert "neither down(act(up(x))) nor down(act(gate(x)) * up(x))" in unmatched[0].reason
     text = " ".join(str(twell.report(Net(NoActivation()))).split())
     assert "0 of 0 FFNs rewritten, 1 FFN-shaped modules not analysed" in text and "layers.0 " in text
+
+
+def _record(calls, name):
+    def hook(module, args, output):
+        calls.append((name, args[0].shape[-1], output.shape[-1], output.clone()))
+
+    return hook
+
+
+@pytest.mark.parametrize("member", ["w1", "act", "w3", "w2"])
+@pytest.mark.parametrize("where", ["original", "stand-in"])
+def test_inline_ffn_honours_hooks_on_its_modules(member, where, x, monkeypatch):
+    """A hook registered after sparsify, on the original fc1 / activation / fc2 object or on what stands
+    in for it in the layer, sees what it would see without twell; removed, the op runs again."""
+    torch.manual_seed(15)
+    model = Net(Block(gated=True)).eval()
+    originals = dict(model.layers[0].named_children())
+    expected_calls = []
+    handle = originals[member].register_forward_hook(_record(expected_calls, member))
+    with torch.no_grad():
+        expected = model(x)
+    handle.remove()
+    twell.sparsify(model)
+    block = model.layers[0]
+    target = originals[member] if where == "original" else getattr(block, member)
+    calls = []
+    handle = target.register_forward_hook(_record(calls, member))
+    with torch.no_grad():
+        got = model(x)
+    assert torch.allclose(got, expected, atol=1e-6)
+    ((name, k_in, n_out, output),) = calls
+    ((_, k_exp, n_exp, output_exp),) = expected_calls
+    assert (k_in, n_out) == (k_exp, n_exp) and torch.allclose(output, output_exp, atol=1e-6)
+    handle.remove()
+    ops_calls = []
+    run_ffn_ = twell_modules.run_ffn
+    monkeypatch.setattr(twell_modules, "run_ffn", lambda *args: ops_calls.append(1) or run_ffn_(*args))
+    with torch.no_grad():
+        assert torch.allclose(model(x), expected, atol=1e-5)
+    assert ops_calls == [1]

@@ -248,7 +248,8 @@ def warmup(model: torch.nn.Module, token_counts=(1, 16, 4096)) -> dict[int, floa
             weight = (getattr(ffn, ffn.spec.down) if isinstance(ffn, SparseFFN) else ffn).weight
             x = torch.randn(m, weight.shape[0], dtype=weight.dtype, device=weight.device)
             with torch.no_grad():
-                ffn.forward(x)  # the module's own path, without the forward hooks of the user's model
+                # the module's own path, without the forward hooks of the user's model
+                ffn.whole_ffn(x) if isinstance(ffn, InlineFFN) else ffn.forward(x)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         seconds[m] = time.perf_counter() - start

@@ -7,8 +7,11 @@ Two ways to stand in for an FFN:
   hand-written nn.Sequential ...).
 - For an FFN written inline in a bigger forward (OPT's decoder layer: fc1 -> activation_fn -> fc2),
   the layer keeps its own forward and its children are swapped: the gate linear by GatePassthrough
-  (returns x), the activation module(s) by nn.Identity, a gated FFN's up linear by UpUnit (returns 1,
-  so act(gate) * up is x again) and the down linear by InlineFFN, which computes the whole FFN from x.
+  (returns x), the activation module(s) by ActivationPassthrough (returns its input), a gated FFN's up
+  linear by UpUnit (returns 1, so act(gate) * up is x again) and the down linear by InlineFFN, which
+  computes the whole FFN from x. While forward hooks are registered on any of them (or on the modules
+  they replace), each computes what its original does instead. An FFN split across two modules (BERT's
+  intermediate and output) is rewritten the same way, across both.
 """
 
 from __future__ import annotations
@@ -197,43 +200,73 @@ class SparseFFN(_StandIn):
         return f"twell {self.spec.kind}, threshold={self.spec.threshold}, drelu={self.spec.drelu}"
 
 
-class GatePassthrough(_StandIn):
+class _InlineMember(_StandIn):
+    """One of the modules standing in for an inline FFN's children. It shares its forward hooks with the
+    module it replaces (hooks registered on either object land in the same dicts), and while any member
+    of its FFN has hooks, every member computes what its original computes, so each hook sees the
+    inputs and outputs it would see without twell."""
+
+    def __init__(self, original: nn.Module, group: list[_InlineMember], *, children: bool = False):
+        super().__init__(original, children=children)
+        for hooks in _FORWARD_HOOKS:
+            setattr(self, hooks, getattr(original, hooks))
+        # Not submodules: the layer owns each member under its own name.
+        self.__dict__["group"] = group
+        group.append(self)
+
+    def hooked(self) -> bool:
+        return any(getattr(member, hooks) for member in self.__dict__["group"] for hooks in _FORWARD_HOOKS)
+
+    def as_original(self, x: torch.Tensor) -> torch.Tensor:
+        # Its forward, not its __call__: this module's (shared) hooks run around this call already.
+        return self.sync_original().forward(x)
+
+
+class _ProjectionMember(_InlineMember):
+    def __init__(self, linear: nn.Module, group: list[_InlineMember]):
+        super().__init__(linear, group)
+        self.in_features, self.out_features = features(linear)
+        self.weight_transposed = is_conv1d(linear)
+
+
+class GatePassthrough(_ProjectionMember):
     """Inline FFN: in place of the gate (plain: up) linear; returns its input x unchanged."""
 
-    def __init__(self, linear: nn.Linear):
-        super().__init__(linear, children=False)
-        self.in_features, self.out_features = features(linear)
-        self.weight_transposed = is_conv1d(linear)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x
+        return self.as_original(x) if self.hooked() else x
 
 
-class UpUnit(_StandIn):
+class UpUnit(_ProjectionMember):
     """Inline gated FFN: in place of the up linear; returns 1, so the layer's act(gate) * up is x."""
 
-    def __init__(self, linear: nn.Linear):
-        super().__init__(linear, children=False)
-        self.in_features, self.out_features = features(linear)
-        self.weight_transposed = is_conv1d(linear)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.as_original(x) if self.hooked() else x.new_ones(())
+
+
+class ActivationPassthrough(_InlineMember):
+    """Inline FFN: in place of the activation module; returns its input unchanged."""
+
+    def __init__(self, activation: nn.Module, group: list[_InlineMember]):
+        super().__init__(activation, group, children=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.new_ones(())
+        return self.as_original(x) if self.hooked() else x
 
 
-class InlineFFN(_StandIn):
+class InlineFFN(_ProjectionMember):
     """Inline FFN: in place of the down linear; receives x and returns the whole FFN's output."""
 
-    def __init__(self, linear: nn.Linear, spec: FFNSpec, gate: GatePassthrough, up: UpUnit | None):
-        super().__init__(linear, children=False)
-        self.in_features, self.out_features = features(linear)
-        self.weight_transposed = is_conv1d(linear)
+    def __init__(self, linear: nn.Module, spec: FFNSpec, gate: GatePassthrough, up: UpUnit | None, group):
+        super().__init__(linear, group)
         self.spec = spec
-        # Not submodules: the layer owns them under their own names.
         self.__dict__["gate"] = gate
         self.__dict__["up"] = up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.as_original(x) if self.hooked() else self.whole_ffn(x)
+
+    def whole_ffn(self, x: torch.Tensor) -> torch.Tensor:
+        """The FFN from its input x [..., K]."""
         gate, up = self.__dict__["gate"], self.__dict__["up"]
         if not _op_dtype(x, gate):
             return dense_ffn(self.spec, gate, up, self, x)
@@ -243,4 +276,4 @@ class InlineFFN(_StandIn):
         return f"twell inline {self.spec.kind}, threshold={self.spec.threshold}, drelu={self.spec.drelu}"
 
 
-TWELL_MODULES = (SparseFFN, GatePassthrough, UpUnit, InlineFFN)
+TWELL_MODULES = (SparseFFN, GatePassthrough, UpUnit, ActivationPassthrough, InlineFFN)

@@ -8,7 +8,15 @@ from torch import nn
 
 from twell.passes.candidates import Candidate
 from twell.passes.experts import ExpertsSpec, SparseExperts, store_expert_rows
-from twell.passes.modules import GatePassthrough, InlineFFN, SparseFFN, UpUnit, store_contiguous, store_down_rows
+from twell.passes.modules import (
+    ActivationPassthrough,
+    GatePassthrough,
+    InlineFFN,
+    SparseFFN,
+    UpUnit,
+    store_contiguous,
+    store_down_rows,
+)
 
 
 @dataclass
@@ -42,14 +50,15 @@ def apply(model: nn.Module, candidate: Candidate) -> list[Swap]:
         swaps = [Swap(parent, name, owner, SparseFFN(owner, spec))]
     else:
         # Names are paths below the owner: children, or grandchildren for an FFN split across two of them.
-        gate = GatePassthrough(owner.get_submodule(spec.gate))
-        up = UpUnit(owner.get_submodule(spec.up)) if spec.up is not None else None
-        down = InlineFFN(owner.get_submodule(spec.down), spec, gate, up)
+        group = []
+        gate = GatePassthrough(owner.get_submodule(spec.gate), group)
+        up = UpUnit(owner.get_submodule(spec.up), group) if spec.up is not None else None
+        down = InlineFFN(owner.get_submodule(spec.down), spec, gate, up, group)
         replacements = {spec.gate: gate, spec.down: down}
         if up is not None:
             replacements[spec.up] = up
         replacements.update(
-            {name: nn.Identity().train(owner.get_submodule(name).training) for name in candidate.activation_children}
+            {name: ActivationPassthrough(owner.get_submodule(name), group) for name in candidate.activation_children}
         )
         swaps = [
             Swap(*_parent(owner, name), owner.get_submodule(name), module) for name, module in replacements.items()
@@ -83,10 +92,7 @@ def _apply_expert(model: nn.Module, candidate: Candidate) -> list[Swap]:
 def undo(swaps: list[Swap]) -> None:
     """Put the originals back, carrying over tensors that .to()/.half() replaced meanwhile."""
     for swap in reversed(swaps):
-        if hasattr(swap.replacement, "sync_original"):
-            swap.replacement.sync_original()
-        else:
-            swap.original.training = swap.replacement.training
+        swap.replacement.sync_original()
         setattr(swap.parent, swap.name, swap.original)
     for swap in swaps:  # after every sync: the originals hold the current tensors
         if swap.relaid is not None:
