@@ -830,13 +830,16 @@ def save_plan(decisions: Mapping[str, Decision], candidates, path: str | os.Path
     Path(path).write_text(json.dumps(plan, indent=1) + "\n")
 
 
-def load_plan(path: str | os.PathLike, candidates) -> dict[str, Decision]:
-    """Read a plan written by save_plan and check it fits the model whose FFNs are `candidates`.
+def read_plan(path: str | os.PathLike) -> tuple[dict, dict[str, Decision]]:
+    """The plan's FFN fingerprints {path: {path, kind, activation, hidden_size, model_size}} and its
+    decisions, unchecked against any model. Raises ValueError when the file is not a twell plan of this
+    format version."""
+    plan = _read_plan_file(path)
+    planned = {f["path"]: f for f in plan.get("ffns", [])}
+    return planned, {p: Decision.from_dict(d) for p, d in plan.get("decisions", {}).items()}
 
-    Raises ValueError with the reason when the file is not a twell plan, has another format version,
-    or was made for a different model (other FFN paths, kinds, activations or shapes), or when it
-    rewrites an FFN that is not rewritable in this model.
-    """
+
+def _read_plan_file(path: str | os.PathLike) -> dict:
     try:
         plan = json.loads(Path(path).read_text())
     except OSError as e:
@@ -850,8 +853,18 @@ def load_plan(path: str | os.PathLike, candidates) -> dict[str, Decision]:
             f"plan {path} has format version {plan.get('version')!r}; this twell reads version {PLAN_VERSION}: "
             "calibrate again"
         )
+    return plan
+
+
+def load_plan(path: str | os.PathLike, candidates) -> dict[str, Decision]:
+    """Read a plan written by save_plan and check it fits the model whose FFNs are `candidates`.
+
+    Raises ValueError with the reason when the file is not a twell plan, has another format version,
+    or was made for a different model (other FFN paths, kinds, activations or shapes), or when it
+    rewrites an FFN that is not rewritable in this model.
+    """
+    planned, decisions = read_plan(path)
     candidates = list(candidates)
-    planned = {f["path"]: f for f in plan.get("ffns", [])}
     present = {c.path: _fingerprint(c) for c in candidates}
     missing, extra = sorted(set(planned) - set(present)), sorted(set(present) - set(planned))
     if missing or extra:
@@ -868,7 +881,6 @@ def load_plan(path: str | os.PathLike, candidates) -> dict[str, Decision]:
                     f"plan {path} was made for a different model: {p} has {key}={value!r}, "
                     f"the plan {planned[p].get(key)!r}"
                 )
-    decisions = {p: Decision.from_dict(d) for p, d in plan.get("decisions", {}).items()}
     by_path = {c.path: c for c in candidates}
     for p, d in decisions.items():
         if p not in by_path:
@@ -888,6 +900,7 @@ __all__ = [
     "cuda_median_time",
     "load_plan",
     "predicted_model_speedup",
+    "read_plan",
     "resolve_cost_model",
     "save_plan",
 ]

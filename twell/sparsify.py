@@ -5,6 +5,7 @@
     twell.save_plan(model, "plan.json")               # keep the decisions ...
     model = twell.sparsify(other_copy, plan="plan.json")   # ... and re-apply them without calibrating
     print(twell.report(model))                        # what was found, rewritten, and why
+    twell.compile_report(model)                       # what torch.compile(model, backend="twell") did
     twell.restore(model)                              # the original modules, bit for bit
 
 Importing this module is light: the passes (and networkx) load on first call.
@@ -196,6 +197,10 @@ def sparsify(model: torch.nn.Module, calibration_data=None, *, config=None, plan
 
         decisions = load_plan(plan, candidates)
 
+    if decisions is not None:
+        from twell.passes import decided
+
+        decided.remember(candidates, decisions)  # the compile backend follows them too
     state = _State(candidates, unmatched, decisions, swaps=[])
     for candidate in candidates:
         if not candidate.rewritable:
@@ -216,9 +221,11 @@ def restore(model: torch.nn.Module) -> torch.nn.Module:
     _check_model(model)
     state = model.__dict__.pop(_STATE, None)
     if state is not None:
+        from twell.passes import decided
         from twell.passes.rewrite import undo
 
         undo(state.swaps)
+        decided.forget(state.candidates)
     return model
 
 
@@ -298,6 +305,18 @@ def report(model: torch.nn.Module) -> Report:
     return Report(build_records(state.candidates, state.unmatched, state.decisions, state.rewritten))
 
 
+def compile_report(model: torch.nn.Module) -> Report:
+    """What torch.compile's "twell" backend did to the FFNs of `model` (or of the module a
+    torch.compile'd `model` wraps): one record per FFN it found in the compiled graphs, the latest
+    compilation's, rewritten or not and why. FFNs that sparsify rewrote before compiling reach the
+    compiler as twell ops already: twell.report(model) lists those."""
+    model = getattr(model, "_orig_mod", model)
+    _check_model(model)
+    from twell.passes.decided import compiled_records
+
+    return Report(compiled_records(model))
+
+
 def save_plan(model: torch.nn.Module, path: str | os.PathLike) -> None:
     """Write the decisions sparsify made from calibration data (or a plan) to a JSON plan at `path`."""
     _check_model(model)
@@ -309,4 +328,14 @@ def save_plan(model: torch.nn.Module, path: str | os.PathLike) -> None:
     _save(state.decisions, state.candidates, path)
 
 
-__all__ = ["Record", "Report", "build_records", "restore", "report", "save_plan", "sparsify", "warmup"]
+__all__ = [
+    "Record",
+    "Report",
+    "build_records",
+    "compile_report",
+    "restore",
+    "report",
+    "save_plan",
+    "sparsify",
+    "warmup",
+]
