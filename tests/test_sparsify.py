@@ -6,7 +6,18 @@ import json
 
 import pytest
 import torch
-from models import DECODER, DEFAULT_NOT_RELU, FAMILIES, LAYERS, VOCAB, build, logits, modules_of, snapshot, token_ids
+from models import (
+    DEFAULT_NOT_RELU,
+    FAMILIES,
+    LAYERS,
+    MOE_FAMILIES,
+    VOCAB,
+    build,
+    logits,
+    modules_of,
+    snapshot,
+    token_ids,
+)
 
 import twell
 from twell.passes import find_ffns
@@ -117,15 +128,11 @@ def test_t5_relu_ffn_with_dropout_inside():
     assert torch.equal(sparse_train, model(**inputs).logits)
 
 
-EXPERTS = 4
+EXPERTS = MOE_FAMILIES["mixtral"][2]["num_local_experts"]
 
 
 def build_mixtral(activation="relu", seed=0):
-    torch.manual_seed(seed)
-    config = transformers.MixtralConfig(
-        **DECODER, hidden_act=activation, num_local_experts=EXPERTS, num_experts_per_tok=2
-    )
-    return transformers.MixtralForCausalLM(config).eval()
+    return build("mixtral", activation, seed)
 
 
 def routed_tokens(model, ids) -> list[list[int]]:
@@ -182,13 +189,14 @@ def test_mixtral_relu_experts_run_through_twell_ops(monkeypatch):
     assert torch.equal(logits(model, ids), expected)
 
 
-def test_mixtral_compiled_after_sparsify():
+@pytest.mark.parametrize("sparsified", [False, True], ids=["compiled", "sparsified-then-compiled"])
+def test_mixtral_compiled(sparsified):
     model = build_mixtral()
     ids = token_ids()
     expected = logits(model, ids)
     torch._dynamo.reset()
     try:
-        compiled = torch.compile(twell.sparsify(model), backend="twell")
+        compiled = torch.compile(twell.sparsify(model) if sparsified else model, backend="twell")
         torch.testing.assert_close(logits(compiled, ids), expected, atol=1e-5, rtol=1e-5)
     finally:
         torch._dynamo.reset()
