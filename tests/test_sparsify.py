@@ -452,3 +452,17 @@ def test_conv1d_ffn_reaches_the_sparse_route_without_copies(monkeypatch):
         assert down.t().stride(1) == 1  # twell.kernels.dispatch: `wd_t.stride(1) == 1` routes sparse
         assert down.t().data_ptr() == block.mlp.c_proj.weight.data_ptr() and down.shape == (32, 64)
         assert up.data_ptr() == block.mlp.c_fc.weight.data_ptr() and up.shape == (64, 32)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert", "mixtral"])
+def test_warmup_runs_conv1d_split_and_expert_ffns(family, monkeypatch):
+    from twell.kernels import reference
+
+    model = twell.sparsify(build(family))
+    calls = []
+    for name in ("ffn", "gated_ffn"):
+        original = getattr(reference, name)
+        monkeypatch.setattr(reference, name, lambda x, *rest, f=original: calls.append(tuple(x.shape)) or f(x, *rest))
+    twell.warmup(model, token_counts=(3,))
+    ffns = LAYERS * (EXPERTS if family == "mixtral" else 1)
+    assert calls == [(3, 32)] * ffns

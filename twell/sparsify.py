@@ -244,23 +244,41 @@ def warmup(model: torch.nn.Module, token_counts=(1, 16, 4096)) -> dict[int, floa
         raise ValueError(f"token_counts must hold positive ints, got {bad[0]!r}")
     import time
 
-    from twell.passes.modules import InlineFFN, SparseFFN
-
     state = getattr(model, _STATE, None)
-    ffns = [s.replacement for s in (state.swaps if state else []) if isinstance(s.replacement, (SparseFFN, InlineFFN))]
+    calls = _warmup_calls([s.replacement for s in state.swaps] if state else [])
     seconds = {}
     for m in token_counts:
         start = time.perf_counter()
-        for ffn in ffns:
-            weight = (getattr(ffn, ffn.spec.down) if isinstance(ffn, SparseFFN) else ffn).weight
-            x = torch.randn(m, weight.shape[0], dtype=weight.dtype, device=weight.device)
+        for k, weight, ffn in calls:
+            x = torch.randn(m, k, dtype=weight.dtype, device=weight.device)
             with torch.no_grad():
-                # the module's own path, without the forward hooks of the user's model
-                ffn.whole_ffn(x) if isinstance(ffn, InlineFFN) else ffn.forward(x)
+                ffn(x)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         seconds[m] = time.perf_counter() - start
     return seconds
+
+
+def _warmup_calls(replacements) -> list:
+    """(K, a weight of the FFN, function of x [M, K]) for every rewritten FFN: each module's own path,
+    without the forward hooks of the user's model."""
+    import functools
+
+    from twell.passes.experts import SparseExperts, sizes
+    from twell.passes.modules import InlineFFN, SparseFFN
+    from twell.passes.projections import features
+
+    calls = []
+    for r in replacements:
+        if isinstance(r, SparseFFN):
+            down = getattr(r, r.spec.down)
+            calls.append((features(down)[1], down.weight, r.forward))
+        elif isinstance(r, InlineFFN):
+            calls.append((r.out_features, r.weight, r.whole_ffn))
+        elif isinstance(r, SparseExperts):
+            k = sizes(r, r.spec)[2]
+            calls += [(k, r.down_proj, functools.partial(r.expert_ffn, e)) for e in sorted(r.rewritten)]
+    return calls
 
 
 def build_records(candidates, unmatched, decisions: dict | None, rewritten: set[str]) -> list[Record]:

@@ -174,11 +174,12 @@ class SparseExperts(_StandIn):
             if not 0 <= expert < self.num_experts:
                 continue  # transformers' sentinel for dropped tokens
             tokens, slots = routed(top_k_index, expert)
-            y = self._expert(expert, hidden_states[tokens])
+            y = self.expert_ffn(expert, hidden_states[tokens])
             out.index_add_(0, tokens, (y * top_k_weights[tokens, slots, None]).to(out.dtype))
         return out
 
-    def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+    def expert_ffn(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert `expert` on its tokens x [M, K]."""
         spec = self.spec
         (gate, gate_bias), (up, up_bias), (down, down_bias) = expert_weights(self, spec, expert)
         if expert in self.rewritten:
