@@ -791,6 +791,25 @@ class Output(nn.Module):
         return self.norm(self.drop(self.dense(h)) + residual)
 
 
+class DroppingIntermediate(Intermediate):
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        return self.drop(self.act(self.dense(x)))
+
+
+class ShiftedIntermediate(Intermediate):
+    def forward(self, x):
+        return self.act(self.dense(x)) + x.mean()
+
+
+class ScaledOutput(Output):
+    def forward(self, h, residual):
+        return self.norm(self.dense(h) + h.mean() + residual)
+
+
 class SplitBlock(nn.Module):
     def __init__(self, leak=False, **intermediate):
         super().__init__()
@@ -826,6 +845,16 @@ def test_ffn_split_across_two_modules(x):
     assert torch.allclose(got, model(x), atol=1e-5)
 
 
+def _swap(**halves):
+    def change(block):
+        for name, cls in halves.items():
+            if cls is not None:
+                torch.manual_seed(16)
+                setattr(block, name, cls().eval())
+
+    return change
+
+
 def _hook_intermediate(block):
     block.intermediate.register_forward_hook(lambda m, args, out: out)
 
@@ -835,7 +864,23 @@ SPLIT_REASONS = {
     "not-sparse": (dict(act=nn.GELU()), None, "activation gelu is not sparse"),
     "output-used-elsewhere": (dict(leak=True), None, "intermediate's output is also used outside output's first"),
     "hooked-half": ({}, _hook_intermediate, "intermediate has forward hooks"),
+    "dropout-in-first-half": ({}, _swap(intermediate=DroppingIntermediate), "dropout after the activation"),
 }
+# Halves that are not act(up(x)) and down(h), ...: no FFN, but a module not analysed, with the reason.
+SPLIT_UNMATCHED = {
+    "first-computes-more": (ShiftedIntermediate, None, "intermediate passes its output to output, but does not"),
+    "second-uses-h-again": (None, ScaledOutput, "output does not use intermediate's output only as the input"),
+}
+
+
+@pytest.mark.parametrize("name", list(SPLIT_UNMATCHED))
+def test_split_halves_that_are_not_an_ffn_are_reported(name, x):
+    first, second, reason = SPLIT_UNMATCHED[name]
+    model = Net(SplitBlock()).eval()
+    _swap(intermediate=first, output=second)(model.layers[0])
+    candidates, unmatched = scan(model)
+    assert candidates == [] and [u.path for u in unmatched] == [SPLIT_PATH]
+    assert reason in unmatched[0].reason
 
 
 @pytest.mark.parametrize("name", list(SPLIT_REASONS))

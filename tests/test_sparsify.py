@@ -244,7 +244,19 @@ def _act_hook(experts):
     return "activation act has forward hooks"
 
 
-@pytest.mark.parametrize("change", [_interleaved, _post_norm, _own_gate, _act_hook])
+def _expert_parallel(experts):
+    experts._is_expert_parallel = True
+    return "experts are split across devices"
+
+
+def _instance_forward(experts):
+    experts.forward = experts.forward  # what offloading hooks do
+    return "forward is replaced on the instance"
+
+
+@pytest.mark.parametrize(
+    "change", [_interleaved, _post_norm, _own_gate, _act_hook, _expert_parallel, _instance_forward]
+)
 def test_experts_twell_cannot_serve_are_reported(change):
     model = build_mixtral()
     reason = change(model.model.layers[0].mlp.experts)

@@ -349,11 +349,13 @@ def _called_once(graph: fx.Graph, target: str) -> fx.Node | None:
 
 def _split_candidate(path: str, module: nn.Module, graph: fx.Graph, pair) -> Candidate | Unmatched | None:
     """The FFN split across children `first` (x -> act(up(x))) and `second` (whose forward starts with
-    down(h) on first's output h), or None if the module does not wire them so. The rewrite is the
+    down(h) on first's output h), or None if the module does not pass first's output to second; where
+    it does but either half is not that, the reason as an Unmatched. The rewrite is the
     inline one across both: up returns x, the activation is the identity (first now returns x), and down
     computes the whole FFN from x; the rest of second's forward (dropout, residual, norm) is unchanged."""
     first, up_name, second, down_name = pair
     a, b = module.get_submodule(first), module.get_submodule(second)
+    ffn_path = f"{path}[{first}.{up_name},{second}.{down_name}]"
     node_a, node_b = _called_once(graph, first), _called_once(graph, second)
     if node_a is None or node_b is None or node_b.args[:1] != (node_a,):
         return None
@@ -365,21 +367,21 @@ def _split_candidate(path: str, module: nn.Module, graph: fx.Graph, pair) -> Can
         parameters = list(inspect.signature(inspect.unwrap(type(b).forward)).parameters.values())[1:]
         graph_b = trace_module(b, inputs=2 if len(parameters) > 1 else 1)
     except TraceFailure as failure:
-        return Unmatched(f"{path}[{first},{second}]", f"could not trace {first} or {second}: {failure}")
+        return Unmatched(ffn_path, f"could not trace {first} or {second}: {failure}")
     dialect_a, dialect_b = Dialect(a), Dialect(b)
     (x,) = [n for n in graph_a.nodes if n.op == "placeholder"]
     (output,) = [n for n in graph_a.nodes if n.op == "output"]
     source, trailing, dropouts = skip_identities(output.args[0], dialect_a)
     act = activation(source, dialect_a)
     if act is None or act.projection.rows is not None or act.projection.linear.node.target != up_name:
-        return None
+        return Unmatched(ffn_path, f"{first} passes its output to {second}, but does not return act({up_name}(x))")
     up = act.projection.linear
     if up.input is not x or set(graph_a.nodes) != {x, output, up.node, *act.nodes, *trailing}:
         problems.append(f"{first}'s forward computes more than act({up_name}(x))")
     h = next(n for n in graph_b.nodes if n.op == "placeholder")
     down_node = _called_once(graph_b, down_name)
     if down_node is None or list(h.users) != [down_node]:
-        return None
+        return Unmatched(ffn_path, f"{second} does not use {first}'s output only as the input of {down_name}")
     down = dialect_b.linear(down_node)
     match = FFNMatch("plain", x, act.projection, None, down, act, None, frozenset())
     problems += activation_problems(match)
@@ -400,7 +402,7 @@ def _split_candidate(path: str, module: nn.Module, graph: fx.Graph, pair) -> Can
         problems.append("the two projections differ in dtype or device")
     names = [f"{first}.{up_name}", f"{second}.{down_name}"]
     return Candidate(
-        path=f"{path}[{','.join(names)}]",
+        path=ffn_path,
         kind="plain",
         activation=match.activation_name,
         rewritable=not problems,
