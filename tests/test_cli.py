@@ -533,3 +533,28 @@ def test_json_records_have_the_fields_of_twell_report(tmp_path, capsys):
     assert [list(r) for r in data["records"]] == [list(r) for r in api["records"]]
     assert set(api["summary"]) <= set(data["summary"])
     assert [r["path"] for r in data["records"]] == [r["path"] for r in api["records"]]
+
+
+def test_mixture_of_experts_checkpoint_is_reported_per_expert(tmp_path, capsys):
+    """Experts stored as 3-D parameters: one row per expert, each measured on the tokens routed to it."""
+    config = transformers.MixtralConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        hidden_act="relu",
+        max_position_embeddings=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(config).save_pretrained(tmp_path / "moe")
+    rc, out, err = run(["report", tmp_path / "moe", *QUICK, "--json", tmp_path / "r.json"], capsys)
+    assert rc == 0, err
+    assert all(f"model.layers.0.mlp.experts.{e} " in out for e in range(4))
+    records = json.loads((tmp_path / "r.json").read_text())["records"]
+    assert [r["path"] for r in records] == [f"model.layers.0.mlp.experts.{e}" for e in range(4)]
+    rows = [r["decision"]["stats"]["prefill"]["rows"] for r in records]
+    assert sum(rows) == 4 * 32 * 2  # every token reaches two experts

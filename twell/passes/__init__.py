@@ -16,7 +16,8 @@ activation_children) are the rewrite's own.
 
 Modules: match (the graph matcher shared by every entry point), candidates (per-module tracing),
 modules (what sparsify swaps in), projections (nn.Linear and Conv1D), experts (mixture-of-experts layers),
-rewrite (swapping), backend (torch.compile backend and Inductor pass).
+rewrite (swapping), backend (torch.compile backend and Inductor pass), decided (sparsify's decisions
+and the backend's records, by gate weight).
 """
 
 from twell.passes.candidates import Candidate, Unmatched, find_ffns, scan
