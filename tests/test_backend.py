@@ -222,3 +222,19 @@ def test_inductor_pass_records_and_counters(op_calls):
     assert len(report) == LAYERS and all(r.rewritten and r.kind == "plain" for r in report)
     assert all(r.path.startswith("<graph>[") for r in report)  # aten graphs do not tell module paths
     assert counters["twell"]["ffn_rewritten"] == LAYERS == op_calls["ffn"]
+
+
+def test_twell_backend_leaves_ffns_the_plan_does_not_name(plan_keeping_layer_1_dense, op_calls):
+    plan = json.loads(plan_keeping_layer_1_dense.read_text())
+    del plan["decisions"]["model.layers.1.mlp"]
+    plan_keeping_layer_1_dense.write_text(json.dumps(plan))
+    model = build("llama-bias")
+    ids = token_ids()
+    expected = logits(model, ids)
+    compiled = torch.compile(model, backend="twell", options={"plan": str(plan_keeping_layer_1_dense)})
+    torch.testing.assert_close(logits(compiled, ids), expected, atol=1e-5, rtol=1e-5)
+    layer_0, layer_1 = twell.compile_report(model)
+    assert layer_0.rewritten and not layer_1.rewritten and layer_1.decision is None
+    assert layer_1.path == "model.layers.1.mlp[gate_proj,up_proj,down_proj]"
+    assert layer_1.reason == f"not in the plan {plan_keeping_layer_1_dense}"
+    assert op_calls["gated_ffn"] == 1
