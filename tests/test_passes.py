@@ -950,3 +950,26 @@ def test_inline_ffn_honours_hooks_on_its_modules(member, where, x, monkeypatch):
     with torch.no_grad():
         assert torch.allclose(model(x), expected, atol=1e-5)
     assert ops_calls == [1]
+
+
+@pytest.mark.parametrize("half", ["intermediate", "output"])
+def test_split_ffn_honours_hooks_on_its_halves(half, x):
+    """A hook registered after sparsify on a half of a split FFN sees the hidden activation, as without
+    twell (the rewritten halves pass x on, so the FFN then runs its original modules)."""
+    torch.manual_seed(17)
+    model = Net(SplitBlock()).eval()
+    module = getattr(model.layers[0], half)
+    seen = []
+    handle = module.register_forward_hook(lambda m, args, out: seen.append((args[0].clone(), out.clone())))
+    with torch.no_grad():
+        expected = model(x)
+    handle.remove()
+    twell.sparsify(model)
+    got_seen = []
+    module.register_forward_hook(lambda m, args, out: got_seen.append((args[0].clone(), out.clone())))
+    with torch.no_grad():
+        got = model(x)
+    assert torch.allclose(got, expected, atol=1e-6)
+    ((args, out),), ((args_exp, out_exp),) = got_seen, seen
+    assert args.shape == args_exp.shape and torch.allclose(args, args_exp, atol=1e-6)
+    assert torch.allclose(out, out_exp, atol=1e-6)

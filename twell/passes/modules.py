@@ -202,9 +202,9 @@ class SparseFFN(_StandIn):
 
 class _InlineMember(_StandIn):
     """One of the modules standing in for an inline FFN's children. It shares its forward hooks with the
-    module it replaces (hooks registered on either object land in the same dicts), and while any member
-    of its FFN has hooks, every member computes what its original computes, so each hook sees the
-    inputs and outputs it would see without twell."""
+    module it replaces (hooks registered on either object land in the same dicts), and while any module
+    of its group (the FFN's members, and the halves of a split FFN) has hooks, every member computes what
+    its original computes, so each hook sees the inputs and outputs it would see without twell."""
 
     def __init__(self, original: nn.Module, group: list[_InlineMember], *, children: bool = False):
         super().__init__(original, children=children)

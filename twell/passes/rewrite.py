@@ -60,6 +60,9 @@ def apply(model: nn.Module, candidate: Candidate) -> list[Swap]:
         replacements.update(
             {name: ActivationPassthrough(owner.get_submodule(name), group) for name in candidate.activation_children}
         )
+        # A split FFN's halves (BERT's intermediate and output) pass x on while rewritten: hooks on them
+        # make the members compute what their originals do, as hooks on the members do.
+        group.extend(owner.get_submodule(name.rpartition(".")[0]) for name in (spec.gate, spec.down) if "." in name)
         swaps = [
             Swap(*_parent(owner, name), owner.get_submodule(name), module) for name, module in replacements.items()
         ]
