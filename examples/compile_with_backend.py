@@ -4,7 +4,7 @@ The backend rewrites every ReLU-gated FFN in the captured graph to a torch.ops.t
 with Inductor. It needs no calibration and leaves the model object untouched; to follow calibration
 decisions instead, pass options={"plan": "plan.json"}, or sparsify the model with its calibration data
 or plan first. twell.compile_report(model) says what the backend did. For the default backend, pass
-twell.passes.backend.TwellInductorPass() as options={"post_grad_custom_pre_pass": ...}. On the CPU,
+twell.passes.backend.TwellInductorPass(plan=...) as options={"pre_grad_custom_pass": ...}. On the CPU,
 Inductor needs a C++ compiler.
 
     python examples/compile_with_backend.py

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -144,6 +145,7 @@ def test_entry_point_needs_no_twell_import_and_uuid_is_stable():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     # Same uuid in another process: Inductor's FX graph cache keys on it.
+    gc.collect()  # models sparsified with decisions by earlier tests, freed: their decisions are gone
     uuid = TwellInductorPass().uuid()
     assert isinstance(uuid, bytes) and uuid
     assert result.stdout.split() == ["twell.passes.backend", "twell_backend", uuid.hex()]
@@ -238,3 +240,42 @@ def test_twell_backend_leaves_ffns_the_plan_does_not_name(plan_keeping_layer_1_d
     assert layer_1.path == "model.layers.1.mlp[gate_proj,up_proj,down_proj]"
     assert layer_1.reason == f"not in the plan {plan_keeping_layer_1_dense}"
     assert op_calls["gated_ffn"] == 1
+
+
+@pytest.mark.parametrize("how", ["plan-option", "sparsified-first"])
+def test_inductor_pre_grad_pass_follows_a_plan(how, plan_keeping_layer_1_dense, op_calls):
+    """As pre_grad_custom_pass, the pass sees dynamo's graph and follows decisions as the backend does."""
+    model = build("llama-bias")
+    ids = token_ids()
+    expected = logits(model, ids)
+    if how == "plan-option":
+        twell_pass = TwellInductorPass(plan=str(plan_keeping_layer_1_dense))
+    else:
+        twell.sparsify(model, plan=plan_keeping_layer_1_dense)
+        twell_pass = TwellInductorPass()
+    counters.clear()
+    options = {"pre_grad_custom_pass": twell_pass, "fx_graph_cache": False}
+    torch.testing.assert_close(logits(torch.compile(model, options=options), ids), expected, atol=1e-5, rtol=1e-5)
+    assert op_calls["gated_ffn"] == 1
+    report = twell_pass.report()
+    assert [(r.path, r.rewritten) for r in report][-1] == ("model.layers.1.mlp", False)
+    assert report["model.layers.1.mlp"].reason == "kept dense by the plan: held back in this test"
+    assert counters["twell"]["ffn_kept"] == 1
+    assert twell.compile_report(model).to_dict() == report.to_dict()
+
+
+def test_inductor_post_grad_pass_refuses_a_plan(plan_keeping_layer_1_dense, op_calls):
+    twell_pass = TwellInductorPass(plan=str(plan_keeping_layer_1_dense))
+    options = {"post_grad_custom_pre_pass": twell_pass, "fx_graph_cache": False}
+    with pytest.raises(Exception, match="follows a plan only as pre_grad_custom_pass"):
+        logits(torch.compile(build("llama-bias"), options=options), token_ids())
+
+
+def test_inductor_pass_uuid_follows_plan_and_decisions(plan_keeping_layer_1_dense):
+    gc.collect()  # models sparsified by earlier tests, freed: their decisions are gone
+    plain = TwellInductorPass().uuid()
+    assert TwellInductorPass(plan=str(plan_keeping_layer_1_dense)).uuid() != plain
+    model = twell.sparsify(build("llama-bias"), plan=plan_keeping_layer_1_dense)
+    assert TwellInductorPass().uuid() != plain
+    twell.restore(model)
+    assert TwellInductorPass().uuid() == plain

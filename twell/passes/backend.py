@@ -1,22 +1,24 @@
 """torch.compile integration: the "twell" dynamo backend and an Inductor custom graph pass.
 
     torch.compile(model, backend="twell")       # registered through the torch_dynamo_backends entry point
-    torch.compile(model, options={"post_grad_custom_pre_pass": twell.passes.backend.TwellInductorPass()})
+    torch.compile(model, options={"pre_grad_custom_pass": twell.passes.backend.TwellInductorPass(plan=...)})
 
 The backend rewrites every sparse-gated FFN of dynamo's (torch-level) graph to a torch.ops.twell.* call
-and hands the graph to Inductor; the Inductor pass does the same on the post-grad aten graph, for users
-of the default backend. Without decisions both rewrite every rewritable FFN they find (the ops are
-exact at any sparsity and run dense where sparse does not pay). The backend follows calibration
-decisions: those of a model sparsified with calibration data or a plan (looked up by gate weight,
-twell.passes.decided), or a plan file given as options={"plan": path} (looked up by the module paths
-dynamo records for each parameter). What it did is kept as report records (twell.compile_report) and
-counted in torch._dynamo.utils.counters["twell"]. Inductor options given to torch.compile go to
+and hands the graph to Inductor; the Inductor pass does the same for users of the default backend, on
+dynamo's graph as pre_grad_custom_pass or on the post-grad aten graph. Without decisions they rewrite
+every rewritable FFN they find (the ops are exact at any sparsity and run dense where sparse does not
+pay). On dynamo's graph they follow calibration decisions: those of a model sparsified with calibration
+data or a plan (looked up by gate weight, twell.passes.decided), and a plan file (options={"plan": path}
+for the backend, TwellInductorPass(plan=path)), looked up by the module paths dynamo records for each
+parameter. What they did is kept as report records (twell.compile_report, TwellInductorPass.records)
+and counted in torch._dynamo.utils.counters["twell"]. Inductor options given to torch.compile go to
 compile_fx as config patches, scoped to this compilation.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import operator
 import re
 from pathlib import Path
@@ -27,7 +29,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 import twell.ops  # noqa: F401  (registers torch.ops.twell.*)
-from twell.passes.decided import decision_for, record_compiled
+from twell.passes.decided import decision_for, decisions_digest, record_compiled
 from twell.passes.match import Dialect, FFNMatch, Projection, find_matches, op_name
 
 
@@ -275,18 +277,37 @@ _SOURCES = (
 
 
 class TwellInductorPass(CustomGraphPass):
-    """Inductor post-grad pass (post_grad_custom_pre_pass / post_grad_custom_post_pass) rewriting FFNs
-    of the aten graph. Weights there are graph inputs: AOTAutograd lifts parameters to placeholders,
-    whose module paths the aten graph no longer tells, so the pass rewrites every rewritable FFN (to
-    follow a plan, use the "twell" backend). `records` lists what each run of the pass did (report
-    records; paths name graph nodes); a run served from Inductor's FX graph cache adds none."""
+    """Inductor custom graph pass rewriting FFNs, for users of the default backend.
 
-    def __init__(self):
+    As `pre_grad_custom_pass` it runs on dynamo's graph, as the "twell" backend does, and follows the
+    same decisions: a model's sparsified with calibration data or a plan, and `plan` (a plan file). As
+    a post-grad pass (post_grad_custom_pre_pass / post_grad_custom_post_pass) it runs on the aten
+    graph, whose parameter inputs no longer tell which weights they are: it rewrites every rewritable
+    FFN, and refuses a plan. `records` lists what each run did (report records; a post-grad run's paths
+    name graph nodes); a compilation served from Inductor's caches does not run the pass.
+    """
+
+    def __init__(self, plan=None):
+        self.plan = plan
         self.records = []
 
     def __call__(self, graph: fx.Graph) -> None:
-        dialect = Dialect(graph.owning_module)
-        self.records.extend(compile_records(rewrite_graph(graph, dialect), dialect, _Plan()))
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        # dynamo's graph (pre-grad) keeps each input's real tensor and source in its placeholders' meta
+        values = {
+            n: n.meta["grapharg"].example
+            for n in placeholders
+            if isinstance(getattr(n.meta.get("grapharg"), "example", None), torch.Tensor)
+        }
+        if not values and self.plan is not None:
+            raise ValueError(
+                "TwellInductorPass(plan=...) follows a plan only as pre_grad_custom_pass: the post-grad "
+                "graph does not tell which weights its inputs are"
+            )
+        dialect = Dialect(graph.owning_module, values)
+        plan = _Plan(self.plan)
+        found = rewrite_graph(graph, dialect, keep=lambda match: plan.keep(match, dialect))
+        self.records.extend(compile_records(found, dialect, plan))
 
     def report(self):
         """The records as a twell.sparsify.Report."""
@@ -295,8 +316,13 @@ class TwellInductorPass(CustomGraphPass):
         return Report(list(self.records))
 
     def uuid(self) -> bytes:
-        # Stable across processes (FX graph caching stays on), new whenever the matcher changes.
-        return get_hash_for_files(_SOURCES)
+        # Stable across processes (Inductor's caches stay on), new whenever the matcher, the plan or the
+        # decisions of sparsified models change.
+        digest = hashlib.sha256(get_hash_for_files(_SOURCES))
+        if self.plan is not None:
+            digest.update(Path(self.plan).read_bytes())
+        digest.update(decisions_digest())
+        return digest.digest()
 
 
 __all__ = ["TwellInductorPass", "compile_records", "op_name", "rewrite_dynamo_graph", "rewrite_graph", "twell_backend"]

@@ -37,6 +37,11 @@ def decision_for(weight) -> tuple[str, object] | None:
     return _decisions.get(weight) if isinstance(weight, torch.nn.Parameter) else None
 
 
+def decisions_digest() -> bytes:
+    """The decisions of every live sparsified model, as bytes that change when any of them does."""
+    return "\n".join(sorted(f"{path} {d.rewrite} {d.reason}" for path, d in _decisions.values())).encode()
+
+
 def record_compiled(weight, record) -> None:
     if isinstance(weight, torch.nn.Parameter):
         _compiled[weight] = record
@@ -47,4 +52,4 @@ def compiled_records(model: torch.nn.Module) -> list:
     return [_compiled[p] for p in model.parameters() if p in _compiled]
 
 
-__all__ = ["compiled_records", "decision_for", "forget", "record_compiled", "remember"]
+__all__ = ["compiled_records", "decision_for", "decisions_digest", "forget", "record_compiled", "remember"]
