@@ -80,15 +80,16 @@ def test_inductor_custom_pass(family, op_calls):
     assert torch._inductor.config.post_grad_custom_pre_pass is before  # scoped to that compilation
 
 
-def test_sparsified_model_compiles_with_default_backend(op_calls):
-    model = build("llama")
+@pytest.mark.parametrize("family", ["llama", "opt", "bert"])  # module, inline and split rewrites
+def test_sparsified_model_compiles_with_default_backend(family, op_calls):
+    model = build(family)
     ids = token_ids()
     expected = logits(model, ids)
     twell.sparsify(model)
-    op_calls["gated_ffn"] = 0
+    op_calls[_op(family)] = 0
     compiled = torch.compile(model, fullgraph=True)
     torch.testing.assert_close(logits(compiled, ids), expected, atol=1e-5, rtol=1e-5)
-    assert op_calls["gated_ffn"] == LAYERS
+    assert op_calls[_op(family)] == LAYERS
 
 
 class GatedFFN(nn.Module):
