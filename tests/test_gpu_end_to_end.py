@@ -20,6 +20,22 @@ def test_sparsified_llama_matches_on_gpu(monkeypatch, tokens):
     calls = []
     monkeypatch.setattr(dispatch, "decode_ffn", lambda *a, **k: calls.append("decode") or decode(*a, **k))
     monkeypatch.setattr(dispatch, "twell_up_down", lambda *a, **k: calls.append("prefill") or updown(*a, **k))
+    model = _tiny_llama(transformers)
+    untouched = copy.deepcopy(model)
+    twell.sparsify(model)
+    ids = torch.randint(0, 128, (1, tokens), device="cuda")
+    with torch.no_grad():
+        ref = untouched(ids).logits.float()
+        out = model(ids).logits.float()
+    assert calls and set(calls) == {"decode" if tokens == 1 else "prefill"}
+    assert rel_err(out, ref) <= 2e-2
+
+
+decode = dispatch.decode_ffn
+updown = dispatch.twell_up_down
+
+
+def _tiny_llama(transformers):
     config = transformers.LlamaConfig(
         vocab_size=128,
         hidden_size=256,
@@ -34,19 +50,33 @@ def test_sparsified_llama_matches_on_gpu(monkeypatch, tokens):
     model = transformers.LlamaForCausalLM(config).eval()
     for layer in model.model.layers:  # a negative gate bias makes the ReLU gate sparse (~2% active)
         torch.nn.init.constant_(layer.mlp.gate_proj.bias, -0.65)
-    model = model.to("cuda", torch.bfloat16)
+    return model.to("cuda", torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_sparsified_llama_generates_the_same_tokens(monkeypatch, cache):
+    """Greedy generation, the prompt through the prefill kernels and every step through the decode
+    kernels (with a static cache transformers compiles the step, CUDA graphs included): the same
+    tokens as the untouched model."""
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setattr(policy, "PREFILL_MIN_M", 65)
+    dispatch.forget_layers()
+    calls = []
+    monkeypatch.setattr(dispatch, "decode_ffn", lambda *a, **k: calls.append("decode") or decode(*a, **k))
+    monkeypatch.setattr(dispatch, "twell_up_down", lambda *a, **k: calls.append("prefill") or updown(*a, **k))
+    model = _tiny_llama(transformers)
     untouched = copy.deepcopy(model)
     twell.sparsify(model)
-    ids = torch.randint(0, 128, (1, tokens), device="cuda")
+    prompt = torch.randint(0, 128, (2, 40), device="cuda")  # 80 tokens: the prefill path
+    kwargs = {"max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
+    if cache == "static":
+        kwargs["cache_implementation"] = "static"
     with torch.no_grad():
-        ref = untouched(ids).logits.float()
-        out = model(ids).logits.float()
-    assert calls and set(calls) == {"decode" if tokens == 1 else "prefill"}
-    assert rel_err(out, ref) <= 2e-2
-
-
-decode = dispatch.decode_ffn
-updown = dispatch.twell_up_down
+        ref = untouched.generate(prompt, **kwargs)
+        out = model.generate(prompt, **kwargs)
+    assert "prefill" in calls and ("decode" in calls or cache == "static")  # compiled steps run inside graphs
+    assert torch.equal(out, ref)
 
 
 @pytest.mark.gpu

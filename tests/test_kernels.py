@@ -131,10 +131,13 @@ def test_gate_twell_counts_overflow_and_refuses_unaligned_rows():
 
 
 UPDOWN_CASES = {
-    "m1": (1, 16, 64, 256),
-    "m40": (40, 72, 200, 256),
-    "m40-narrow": (40, 72, 200, 8),
-    "m24-k33": (24, 33, 130, 256),
+    # m, k, n, scratch width, rows heaviest first, parts of a heavy row, heavy rows split (the rest whole)
+    "m1": (1, 16, 64, 256, True, 8, 1),
+    "m40": (40, 72, 200, 256, True, 8, 40),
+    "m40-in-order": (40, 72, 200, 256, False, 3, 40),
+    "m40-narrow": (40, 72, 200, 8, True, 4, 40),
+    "m40-narrow-few-split": (40, 72, 200, 8, True, 2, 3),
+    "m24-k33": (24, 33, 130, 256, True, 5, 2),
 }
 
 
@@ -142,9 +145,11 @@ UPDOWN_CASES = {
 @pytest.mark.parametrize("variant", ["gated", "gated-bias", "drelu", "plain", "relu2", "fatrelu"])
 @pytest.mark.parametrize("case_id", list(UPDOWN_CASES))
 def test_up_down_matches_reference(case_id, dtype, variant, monkeypatch):
-    """Rows with empty, sparse and overflowing tiles (recomputed by the fixup kernel), ragged last tile,
-    awkward K, output poisoned; a narrow scratch sends rows with many entries to the fixup kernel too."""
-    m, k, n, width = UPDOWN_CASES[case_id]
+    """Rows with empty, sparse and overflowing tiles (recomputed by the heavy-row kernel), ragged last
+    tile, awkward K, output poisoned; a narrow scratch sends rows with many entries to the heavy-row
+    kernel too, split in parts (more parts than some rows have entries or tiles) or, past the
+    partials' capacity, whole."""
+    m, k, n, width, order, splits, split_rows = UPDOWN_CASES[case_id]
     gated = variant not in ("plain", "relu2")
     biases = variant in ("gated-bias", "fatrelu")
     case = make_ffn(m, k, n, MIXED, dtype, DEVICE, seed=k * n, biases=biases, gated=gated)
@@ -156,6 +161,8 @@ def test_up_down_matches_reference(case_id, dtype, variant, monkeypatch):
     if m > 1:
         assert (counts > slots).any() and (counts <= slots).all(1).any(), "rows with and without overflow"
     monkeypatch.setattr(updown, "MAX_WIDTH", width)
+    monkeypatch.setattr(updown, "SPLITS", splits)
+    monkeypatch.setattr(updown, "PARTIAL_BYTES", split_rows * splits * k * 4)
     out = torch.full_like(case["x"], float("nan"))
     twell_up_down(
         case["x"],
@@ -173,12 +180,34 @@ def test_up_down_matches_reference(case_id, dtype, variant, monkeypatch):
         drelu=variant == "drelu",
         square=variant == "relu2",
         out=out,
+        order=order,
     )
     if gated:
         ref = gated_ref(case, threshold, drelu=variant == "drelu")
     else:
         ref = plain_ref(case, squared=variant == "relu2")
     assert rel_err(out, ref) <= TOL[dtype] * (4 if variant == "relu2" else 1)
+
+
+def test_up_down_heavy_rows_split_or_whole_give_the_same_bits(monkeypatch):
+    """Which heavy rows get split depends on the order the main kernel lists them in (atomics on a
+    GPU): a row taken whole must come out bit for bit as its split partials would."""
+    case = make_ffn(40, 72, 200, MIXED, torch.float32, DEVICE, seed=3, biases=True)
+    pre = torch.nn.functional.linear(case["x"], case["gate_weight"], case["gate_bias"])
+    values, indices, counts = pack_dense(pre, 0.0, 32, 8)
+    monkeypatch.setattr(updown, "MAX_WIDTH", 8)
+    monkeypatch.setattr(updown, "SPLITS", 4)
+    runs = []
+    for split_rows in (40, 1):
+        monkeypatch.setattr(updown, "PARTIAL_BYTES", split_rows * 4 * 72 * 4)
+        runs.append(
+            twell_up_down(
+                case["x"], values, indices, counts, case["gate_weight"], case["gate_bias"], case["up_weight"],
+                case["up_bias"], case["down_weight"].t(), case["down_bias"], tile_n=32, threshold=0.0,
+            )  # fmt: skip
+        )
+    assert (counts.sum(1) > 8).sum() > 10, "most rows heavy"
+    assert torch.equal(runs[0], runs[1])
 
 
 def test_up_down_checks_its_arrays():
@@ -278,6 +307,8 @@ def test_prefill_through_each_gate_route(fused, sparse_paths, monkeypatch):
     case = make_ffn(100, 40, 96, MIXED, torch.float32, DEVICE, seed=9, biases=True)
     args = [case[k] for k in ("gate_weight", "up_weight", "down_weight", "gate_bias", "up_bias", "down_bias")]
     y = dispatch.gated_ffn(case["x"], *args, 0.0, False)
+    # on a GPU fp32 operands fit no fused-gate config: they take cuBLAS + the pack pass
+    fused = fused and gate.fused_gate_supported(case["x"], case["gate_weight"], policy.TILE_N)
     assert calls == ["gate_twell" if fused else "pack_dense"]
     assert rel_err(y, gated_ref(case)) <= 1e-5
 

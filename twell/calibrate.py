@@ -15,7 +15,14 @@ it received) are timed on the first batch, for the FFN share of model time.
 
 Decision, per layer: the TwELL layout (tile width, compression) with the fewest slots whose overflow
 rows stay under ``max_overflow``; then the cost model's predicted FFN speedup at the measured density;
-rewrite when it reaches ``min_speedup``. Cost models:
+rewrite when it reaches ``min_speedup``.
+
+Sharded models (FSDP2, tensor parallelism; every rank calls calibrate): a column-wise sharded gate's
+slices are gathered, so each layer is measured over all its neurons (tiles counted within each rank's
+slice, as the kernels run them; the cost model sees the width one rank runs); FFNs are not timed on
+their own; and rank 0's decisions are broadcast, so every rank rewrites the same layers.
+
+Cost models:
 
 - ``AnalyticCostModel`` (CPU, or no GPU): a documented density threshold. Calls the dispatcher runs
   dense (twell.kernels.policy: too few tokens, decode, K too wide, density past DENSE_ABOVE = 0.8%)
@@ -48,6 +55,7 @@ from typing import Any, Protocol
 
 import torch
 
+from twell.distributed import agree, full_hidden, sharded
 from twell.format import DEFAULT_TILE_N, check_layout, kept_mask
 from twell.kernels import policy
 
@@ -154,8 +162,9 @@ def _percentile(hist: torch.Tensor, q: float) -> int:
 class _PhaseCounter:
     """Running counts for one (layer, phase): histograms, so percentiles are exact at any data size."""
 
-    def __init__(self, n: int, tile_widths: Iterable[int], device: torch.device):
+    def __init__(self, n: int, tile_widths: Iterable[int], device: torch.device, shards: int = 1):
         self.n = n
+        self.shards = shards  # tensor parallelism: each rank's slice of the neurons is tiled on its own
         self.calls = 0
         self.rows_per_call: list[int] = []
         self.nnz_hist = torch.zeros(n + 1, dtype=torch.int64, device=device)
@@ -170,10 +179,12 @@ class _PhaseCounter:
         self.nnz_hist += torch.bincount(keep.sum(dim=1), minlength=n + 1)
         self.neuron_counts += keep.sum(dim=0)
         for tile_n, hist in self.tile_max_hist.items():
-            n_tiles = -(-n // tile_n)
-            padded = torch.nn.functional.pad(keep, (0, n_tiles * tile_n - n))
-            per_tile = padded.view(m, n_tiles, tile_n).sum(dim=-1)
-            hist += torch.bincount(per_tile.max(dim=1).values, minlength=hist.numel())
+            per_tile = []
+            for part in keep.chunk(self.shards, dim=1):  # the slices of DTensor's Shard (torch.chunk)
+                n_tiles = -(-part.shape[1] // tile_n)
+                padded = torch.nn.functional.pad(part, (0, n_tiles * tile_n - part.shape[1]))
+                per_tile.append(padded.view(m, n_tiles, tile_n).sum(dim=-1))
+            hist += torch.bincount(torch.cat(per_tile, dim=1).max(dim=1).values, minlength=hist.numel())
 
     @property
     def rows(self) -> int:
@@ -219,11 +230,15 @@ class _LayerRecorder:
         self.tile_widths = cfg.tile_widths
         self.driver = driver  # {"phase": ...} set by the loop that runs the model
         self.phases: dict[str, _PhaseCounter] = {}
+        self.shards = 1  # slices of the neurons under tensor parallelism (the cost model sees one)
 
     def __call__(self, module, args, kwargs, output) -> None:
-        h = output if self.candidate.measure is None else self.candidate.measure(args, kwargs, output)
-        if h is None:  # nothing of this FFN ran in this call (an expert no token was routed to)
-            return
+        if self.candidate.measure is None:
+            h, self.shards = full_hidden(module, output)
+        else:  # an expert: its pre-activation from the experts module's call (experts are not sharded here)
+            h = self.candidate.measure(args, kwargs, output)
+            if h is None:  # no token was routed to this expert in this call
+                return
         if self.candidate.gate_slice is not None:
             h = h[..., self.candidate.gate_slice]
         if h.shape[-1] != self.n:
@@ -237,7 +252,7 @@ class _LayerRecorder:
         phase = "decode" if self.driver["phase"] == "decode" or tokens_per_sequence == 1 else "prefill"
         counter = self.phases.get(phase)
         if counter is None:
-            counter = self.phases[phase] = _PhaseCounter(self.n, self.tile_widths, h.device)
+            counter = self.phases[phase] = _PhaseCounter(self.n, self.tile_widths, h.device, self.shards)
         counter.add(kept_mask(h.detach().reshape(-1, self.n), float(self.candidate.threshold)))
 
     def dead_neurons(self) -> int:
@@ -518,7 +533,7 @@ def _decide(candidate, recorder: _LayerRecorder, cfg: CalibrationConfig, cost: C
             kind=candidate.kind,
             m=_predicted_tokens(cfg, phase, stats["rows_per_call_median"]),
             k=decision.model_size,
-            n=decision.hidden_size,
+            n=-(-decision.hidden_size // recorder.shards),  # the width each rank runs
             density=stats["density"],
             dtype=dtype,
         )
@@ -767,7 +782,9 @@ def calibrate(model: torch.nn.Module, candidates, data, *, config=None) -> dict[
     try:
         ffns = {c.path: ms for c in measured if (ms := _ffn_modules(model, c.path))}
         shares = {}
-        if cfg.timing_repeats and ffns:
+        # A sharded model's FFNs cannot be rerun on their own (FSDP gathers their weights only inside
+        # the model's run), and ranks would time them differently: no time shares.
+        if cfg.timing_repeats and ffns and not sharded(model):
             shares = _time_shares(model, batches[0], ffns, cfg.timing_repeats, cfg.decode_steps)
 
         handles = [c.gate_module.register_forward_hook(recorders[c.path], with_kwargs=True) for c in measured]
@@ -795,7 +812,7 @@ def calibrate(model: torch.nn.Module, candidates, data, *, config=None) -> dict[
                 model_size=int(c.model_size),
                 threshold=float(c.threshold),
             )
-    return decisions
+    return agree(model, decisions)
 
 
 # ---------------------------------------------------------------------------------------------------

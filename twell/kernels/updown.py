@@ -6,13 +6,16 @@ per-tile counts become one flat list of its R (gate value g, neuron n) pairs in 
 registers,
     for each entry j:  u_j = x_m . W_u[n_j]  (skipped for non-gated FFNs);  y_m += (g_j * u_j) W_d[n_j]
 with fp32 accumulation: each entry loads both weight rows at once and the entry loop is
-software-pipelined. The hidden state never reaches global memory.
+software-pipelined. The hidden state never reaches global memory. Rows are taken heaviest first.
 
-It leaves two kinds of rows to _fixup_kernel, launched after it: rows with more than WIDTH entries
-(taken WIDTH at a time) and rows with a tile whose count exceeds its slots (the hybrid format's
-overflow: the packed entries are incomplete, so that tile's gate values are recomputed from W_g, a
-GEMV over TILE_N rows). Both are rare at the densities the prefill path is routed to, and neither
-needs a dense backup buffer or the host.
+A program walks its row's entries one after another (~1.4 us each on an H200), so one long row would
+bound the whole launch. The main kernel therefore leaves two kinds of rows, appended to a list on the
+device, to _heavy_kernel: rows with more than WIDTH entries and rows with a tile whose count exceeds
+its slots (the hybrid format's overflow: the packed entries are incomplete, so that tile's gate values
+are recomputed from W_g, a GEMV over TILE_N rows). _heavy_kernel, persistent, splits each listed row
+into SPLITS parts (entry ranges and overflowing tiles), each part an fp32 partial of y_m; the last
+part to finish sums the partials in part order (deterministic). Rows past the partials' capacity are
+taken whole by one part. Neither path needs a dense backup buffer or the host.
 W_d is read as rows of down_weight^T ([N, K]): pass down_weight.t() with unit stride on K.
 """
 
@@ -26,7 +29,9 @@ from twell.kernels import policy
 from twell.kernels.common import autotune_configs, threshold_in
 
 CHUNK = 16  # entries flattened at a time
-MAX_WIDTH = 256  # scratch entries per row; rows with more take the fixup kernel
+MAX_WIDTH = 256  # scratch entries per row; rows with more take the heavy-row kernel
+SPLITS = 8  # parts of a heavy row, each a program's work
+PARTIAL_BYTES = 64 << 20  # fp32 partials of split rows; rows past this capacity are taken whole
 
 
 @triton.jit
@@ -101,6 +106,7 @@ ROWVEC_CONFIGS = [
     configs=autotune_configs(ROWVEC_CONFIGS, lambda w, s: {}),
     key=["K", "TILE_N", "SLOTS", "HAS_UP", "WIDTH"],
     cache_results=True,
+    reset_to_zero=["heavy_ptr"],  # the heavy list starts empty on every benchmarked run
 )
 @triton.jit
 def _twell_up_down_kernel(
@@ -108,6 +114,8 @@ def _twell_up_down_kernel(
     vals_ptr,
     idx_ptr,
     cnt_ptr,
+    order_ptr,
+    heavy_ptr,
     wu_ptr,
     bu_ptr,
     wd_ptr,
@@ -125,6 +133,7 @@ def _twell_up_down_kernel(
     stride_dk,
     stride_ym,
     stride_yk,
+    HAS_ORDER: tl.constexpr,
     HAS_UP: tl.constexpr,
     HAS_UP_BIAS: tl.constexpr,
     HAS_DOWN_BIAS: tl.constexpr,
@@ -136,12 +145,19 @@ def _twell_up_down_kernel(
     CHUNK: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """The common row: no overflowing tile and at most WIDTH entries (the others: _fixup_kernel)."""
-    m = tl.program_id(0).to(tl.int64)
+    """The common row: no overflowing tile and at most WIDTH entries; the others are appended to the
+    heavy list (heavy[0]: their number, heavy[1 + i]: row ids) for _heavy_kernel. Program i takes
+    row order[i] with HAS_ORDER (heaviest first), else row i."""
+    if HAS_ORDER:
+        m = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
+    else:
+        m = tl.program_id(0).to(tl.int64)
     offs_t = tl.arange(0, TILES_PAD)
     cnt = tl.load(cnt_ptr + m * n_tiles + offs_t, mask=offs_t < n_tiles, other=0)
     total = tl.sum(cnt, axis=0)
     if (tl.max(cnt, axis=0) > SLOTS) | (total > WIDTH):
+        slot = tl.atomic_add(heavy_ptr, 1)
+        tl.store(heavy_ptr + 1 + slot, m.to(tl.int32))
         return
     incl = tl.cumsum(cnt, axis=0)
     g_row = g_ptr + m * WIDTH
@@ -172,11 +188,120 @@ def _twell_up_down_kernel(
 
 
 @triton.jit
-def _fixup_kernel(
+def _heavy_part(
+    xv,
+    offs_k,
+    k_ok,
+    m,
+    part,
+    parts,
+    vals_ptr,
+    idx_ptr,
+    cnt_ptr,
+    wg_ptr,
+    bg_ptr,
+    wu_ptr,
+    bu_ptr,
+    wd_ptr,
+    g_row,
+    n_row,
+    N,
+    n_tiles,
+    threshold,
+    stride_gn,
+    stride_gk,
+    stride_un,
+    stride_uk,
+    stride_dn,
+    stride_dk,
+    HAS_UP: tl.constexpr,
+    HAS_GATE_BIAS: tl.constexpr,
+    HAS_UP_BIAS: tl.constexpr,
+    DRELU: tl.constexpr,
+    SQUARE: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    SLOTS: tl.constexpr,
+    TILES_PAD: tl.constexpr,
+    WIDTH: tl.constexpr,
+    CHUNK: tl.constexpr,
+    RECOMPUTE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """fp32 partial of y_m over part `part` of `parts` of row m: its share of the packed entries (one
+    contiguous range, WIDTH at a time through the program's scratch) and the overflowing tiles t with
+    t % parts == part, whose gate values are recomputed from W_g RECOMPUTE neurons at a time."""
+    offs_t = tl.arange(0, TILES_PAD)
+    true_cnt = tl.load(cnt_ptr + m * n_tiles + offs_t, mask=offs_t < n_tiles, other=0)
+    cnt = tl.where(true_cnt > SLOTS, 0, true_cnt)
+    incl = tl.cumsum(cnt, axis=0)
+    total = tl.sum(cnt, axis=0)
+    per = tl.cdiv(total, parts)
+    lo = part * per
+    hi = tl.minimum(total, lo + per)
+    y = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for b0 in range(lo, hi, WIDTH):
+        block = tl.minimum(hi - b0, WIDTH)
+        for c0 in range(0, block, CHUNK):
+            e = c0 + tl.arange(0, CHUNK)
+            valid = e < block
+            g, neuron = _row_entries(cnt, incl, b0 + e, valid, m, n_tiles, vals_ptr, idx_ptr, TILE_N, SLOTS, TILES_PAD)
+            tl.store(g_row + e, g, mask=valid)
+            tl.store(n_row + e, neuron, mask=valid)
+        tl.debug_barrier()
+        for e in range(0, block):
+            y = _entry(
+                y, xv, tl.load(g_row + e), tl.load(n_row + e).to(tl.int64), offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr,
+                stride_un, stride_uk, stride_dn, stride_dk, HAS_UP, HAS_UP_BIAS, DRELU,
+            )  # fmt: skip
+        tl.debug_barrier()  # the next block overwrites the scratch
+    offs_r = tl.arange(0, RECOMPUTE)
+    for t in range(part, n_tiles, parts):
+        if tl.load(cnt_ptr + m * n_tiles + t) > SLOTS:
+            for c0 in range(0, TILE_N, RECOMPUTE):
+                cols = t * TILE_N + c0 + offs_r
+                ok = (c0 + offs_r < TILE_N) & (cols < N)
+                rows = cols.to(tl.int64)
+                wg = tl.load(
+                    wg_ptr + rows[:, None] * stride_gn + offs_k[None, :] * stride_gk, ok[:, None] & k_ok[None, :], 0.0
+                )
+                g = tl.sum(wg.to(tl.float32) * xv[None, :], axis=1)
+                if HAS_GATE_BIAS:
+                    g += tl.load(bg_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+                g = g.to(OUT_DTYPE).to(tl.float32)  # the dense gate's rounding
+                kept = ((g > threshold) | (g != g)) & ok  # not (g <= t): NaN kept, as by relu
+                if SQUARE:
+                    g = (g * g).to(OUT_DTYPE).to(tl.float32)
+                slot = tl.cumsum(kept.to(tl.int32), axis=0) - 1
+                n_kept = tl.sum(kept.to(tl.int32), axis=0)
+                tl.store(g_row + slot, g, mask=kept)
+                tl.store(n_row + slot, cols, mask=kept)
+                tl.debug_barrier()
+                for e in range(0, n_kept):
+                    y = _entry(
+                        y, xv, tl.load(g_row + e), tl.load(n_row + e).to(tl.int64), offs_k, k_ok, wu_ptr, bu_ptr,
+                        wd_ptr, stride_un, stride_uk, stride_dn, stride_dk, HAS_UP, HAS_UP_BIAS, DRELU,
+                    )  # fmt: skip
+                tl.debug_barrier()
+    return y
+
+
+@triton.jit
+def _store_row(y, m, bd_ptr, y_ptr, offs_k, k_ok, stride_ym, stride_yk, HAS_DOWN_BIAS: tl.constexpr):
+    if HAS_DOWN_BIAS:
+        y += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + offs_k * stride_yk, y.to(y_ptr.dtype.element_ty), mask=k_ok)
+
+
+@triton.jit
+def _heavy_kernel(
     x_ptr,
     vals_ptr,
     idx_ptr,
     cnt_ptr,
+    heavy_ptr,
+    sem_ptr,
+    part_ptr,
     wg_ptr,
     bg_ptr,
     wu_ptr,
@@ -189,6 +314,7 @@ def _fixup_kernel(
     N,
     K,
     n_tiles,
+    capacity,
     threshold,
     stride_xm,
     stride_xk,
@@ -212,72 +338,54 @@ def _fixup_kernel(
     WIDTH: tl.constexpr,
     CHUNK: tl.constexpr,
     RECOMPUTE: tl.constexpr,
+    SPLITS: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """The rows _twell_up_down_kernel leaves (every other program returns at once): more than WIDTH
-    entries, taken WIDTH at a time through the row's scratch; and tiles whose count exceeds their
-    slots, whose gate values are recomputed from W_g, RECOMPUTE neurons at a time, the kept ones going
-    through the scratch too."""
-    m = tl.program_id(0).to(tl.int64)
-    offs_t = tl.arange(0, TILES_PAD)
-    true_cnt = tl.load(cnt_ptr + m * n_tiles + offs_t, mask=offs_t < n_tiles, other=0)
-    if (tl.max(true_cnt, axis=0) <= SLOTS) & (tl.sum(true_cnt, axis=0) <= WIDTH):
-        return
-    cnt = tl.where(true_cnt > SLOTS, 0, true_cnt)
-    incl = tl.cumsum(cnt, axis=0)
-    total = tl.sum(cnt, axis=0)
-    g_row = g_ptr + m * WIDTH
-    n_row = n_ptr + m * WIDTH
+    """Persistent over the heavy list's SPLITS parts per row: rows i < capacity in SPLITS partials
+    (the last part to arrive sums them in order), later rows whole, one item each. Which rows are
+    split depends on the order the main kernel listed them in; the result does not."""
+    pid = tl.program_id(0)
+    g_row = g_ptr + pid * WIDTH
+    n_row = n_ptr + pid * WIDTH
     offs_k = tl.arange(0, BLOCK_K)
     k_ok = offs_k < K
-    xv = tl.load(x_ptr + m * stride_xm + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
-    y = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for b0 in range(0, total, WIDTH):
-        block = tl.minimum(total - b0, WIDTH)
-        for c0 in range(0, block, CHUNK):
-            e = c0 + tl.arange(0, CHUNK)
-            valid = e < block
-            g, neuron = _row_entries(cnt, incl, b0 + e, valid, m, n_tiles, vals_ptr, idx_ptr, TILE_N, SLOTS, TILES_PAD)
-            tl.store(g_row + e, g, mask=valid)
-            tl.store(n_row + e, neuron, mask=valid)
-        tl.debug_barrier()
-        for e in range(0, block):
-            y = _entry(
-                y, xv, tl.load(g_row + e), tl.load(n_row + e).to(tl.int64), offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr,
-                stride_un, stride_uk, stride_dn, stride_dk, HAS_UP, HAS_UP_BIAS, DRELU,
+    n_heavy = tl.load(heavy_ptr)
+    n_split = tl.minimum(n_heavy, capacity) * SPLITS  # items: the split rows' parts, then whole rows
+    for item in range(pid, n_split + tl.maximum(n_heavy - capacity, 0), tl.num_programs(0)):
+        split = item < n_split
+        i = tl.where(split, item // SPLITS, capacity + item - n_split)
+        part = item % SPLITS
+        m = tl.load(heavy_ptr + 1 + i).to(tl.int64)
+        xv = tl.load(x_ptr + m * stride_xm + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
+        # a whole row goes through the same parts, summed in the same order: the same bits either way
+        y = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for p in range(tl.where(split, part, 0), tl.where(split, part + 1, SPLITS)):
+            y_p = _heavy_part(
+                xv, offs_k, k_ok, m, p, SPLITS, vals_ptr, idx_ptr, cnt_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr,
+                wd_ptr, g_row, n_row, N, n_tiles, threshold, stride_gn, stride_gk, stride_un, stride_uk,
+                stride_dn, stride_dk, HAS_UP, HAS_GATE_BIAS, HAS_UP_BIAS, DRELU, SQUARE, y_ptr.dtype.element_ty,
+                TILE_N, SLOTS, TILES_PAD, WIDTH, CHUNK, RECOMPUTE, BLOCK_K,
             )  # fmt: skip
-        tl.debug_barrier()  # the next block overwrites the scratch
-    offs_r = tl.arange(0, RECOMPUTE)
-    for t in range(0, n_tiles):
-        if tl.load(cnt_ptr + m * n_tiles + t) > SLOTS:
-            for c0 in range(0, TILE_N, RECOMPUTE):
-                cols = t * TILE_N + c0 + offs_r
-                ok = (c0 + offs_r < TILE_N) & (cols < N)
-                rows = cols.to(tl.int64)
-                wg = tl.load(
-                    wg_ptr + rows[:, None] * stride_gn + offs_k[None, :] * stride_gk, ok[:, None] & k_ok[None, :], 0.0
-                )
-                g = tl.sum(wg.to(tl.float32) * xv[None, :], axis=1)
-                if HAS_GATE_BIAS:
-                    g += tl.load(bg_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-                g = g.to(y_ptr.dtype.element_ty).to(tl.float32)  # the dense gate's rounding
-                kept = ((g > threshold) | (g != g)) & ok  # not (g <= t): NaN kept, as by relu
-                if SQUARE:
-                    g = (g * g).to(y_ptr.dtype.element_ty).to(tl.float32)
-                slot = tl.cumsum(kept.to(tl.int32), axis=0) - 1
-                n_kept = tl.sum(kept.to(tl.int32), axis=0)
-                tl.store(g_row + slot, g, mask=kept)
-                tl.store(n_row + slot, cols, mask=kept)
-                tl.debug_barrier()
-                for e in range(0, n_kept):
-                    y = _entry(
-                        y, xv, tl.load(g_row + e), tl.load(n_row + e).to(tl.int64), offs_k, k_ok, wu_ptr, bu_ptr,
-                        wd_ptr, stride_un, stride_uk, stride_dn, stride_dk, HAS_UP, HAS_UP_BIAS, DRELU,
-                    )  # fmt: skip
-                tl.debug_barrier()
-    if HAS_DOWN_BIAS:
-        y += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + m * stride_ym + offs_k * stride_yk, y.to(y_ptr.dtype.element_ty), mask=k_ok)
+            y += y_p
+        if split:
+            partial = part_ptr + (i * SPLITS).to(tl.int64) * K + offs_k
+            tl.store(partial + part * K, y, mask=k_ok)
+            tl.debug_barrier()  # every thread's partial is stored before the arrival is published
+            if tl.atomic_add(sem_ptr + i, 1, sem="acq_rel") == SPLITS - 1:
+                # the last part of this row: sum the partials in part order
+                y = tl.zeros([BLOCK_K], dtype=tl.float32)
+                for p in range(0, SPLITS):
+                    y += tl.load(partial + p * K, mask=k_ok, other=0.0, cache_modifier=".cg")
+                _store_row(y, m, bd_ptr, y_ptr, offs_k, k_ok, stride_ym, stride_yk, HAS_DOWN_BIAS)
+        else:
+            _store_row(y, m, bd_ptr, y_ptr, offs_k, k_ok, stride_ym, stride_yk, HAS_DOWN_BIAS)
+
+
+def _programs(device: torch.device) -> int:
+    """Programs of the persistent heavy-row kernel: a few per multiprocessor (a few when interpreting)."""
+    if device.type != "cuda":
+        return 4
+    return 8 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def twell_up_down(
@@ -297,13 +405,15 @@ def twell_up_down(
     drelu: bool = False,
     square: bool = False,
     out: torch.Tensor | None = None,
+    order: bool = True,
 ) -> torch.Tensor:
     """y [M, K] from x [M, K] and the TwELL arrays of act(x gate_weight^T + gate_bias).
 
     up_weight: [N, K] or None (non-gated: h = gate values, squared with `square`); gate_weight: [N, K],
     read only for overflowing tiles (count > slots), whose entries are recomputed; down_weight_t:
     [N, K] (= down_weight.t()). threshold: the activation's (as given to the gate). K <= policy.MAX_K:
-    whole rows are held in registers.
+    whole rows are held in registers. order: rows heaviest first (an argsort of the row totals on the
+    device; it changes which program takes a row, never the row's result).
     """
     m, k = x.shape
     if k > policy.MAX_K:
@@ -326,10 +436,16 @@ def twell_up_down(
         raise ValueError(f"out must be {list(x.shape)} {x.dtype}, got {list(out.shape)} {out.dtype}")
     y = torch.empty_like(x) if out is None else out
     width = min(n_tiles * slots, MAX_WIDTH)
-    g_scratch = torch.empty(m, width, dtype=torch.float32, device=x.device)
-    n_scratch = torch.empty(m, width, dtype=torch.int32, device=x.device)
+    programs = _programs(x.device)
+    # a row's entries (main kernel), then a heavy-row program's (after it, in stream order)
+    g_scratch = torch.empty(max(m, programs), width, dtype=torch.float32, device=x.device)
+    n_scratch = torch.empty(max(m, programs), width, dtype=torch.int32, device=x.device)
+    capacity = max(1, min(m, PARTIAL_BYTES // (SPLITS * k * 4)))
+    # heavy[0]: rows listed by the main kernel, heavy[1:1 + m]: their ids; sem: parts arrived per row
+    heavy = torch.zeros(1 + m + capacity, dtype=torch.int32, device=x.device)
+    partials = torch.empty(capacity, SPLITS, k, dtype=torch.float32, device=x.device)
     dummy = x
-    up = (up_weight, up_bias) if up_weight is not None else (dummy, dummy)
+    up = (up_weight, up_bias if up_bias is not None else dummy) if up_weight is not None else (dummy, dummy)
     strides = (
         *(up_weight.stride() if up_weight is not None else (0, 0)),
         down_weight_t.stride(0),
@@ -349,17 +465,20 @@ def twell_up_down(
         "BLOCK_K": triton.next_power_of_2(k),
     }
     down_bias = down_bias if down_bias is not None else dummy
+    row_order = counts
+    if order:  # a one-byte key sorts in one radix pass; rows past 255 entries are heavy-kernel rows anyway
+        row_order = torch.argsort(counts.sum(1).clamp_(max=255).to(torch.uint8), descending=True).to(torch.int32)
     _twell_up_down_kernel[(m,)](
-        x, values, indices, counts, *up, down_weight_t, down_bias, y, g_scratch, n_scratch, k, n_tiles,
-        x.stride(0), x.stride(1), *strides, CHUNK=CHUNK, **flags,
+        x, values, indices, counts, row_order, heavy, *up, down_weight_t, down_bias, y, g_scratch, n_scratch, k,
+        n_tiles, x.stride(0), x.stride(1), *strides, HAS_ORDER=order, CHUNK=CHUNK, **flags,
     )  # fmt: skip
     # neurons recomputed at a time: a [RECOMPUTE, BLOCK_K] tile of W_g in registers, kept ones fit the scratch
     recompute = 1 << (min(16, max(1, 16384 // flags["BLOCK_K"]), tile_n, width).bit_length() - 1)
-    _fixup_kernel[(m,)](
-        x, values, indices, counts, gate_weight, gate_bias if gate_bias is not None else dummy, *up, down_weight_t,
-        down_bias, y, g_scratch, n_scratch, n, k, n_tiles, threshold_in(threshold, x.dtype), x.stride(0),
-        x.stride(1), gate_weight.stride(0), gate_weight.stride(1), *strides, HAS_GATE_BIAS=gate_bias is not None,
-        SQUARE=square, CHUNK=CHUNK, RECOMPUTE=recompute, num_warps=4,
-        **flags,
+    _heavy_kernel[(programs,)](
+        x, values, indices, counts, heavy, heavy[1 + m :], partials, gate_weight,
+        gate_bias if gate_bias is not None else dummy, *up, down_weight_t, down_bias, y, g_scratch, n_scratch, n, k,
+        n_tiles, capacity, threshold_in(threshold, x.dtype), x.stride(0), x.stride(1), gate_weight.stride(0),
+        gate_weight.stride(1), *strides, HAS_GATE_BIAS=gate_bias is not None, SQUARE=square, CHUNK=CHUNK,
+        RECOMPUTE=recompute, SPLITS=SPLITS, num_warps=4, **flags,
     )  # fmt: skip
     return y

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
+from twell.distributed import tensor_parallel_linear
 from twell.passes import experts
 from twell.passes.match import (
     Dialect,
@@ -222,6 +223,9 @@ def _candidate(path: str, module: nn.Module, graph: fx.Graph, match: FFNMatch, i
         problems.append("the model itself is the FFN; sparsify a module that contains it")
     if whole and "forward" in module.__dict__:
         problems.append("forward is replaced on the instance (e.g. by offloading hooks)")
+    linears = [module.get_submodule(name) for name in (gate_name, up_name, down_name) if name is not None]
+    if not whole and any(tensor_parallel_linear(m) for m in linears):
+        problems.append("tensor-parallel linears of an FFN written inline in a bigger forward (twell runs FFN modules)")
     if not whole and not problems:
         activation_children, reason = _inline_children(graph, match)
         if reason:
@@ -397,6 +401,8 @@ def _split_candidate(path: str, module: nn.Module, graph: fx.Graph, pair) -> Can
             problems += _call_problems(dialect_a.module(node), f"activation {first}.{node.target}")
     problems += dialect_a.weight_problems(up, "up") + dialect_b.weight_problems(down, "down")
     problems += _call_problems(a, first) + _call_problems(b, second)
+    if any(tensor_parallel_linear(m) for m in (up.module, down.module)):
+        problems.append("tensor-parallel linears of an FFN split across two modules (twell runs FFN modules)")
     weights = {(w.dtype, w.device) for w in (up.module.weight, down.module.weight)}
     if len(weights) > 1:
         problems.append("the two projections differ in dtype or device")

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
+from twell.distributed import tensor_parallel_linear
 from twell.passes.projections import features, is_conv1d, is_projection, native_forward
 
 SPARSE_ACTIVATIONS = ("relu", "fatrelu", "relu2")
@@ -292,7 +293,8 @@ def _call_problems(module: nn.Module, what: str) -> list[str]:
     """A module whose call runs more than its class's forward, which the rewritten FFN would skip."""
     if "forward" in module.__dict__:
         return [f"{what}'s forward is replaced on the instance (e.g. by offloading hooks)"]
-    if module._forward_hooks or module._forward_pre_hooks:
+    # a tensor-parallel linear's hooks (its style's input and output layouts) run around the op
+    if (module._forward_hooks or module._forward_pre_hooks) and not tensor_parallel_linear(module):
         return [f"{what} has forward hooks, which the rewritten FFN would not run"]
     return []
 

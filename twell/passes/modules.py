@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from twell import ops
+from twell import distributed, ops
 from twell.passes.projections import features, is_conv1d, linear_weight, native_forward
 
 
@@ -55,6 +55,8 @@ def store_down_rows(weight: torch.Tensor) -> bool:
     of it for the active neurons, and a copy per call would cost more than the whole sparse FFN at
     decode sizes. Same tensor object, shape and values; only the strides change (.to()/.half() keep
     them). Returns whether it re-laid the weight."""
+    if distributed.is_dtensor(weight):
+        return distributed.store_local_rows(weight)
     if type(weight.data) is not torch.Tensor or weight.dim() < 2 or weight.transpose(-2, -1).is_contiguous():
         return False
     with torch.no_grad():
@@ -64,7 +66,9 @@ def store_down_rows(weight: torch.Tensor) -> bool:
 
 def store_contiguous(weight: torch.Tensor) -> None:
     """Undo store_down_rows: the nn.Linear layout again (restore leaves the model as it was)."""
-    if not weight.is_contiguous():
+    if distributed.is_dtensor(weight):
+        distributed.store_local_contiguous(weight)
+    elif not weight.is_contiguous():
         with torch.no_grad():
             weight.data = weight.data.contiguous()
 
@@ -190,10 +194,14 @@ class SparseFFN(_StandIn):
         # Calls the ops cannot express run the original forward: extra arguments (another code path
         # than the one matched), dropout in training mode, linears replaced, hooked or given an
         # instance forward since (LoRA adapters, offloading hooks), autocast or mixed dtypes. Its
-        # forward, not its __call__: the hooks (shared) have run for this call already.
-        exact = all(_plain_linear(m) for m in (gate, up, down) if m is not None)
+        # forward, not its __call__: the hooks (shared) have run for this call already. Linears sharded
+        # by tensor parallelism run the op on this rank's neurons, their hooks around it.
+        parallel = distributed.tensor_parallel(spec, gate, up, down)
+        exact = parallel or all(_plain_linear(m) for m in (gate, up, down) if m is not None)
         if x is None or (spec.dropout and self.training) or not exact or not _op_dtype(x, gate):
             return self.sync_original().forward(*args, **kwargs)
+        if parallel:
+            return distributed.run_tensor_parallel(spec, gate, up, down, x)
         return run_ffn(spec, gate, up, down, x)
 
     def extra_repr(self) -> str:

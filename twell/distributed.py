@@ -1,0 +1,234 @@
+"""twell inside PyTorch's distributed stack: FSDP2 (fully_shard) and tensor parallelism (DTensor).
+
+FSDP2: fully_shard all-gathers a module's parameters before its forward, so a rewritten FFN inside a
+sharded module sees ordinary tensors and needs nothing from here. The all-gathered weights have the
+nn.Linear layout (FSDP requires contiguous parameters and rebuilds them contiguous), so on a GPU the
+ops take their dense route for the down projection's layout (twell.kernels.dispatch).
+
+Tensor parallelism (torch.distributed.tensor.parallel, gate and up ColwiseParallel, down
+RowwiseParallel): each rank holds a slice of the hidden neurons. The rewritten FFN runs the gate
+linear's input hook (the plan's input layout, made replicated), calls the twell op on the local
+shards (its slice of the neurons: an exact partial sum of the output), and hands that partial sum as
+a DTensor to the down linear's output hook, which reduces it as the plan says (all-reduce, or
+reduce-scatter for sequence parallelism). Gradients flow through the same DTensor conversions.
+
+Calibration of a sharded model: each gate's output slices are gathered so that every layer is
+measured over all its neurons (TwELL tiles counted within each rank's slice, as the kernels run
+them), and the decisions of rank 0 are broadcast, so that every rank rewrites the same layers.
+
+Nothing here imports torch.distributed.tensor (a tensor can only be a DTensor once the program has
+loaded it) or the ops (until a tensor-parallel FFN runs).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+# hooks that TP styles never register: a linear carrying one of these has hooks of someone else
+_KWARGS_HOOKS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def _dtensor_api():
+    """torch.distributed.tensor, if the program has loaded it (else no tensor is a DTensor)."""
+    return sys.modules.get("torch.distributed.tensor")
+
+
+def is_dtensor(t) -> bool:
+    api = _dtensor_api()
+    return api is not None and isinstance(t, api.DTensor)
+
+
+def sharded(model: nn.Module) -> bool:
+    """Whether any parameter of `model` is a DTensor (sharded by FSDP2 or tensor parallelism)."""
+    return _dtensor_api() is not None and any(is_dtensor(p) for p in model.parameters())
+
+
+def tensor_parallel_linear(module: nn.Module) -> bool:
+    """A linear parallelized by a torch.distributed.tensor.parallel style on a 1-D mesh, carrying the
+    style's hooks (one input hook, one output hook) and no others."""
+    return (
+        getattr(module, "_distribute_module_applied", False)
+        and is_dtensor(getattr(module, "weight", None))
+        and module.weight.device_mesh.ndim == 1
+        and len(module._forward_pre_hooks) <= 1
+        and len(module._forward_hooks) <= 1
+        and not any(getattr(module, hooks) for hooks in _KWARGS_HOOKS)
+    )
+
+
+def _placed(t: torch.Tensor | None, mesh, placement) -> bool:
+    return t is None or (is_dtensor(t) and t.device_mesh == mesh and tuple(t.placements) == (placement,))
+
+
+def tensor_parallel(spec, gate: nn.Module, up: nn.Module | None, down: nn.Module) -> bool:
+    """Whether the FFN's linears are sharded as run_tensor_parallel runs them: gate and up column-wise
+    (weight and bias Shard(0)), down row-wise (weight Shard(1), bias replicated), one 1-D mesh, no
+    fused gate_up linear."""
+    api = _dtensor_api()
+    linears = [m for m in (gate, up, down) if m is not None]
+    if api is None or spec.gate_rows is not None or not all(tensor_parallel_linear(m) for m in linears):
+        return False
+    mesh = gate.weight.device_mesh
+    column, row = api.Shard(0), api.Shard(1)
+    return (
+        all(_placed(m.weight, mesh, column) and _placed(m.bias, mesh, column) for m in linears[:-1])
+        and _placed(down.weight, mesh, row)
+        and _placed(down.bias, mesh, api.Replicate())
+    )
+
+
+def _input_hooks(module: nn.Module, x):
+    args = (x,)
+    for hook in module._forward_pre_hooks.values():
+        result = hook(module, args)
+        if result is not None:
+            args = result if isinstance(result, tuple) else (result,)
+    return args[0]
+
+
+def _output_hooks(module: nn.Module, output):
+    for hook in module._forward_hooks.values():
+        result = hook(module, (), output)
+        if result is not None:
+            output = result
+    return output
+
+
+def run_tensor_parallel(spec, gate: nn.Module, up: nn.Module | None, down: nn.Module, x: torch.Tensor):
+    """The FFN of `spec` (twell.passes.modules.FFNSpec) on x [..., K], its linears sharded as
+    tensor_parallel() checks: the twell op on this rank's neurons, the partial sums reduced by the down
+    linear's RowwiseParallel output hook. Returns what that hook returns (by default the replicated
+    output as a local tensor)."""
+    from twell import ops
+
+    api = _dtensor_api()
+    # The gate's ColwiseParallel input hook: the plan's input layout (replicated, or sequence-sharded
+    # and all-gathered) as a replicated DTensor.
+    x = _input_hooks(gate, x)
+    if not is_dtensor(x) or tuple(x.placements) != (api.Replicate(),):
+        raise ValueError(
+            f"the gate linear's tensor-parallel input hook must give a replicated DTensor, got "
+            f"{getattr(x, 'placements', type(x).__name__)}"
+        )
+    mesh = gate.weight.device_mesh
+    # This rank's share of dL/dx is a partial sum over its neurons: reduced in backward.
+    x_local = x.to_local(grad_placements=(api.Partial(),))
+
+    def local(t):
+        return None if t is None else t.to_local()
+
+    if spec.kind == "plain":
+        y = ops.ffn(
+            x_local,
+            local(gate.weight),
+            local(down.weight),
+            up_bias=local(gate.bias),
+            threshold=spec.threshold,
+            squared=spec.squared,
+        )
+    else:
+        y = ops.gated_ffn(
+            x_local,
+            local(gate.weight),
+            local(up.weight),
+            local(down.weight),
+            gate_bias=local(gate.bias),
+            up_bias=local(up.bias),
+            threshold=spec.threshold,
+            drelu=spec.drelu,
+        )
+    y = api.DTensor.from_local(y, mesh, (api.Partial(),), run_check=False)
+    if down.bias is not None:  # once, not per rank: DTensor adds a replicated bias to the reduced sum
+        y = y + down.bias
+    return _output_hooks(down, y)
+
+
+def store_local_rows(weight: torch.Tensor) -> bool:
+    """store_down_rows for a row-wise sharded (Shard(1), 1-D mesh) DTensor down weight: re-lay this
+    rank's shard [K, N / ranks] so that its transpose is contiguous. Other DTensors (FSDP's shards,
+    which FSDP requires contiguous) are left alone. Returns whether it re-laid the shard."""
+    api = _dtensor_api()
+    if (
+        weight.dim() != 2
+        or weight.device_mesh.ndim != 1
+        or tuple(weight.placements) != (api.Shard(1),)
+        or weight._local_tensor.t().is_contiguous()
+    ):
+        return False
+    # The DTensor's own local tensor object (to_local() may return a new one): same object, new strides.
+    with torch.no_grad():
+        local = weight._local_tensor
+        local.data = local.data.t().contiguous().t()
+    return True
+
+
+def store_local_contiguous(weight: torch.Tensor) -> None:
+    """Undo store_local_rows."""
+    local = weight._local_tensor
+    if not local.is_contiguous():
+        with torch.no_grad():
+            local.data = local.data.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Calibration
+
+
+def full_hidden(gate_module: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(the gate linear's output over all its output features, the number of slices they are sharded
+    into) for the output h of `gate_module`: a column-wise sharded linear gives this rank's slice (a
+    local tensor or a DTensor), gathered here from every rank (a collective: every rank's hook calls it)."""
+    if is_dtensor(h):
+        shards = h.device_mesh.size() if any(p.is_shard() for p in h.placements) else 1
+        return h.full_tensor(), shards
+    weight = getattr(gate_module, "weight", None)
+    if not is_dtensor(weight) or h.shape[-1] == weight.shape[0]:
+        return h, 1
+    api = _dtensor_api()
+    if weight.device_mesh.ndim != 1 or tuple(weight.placements) != (api.Shard(0),):
+        raise ValueError(
+            f"the gate linear's weight is a DTensor placed {tuple(weight.placements)} on a "
+            f"{weight.device_mesh.ndim}-D mesh: calibration reads column-wise sharded gates (Shard(0), 1-D mesh)"
+        )
+    shape = (*h.shape[:-1], weight.shape[0])
+    stride = [1]
+    for size in reversed(shape[1:]):
+        stride.insert(0, stride[0] * size)
+    # shape given: the last rank's slice is smaller when the features do not split evenly
+    gathered = api.DTensor.from_local(
+        h.contiguous(),
+        weight.device_mesh,
+        (api.Shard(h.dim() - 1),),
+        run_check=False,
+        shape=shape,
+        stride=tuple(stride),
+    )
+    return gathered.full_tensor(), weight.device_mesh.size()
+
+
+def agree(model: nn.Module, decisions: dict) -> dict:
+    """Rank 0's decisions on every rank, for a sharded model in an initialised process group (every rank
+    must call this); otherwise `decisions` unchanged."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and sharded(model)):
+        return decisions
+    box = [decisions]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+__all__ = [
+    "agree",
+    "full_hidden",
+    "is_dtensor",
+    "run_tensor_parallel",
+    "sharded",
+    "store_local_contiguous",
+    "store_local_rows",
+    "tensor_parallel",
+    "tensor_parallel_linear",
+]
