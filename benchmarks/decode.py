@@ -53,7 +53,7 @@ def build(layers: int, density: float, seed: int = 0, calib_tokens: int = 4096):
     keep = round((1 - density) * calib_tokens)
     for layer in model.model.layers:  # bottom up: a layer's inputs depend on the biases below it
         seen = []
-        hook = layer.mlp.register_forward_pre_hook(lambda mod, args: seen.append(args[0].detach()))
+        hook = layer.mlp.register_forward_pre_hook(lambda mod, args, seen=seen: seen.append(args[0].detach()))
         with torch.no_grad():
             model(ids)
         hook.remove()

@@ -2,15 +2,18 @@
 
 The backend rewrites every ReLU-gated FFN in the captured graph to a torch.ops.twell call, then compiles
 with Inductor. It needs no calibration and leaves the model object untouched; to follow calibration
-decisions instead, sparsify the model first and compile it with any backend. For the default backend,
-pass twell.passes.backend.TwellInductorPass() as options={"post_grad_custom_pre_pass": ...}. On the
-CPU, Inductor needs a C++ compiler.
+decisions instead, pass options={"plan": "plan.json"}, or sparsify the model with its calibration data
+or plan first. twell.compile_report(model) says what the backend did. For the default backend, pass
+twell.passes.backend.TwellInductorPass(plan=...) as options={"pre_grad_custom_pass": ...}. On the CPU,
+Inductor needs a C++ compiler.
 
     python examples/compile_with_backend.py
 """
 
 import torch
 import transformers
+
+import twell
 
 
 def main() -> None:
@@ -33,6 +36,7 @@ def main() -> None:
         compiled = torch.compile(model, backend="twell")
         torch.testing.assert_close(compiled(ids).logits, expected, rtol=1e-5, atol=1e-5)
     print("torch.compile(model, backend='twell'): logits match")
+    print(twell.compile_report(model))
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ class Candidate:
     reason: str = ""
     gate_slice: slice | None = None
     threshold: float = 0.0
+    measure: object = None
 
 
 class GatedFFN(nn.Module):

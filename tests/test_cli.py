@@ -141,28 +141,28 @@ def test_demo_model_is_sparse_as_trained(tmp_path, capsys):
     rc, _, err = run(["report", DEMO_MODEL, *QUICK, "--data", PYTHON_TEXT, "--json", out_json], capsys)
     assert rc == 0, err
     report = json.loads(out_json.read_text())
-    densities = [f["density"] for f in report["ffns"]]
+    records = report["records"]
+    ffns = [r["decision"] for r in records]
+    densities = [f["density"] for f in ffns]
     assert 0.008 < densities[0] < 0.03 and all(d < 0.008 for d in densities[1:]) and sum(densities) / 4 < 0.01
-    assert [f["rewrite"] for f in report["ffns"]] == [False, True, True, True]
-    assert all(f["dead_neurons"] > 0 and f["tile_n"] == 256 and f["compression"] == 8 for f in report["ffns"])
+    assert [r["rewritten"] for r in records] == [f["rewrite"] for f in ffns] == [False, True, True, True]
+    assert all(f["dead_neurons"] > 0 and f["tile_n"] == 256 and f["compression"] == 8 for f in ffns)
     summary = report["summary"]
-    assert (summary["ffns"], summary["rewritable"], summary["rewritten"]) == (4, 4, 3)
+    assert (summary["candidates"], summary["rewritable"], summary["rewritten"], summary["unmatched"]) == (4, 4, 3, 0)
     # Time shares are measured (so machine-dependent); the summary must be Amdahl over them.
     for phase in ("prefill", "decode"):
-        shares = [f["time_share"][phase] for f in report["ffns"]]
+        shares = [f["time_share"][phase] for f in ffns]
         assert all(s > 0 for s in shares)
         saved = sum(
-            s * (1 - 1 / f["predicted_speedup"][phase])
-            for s, f in zip(shares, report["ffns"], strict=True)
-            if f["rewrite"]
+            s * (1 - 1 / f["predicted_speedup"][phase]) for s, f in zip(shares, ffns, strict=True) if f["rewrite"]
         )
         assert summary[phase]["ffn_time_share"] == pytest.approx(sum(shares))
         assert summary[phase]["rewritten_time_share"] == pytest.approx(sum(shares[1:]))
         assert summary[phase]["speedup"] == pytest.approx(1 / (1 - saved))
     assert summary["prefill"]["speedup"] > 1
-    assert summary["min_speedup"] == 1.05 and all(f["min_speedup"] == 1.05 for f in report["ffns"])
-    assert report["ffns"][0]["reason"].endswith("below the 1.05x threshold")
-    assert report["ffns"][3]["reason"].endswith("reaching the 1.05x threshold")
+    assert summary["min_speedup"] == 1.05 and all(f["min_speedup"] == 1.05 for f in ffns)
+    assert records[0]["reason"] == ffns[0]["reason"] and ffns[0]["reason"].endswith("below the 1.05x threshold")
+    assert ffns[3]["reason"].endswith("reaching the 1.05x threshold") and records[3]["reason"] == ""
     assert summary["decode"]["speedup"] == pytest.approx(1.0)  # decode runs dense (twell.kernels.policy)
     assert report["model"]["path"] == str(demo_model_dir())
 
@@ -170,7 +170,7 @@ def test_demo_model_is_sparse_as_trained(tmp_path, capsys):
 def test_json_to_stdout(capsys):
     rc, out, _ = run(["report", *QUICK, "--json", "-"], capsys)
     assert rc == 0
-    assert json.loads(out)["summary"]["ffns"] == 4
+    assert json.loads(out)["summary"]["candidates"] == 4
 
 
 def test_convert_writes_a_plan_that_sparsify_applies(tmp_path, capsys):
@@ -192,8 +192,8 @@ def test_sparselm_layout_loads_as_relu_llama(sparselm, tmp_path, capsys):
     assert rc == 0, err
     report = json.loads(out_json.read_text())
     assert report["model"]["class"] == "LlamaForCausalLM"
-    assert [(f["activation"], f["rewritable"]) for f in report["ffns"]] == [("relu", True)] * 2
-    assert all(f["stats"]["prefill"]["rows"] == 4 * 32 for f in report["ffns"])
+    assert [(r["activation"], r["rewritable"]) for r in report["records"]] == [("relu", True)] * 2
+    assert all(r["decision"]["stats"]["prefill"]["rows"] == 4 * 32 for r in report["records"])
     model = load_model(str(sparselm)).model
     weights = load_file(sparselm / "model.safetensors")
     state = model.state_dict()
@@ -208,8 +208,8 @@ def test_non_relu_model_is_reported_not_rewritable(tmp_path, capsys):
     # One reason, shared by both layers: a note under the table.
     assert out.count("not rewritable (1)") == 2 and out.count("(1) activation silu is not sparse") == 1
     report = json.loads((tmp_path / "r.json").read_text())
-    assert report["summary"]["rewritten"] == 0 and not any(f["rewritable"] for f in report["ffns"])
-    assert all(f["reason"] for f in report["ffns"])
+    assert report["summary"]["rewritten"] == 0 and not any(r["rewritable"] for r in report["records"])
+    assert all(r["reason"] for r in report["records"])
 
 
 def test_inline_ffns_are_timed_and_see_decode_steps(tmp_path, capsys):
@@ -231,9 +231,9 @@ def test_inline_ffns_are_timed_and_see_decode_steps(tmp_path, capsys):
     assert rc == 0, err
     assert "model.decoder.layers.0[fc1,fc2]" in out  # brackets survive rich markup
     assert_fits_80_columns(out)
-    ffns = json.loads((tmp_path / "r.json").read_text())["ffns"]
-    assert [f["path"] for f in ffns] == ["model.decoder.layers.0[fc1,fc2]", "model.decoder.layers.1[fc1,fc2]"]
-    for f in ffns:
+    records = json.loads((tmp_path / "r.json").read_text())["records"]
+    assert [r["path"] for r in records] == ["model.decoder.layers.0[fc1,fc2]", "model.decoder.layers.1[fc1,fc2]"]
+    for f in (r["decision"] for r in records):
         assert f["kind"] == "plain" and f["stats"]["decode"]["rows"] == 4 * 4 and f["stats"]["prefill"]["rows"] == 128
         assert set(f["time_share"]) <= {"prefill", "decode"} and f["time_share"]
         assert f["tile_n"] is None or f["tile_n"] <= 128  # no tile wider than the layer
@@ -298,7 +298,7 @@ def test_data_files_byte_level(relu_llama, tmp_path, capsys, suffix):
     assert rc == 0, err
     report = json.loads(out_json.read_text())
     assert report["data"] == f"{data}: 3 sequences of 40 tokens (byte-level)"
-    assert report["ffns"][0]["stats"]["prefill"]["rows"] == 120
+    assert report["records"][0]["decision"]["stats"]["prefill"]["rows"] == 120
 
 
 def test_data_with_the_checkpoint_tokenizer(relu_llama, tmp_path, capsys):
@@ -483,7 +483,7 @@ def test_closed_pipe_is_a_normal_end(json_out):
     assert (process.wait(), stderr) == (0, "")
 
 
-def test_render_without_ffns_names_the_modules_it_could_not_analyse():
+def test_modules_not_analysed_are_rows_of_the_table():
     from pathlib import Path
 
     from rich.console import Console
@@ -498,9 +498,53 @@ def test_render_without_ffns_names_the_modules_it_could_not_analyse():
     console = Console(record=True, width=120)
     render(console, analysis)
     text = console.export_text()
-    assert "twell report: toy[1] (Linear): no feed-forward blocks found" in text
-    assert "not analysed blocks.0: could not trace Block: data-dependent [if]" in text
+    assert "no feed-forward blocks found" not in text
+    assert "blocks.0" in text and "not analysed (1)" in text
+    assert "(1) could not trace Block: data-dependent [if]" in text
+    assert "0 found, 0 rewritable, 0 rewritten; 1 FFN-shaped modules not analysed" in flat(text)
     assert "FFN share of model time not measured" in text
     data = report_dict(analysis)
-    assert data["not_analysed"] == [{"path": "blocks.0", "reason": "could not trace Block: data-dependent [if]"}]
-    assert data["summary"]["ffns"] == 0 and json.dumps(data)
+    (record,) = data["records"]
+    assert (record["path"], record["matched"], record["reason"]) == (
+        "blocks.0",
+        False,
+        "could not trace Block: data-dependent [if]",
+    )
+    assert data["summary"]["candidates"] == 0 and data["summary"]["unmatched"] == 1 and json.dumps(data)
+
+
+def test_json_records_have_the_fields_of_twell_report(tmp_path, capsys):
+    """One schema: `twell report --json` and twell.report(model).to_dict() name every field alike."""
+    rc, out, err = run(["report", *QUICK, "--json", "-"], capsys)
+    assert rc == 0, err
+    data = json.loads(out)
+    model = load_model(DEMO_MODEL).model
+    api = twell.report(model).to_dict()
+    assert [list(r) for r in data["records"]] == [list(r) for r in api["records"]]
+    assert set(api["summary"]) <= set(data["summary"])
+    assert [r["path"] for r in data["records"]] == [r["path"] for r in api["records"]]
+
+
+def test_mixture_of_experts_checkpoint_is_reported_per_expert(tmp_path, capsys):
+    """Experts stored as 3-D parameters: one row per expert, each measured on the tokens routed to it."""
+    config = transformers.MixtralConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        hidden_act="relu",
+        max_position_embeddings=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(config).save_pretrained(tmp_path / "moe")
+    rc, out, err = run(["report", tmp_path / "moe", *QUICK, "--json", tmp_path / "r.json"], capsys)
+    assert rc == 0, err
+    assert all(f"model.layers.0.mlp.experts.{e} " in out for e in range(4))
+    records = json.loads((tmp_path / "r.json").read_text())["records"]
+    assert [r["path"] for r in records] == [f"model.layers.0.mlp.experts.{e}" for e in range(4)]
+    rows = [r["decision"]["stats"]["prefill"]["rows"] for r in records]
+    assert sum(rows) == 4 * 32 * 2  # every token reaches two experts

@@ -4,6 +4,7 @@ import re
 from pathlib import Path
 
 import pytest
+from models import TABLE_END, TABLE_PAGES, TABLE_START, with_table
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", ROOT / "twell" / "demo" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -18,3 +19,10 @@ def test_links_stay_inside_the_repository(page):
             continue
         path = (page.parent / target).resolve()
         assert path.is_relative_to(ROOT) and path.exists(), f"{page.name} links to {target}"
+
+
+@pytest.mark.parametrize("page", TABLE_PAGES)
+def test_architectures_table_is_generated_from_the_test_matrix(page):
+    text = (ROOT / page).read_text()
+    assert TABLE_START in text and TABLE_END in text, f"{page} has no generated architectures table"
+    assert text == with_table(text), f"{page}: the architectures table is out of date; run python tests/models.py"

@@ -14,7 +14,15 @@ import twell
 from twell.passes import find_ffns, scan
 from twell.passes import modules as twell_modules
 from twell.passes.match import _split_rows
-from twell.passes.modules import FFNSpec, GatePassthrough, InlineFFN, SparseFFN, dense_ffn, run_ffn
+from twell.passes.modules import (
+    ActivationPassthrough,
+    FFNSpec,
+    GatePassthrough,
+    InlineFFN,
+    SparseFFN,
+    dense_ffn,
+    run_ffn,
+)
 
 K, N = 24, 40
 
@@ -331,7 +339,7 @@ def test_inline_ffn_in_block(gated, x):
     twell.sparsify(model)
     block = model.layers[0]
     assert isinstance(block.w1, GatePassthrough) and isinstance(block.w2, InlineFFN)
-    assert isinstance(block.act, nn.Identity)
+    assert isinstance(block.act, ActivationPassthrough)
     assert block.w1.weight is c.gate_module.weight  # the same Parameter, not a copy
 
 
@@ -344,7 +352,7 @@ def test_inline_functional_activation_is_reported(x):
 
 
 class SharedActivation(Block):
-    """The FFN's activation module is called again outside the FFN: swapping it for nn.Identity would
+    """The FFN's activation module is called again outside the FFN: swapping it for a passthrough would
     change that other call."""
 
     def forward(self, x):
@@ -757,3 +765,211 @@ def test_inline_ffn_whose_linear_is_called_again_is_not_rewritten(x):
     (c,) = find_ffns(model)
     assert not c.rewritable and c.reason == "linear w1 is called more than once"
     _check_rewrite(model, x, tol=0.0)
+
+
+class Intermediate(nn.Module):
+    """BERT-style first half of a split FFN: act(dense(x))."""
+
+    def __init__(self, act=None, functional=False):
+        super().__init__()
+        self.dense = nn.Linear(K, N)
+        self.act = act if act is not None else nn.ReLU()
+        self.functional = functional
+
+    def forward(self, x):
+        return F.relu(self.dense(x)) if self.functional else self.act(self.dense(x))
+
+
+class Output(nn.Module):
+    """BERT-style second half: dense(h), dropout, residual and norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense, self.norm, self.drop = nn.Linear(N, K), nn.LayerNorm(K), nn.Dropout(0.1)
+
+    def forward(self, h, residual):
+        return self.norm(self.drop(self.dense(h)) + residual)
+
+
+class DroppingIntermediate(Intermediate):
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        return self.drop(self.act(self.dense(x)))
+
+
+class ShiftedIntermediate(Intermediate):
+    def forward(self, x):
+        return self.act(self.dense(x)) + x.mean()
+
+
+class ScaledOutput(Output):
+    def forward(self, h, residual):
+        return self.norm(self.dense(h) + h.mean() + residual)
+
+
+class SplitBlock(nn.Module):
+    def __init__(self, leak=False, **intermediate):
+        super().__init__()
+        self.intermediate, self.output = Intermediate(**intermediate), Output()
+        self.leak = leak
+
+    def forward(self, x):
+        h = self.intermediate(x)
+        y = self.output(h, x)
+        return y + h.mean(-1, keepdim=True) if self.leak else y
+
+
+SPLIT_PATH = "layers.0[intermediate.dense,output.dense]"
+
+
+def test_ffn_split_across_two_modules(x):
+    torch.manual_seed(13)
+    model = Net(SplitBlock()).eval()
+    (c,) = find_ffns(model)
+    assert (c.path, c.kind, c.activation, c.rewritable) == (SPLIT_PATH, "plain", "relu", True), c.reason
+    assert c.gate_module is model.layers[0].intermediate.dense and (c.hidden_size, c.model_size) == (N, K)
+    _check_rewrite(model, x)
+    twell.sparsify(model)
+    block = model.layers[0]
+    assert isinstance(block.intermediate.dense, GatePassthrough) and isinstance(block.output.dense, InlineFFN)
+    assert isinstance(block.intermediate.act, ActivationPassthrough)
+    # training mode: the second half's dropout acts on the FFN's output, as it did
+    model.train()
+    torch.manual_seed(14)
+    got = model(x)
+    twell.restore(model)
+    torch.manual_seed(14)
+    assert torch.allclose(got, model(x), atol=1e-5)
+
+
+def _swap(**halves):
+    def change(block):
+        for name, cls in halves.items():
+            if cls is not None:
+                torch.manual_seed(16)
+                setattr(block, name, cls().eval())
+
+    return change
+
+
+def _hook_intermediate(block):
+    block.intermediate.register_forward_hook(lambda m, args, out: out)
+
+
+SPLIT_REASONS = {
+    "activation-inline": (dict(functional=True), None, "activation is written inline in intermediate's forward"),
+    "not-sparse": (dict(act=nn.GELU()), None, "activation gelu is not sparse"),
+    "output-used-elsewhere": (dict(leak=True), None, "intermediate's output is also used outside output's first"),
+    "hooked-half": ({}, _hook_intermediate, "intermediate has forward hooks"),
+    "dropout-in-first-half": ({}, _swap(intermediate=DroppingIntermediate), "dropout after the activation"),
+}
+# Halves that are not act(up(x)) and down(h), ...: no FFN, but a module not analysed, with the reason.
+SPLIT_UNMATCHED = {
+    "first-computes-more": (ShiftedIntermediate, None, "intermediate passes its output to output, but does not"),
+    "second-uses-h-again": (None, ScaledOutput, "output does not use intermediate's output only as the input"),
+}
+
+
+@pytest.mark.parametrize("name", list(SPLIT_UNMATCHED))
+def test_split_halves_that_are_not_an_ffn_are_reported(name, x):
+    first, second, reason = SPLIT_UNMATCHED[name]
+    model = Net(SplitBlock()).eval()
+    _swap(intermediate=first, output=second)(model.layers[0])
+    candidates, unmatched = scan(model)
+    assert candidates == [] and [u.path for u in unmatched] == [SPLIT_PATH]
+    assert reason in unmatched[0].reason
+
+
+@pytest.mark.parametrize("name", list(SPLIT_REASONS))
+def test_split_ffn_left_alone_has_its_reason(name, x):
+    options, change, reason = SPLIT_REASONS[name]
+    model = Net(SplitBlock(**options)).eval()
+    if change is not None:
+        change(model.layers[0])
+    (c,) = find_ffns(model)
+    assert c.path == SPLIT_PATH and not c.rewritable and reason in c.reason, c.reason
+    _check_rewrite(model, x, tol=0.0)
+    assert isinstance(model.layers[0].output.dense, nn.Linear)
+
+
+class NoActivation(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(K, N), nn.Linear(N, K)
+
+    def forward(self, x):
+        return self.down(self.up(x))  # a linear map: no activation between the projections
+
+
+def test_ffn_shaped_module_without_the_pattern_has_its_reason():
+    candidates, unmatched = scan(Net(NoActivation()))
+    assert candidates == [] and [u.path for u in unmatched] == ["layers.0"]
+    assert "neither down(act(up(x))) nor down(act(gate(x)) * up(x))" in unmatched[0].reason
+    text = " ".join(str(twell.report(Net(NoActivation()))).split())
+    assert "0 of 0 FFNs rewritten, 1 FFN-shaped modules not analysed" in text and "layers.0 " in text
+
+
+def _record(calls, name):
+    def hook(module, args, output):
+        calls.append((name, args[0].shape[-1], output.shape[-1], output.clone()))
+
+    return hook
+
+
+@pytest.mark.parametrize("member", ["w1", "act", "w3", "w2"])
+@pytest.mark.parametrize("where", ["original", "stand-in"])
+def test_inline_ffn_honours_hooks_on_its_modules(member, where, x, monkeypatch):
+    """A hook registered after sparsify, on the original fc1 / activation / fc2 object or on what stands
+    in for it in the layer, sees what it would see without twell; removed, the op runs again."""
+    torch.manual_seed(15)
+    model = Net(Block(gated=True)).eval()
+    originals = dict(model.layers[0].named_children())
+    expected_calls = []
+    handle = originals[member].register_forward_hook(_record(expected_calls, member))
+    with torch.no_grad():
+        expected = model(x)
+    handle.remove()
+    twell.sparsify(model)
+    block = model.layers[0]
+    target = originals[member] if where == "original" else getattr(block, member)
+    calls = []
+    handle = target.register_forward_hook(_record(calls, member))
+    with torch.no_grad():
+        got = model(x)
+    assert torch.allclose(got, expected, atol=1e-6)
+    ((name, k_in, n_out, output),) = calls
+    ((_, k_exp, n_exp, output_exp),) = expected_calls
+    assert (k_in, n_out) == (k_exp, n_exp) and torch.allclose(output, output_exp, atol=1e-6)
+    handle.remove()
+    ops_calls = []
+    run_ffn_ = twell_modules.run_ffn
+    monkeypatch.setattr(twell_modules, "run_ffn", lambda *args: ops_calls.append(1) or run_ffn_(*args))
+    with torch.no_grad():
+        assert torch.allclose(model(x), expected, atol=1e-5)
+    assert ops_calls == [1]
+
+
+@pytest.mark.parametrize("half", ["intermediate", "output"])
+def test_split_ffn_honours_hooks_on_its_halves(half, x):
+    """A hook registered after sparsify on a half of a split FFN sees the hidden activation, as without
+    twell (the rewritten halves pass x on, so the FFN then runs its original modules)."""
+    torch.manual_seed(17)
+    model = Net(SplitBlock()).eval()
+    module = getattr(model.layers[0], half)
+    seen = []
+    handle = module.register_forward_hook(lambda m, args, out: seen.append((args[0].clone(), out.clone())))
+    with torch.no_grad():
+        expected = model(x)
+    handle.remove()
+    twell.sparsify(model)
+    got_seen = []
+    module.register_forward_hook(lambda m, args, out: got_seen.append((args[0].clone(), out.clone())))
+    with torch.no_grad():
+        got = model(x)
+    assert torch.allclose(got, expected, atol=1e-6)
+    ((args, out),), ((args_exp, out_exp),) = got_seen, seen
+    assert args.shape == args_exp.shape and torch.allclose(args, args_exp, atol=1e-6)
+    assert torch.allclose(out, out_exp, atol=1e-6)

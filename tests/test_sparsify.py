@@ -6,14 +6,27 @@ import json
 
 import pytest
 import torch
-from models import DECODER, DEFAULT_NOT_RELU, FAMILIES, LAYERS, VOCAB, build, logits, modules_of, snapshot, token_ids
+from models import (
+    DEFAULT_NOT_RELU,
+    FAMILIES,
+    LAYERS,
+    MOE_FAMILIES,
+    VOCAB,
+    build,
+    logits,
+    modules_of,
+    snapshot,
+    token_ids,
+)
 
 import twell
 from twell.passes import find_ffns
 from twell.passes.modules import TWELL_MODULES
+from twell.passes.projections import linear_weight
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
+CONV1D_FAMILIES = {"gpt2"}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -34,12 +47,14 @@ def test_relu_family(family):
     assert twell.sparsify(model) is model
     assert sum(isinstance(m, TWELL_MODULES) for m in model.modules()) >= LAYERS
     torch.testing.assert_close(logits(model, ids), expected, atol=1e-5, rtol=1e-5)
-    # Same keys, shapes and tensor objects, no second copy: the storage is the same except the down
-    # projections', re-laid once so that the kernels read rows of down_weight^T
+    # Same keys, shapes and tensor objects, no second copy: the storage is the same except nn.Linear down
+    # projections', re-laid once so that the kernels read rows of down_weight^T (a Conv1D's are already)
     now = {k: v.data_ptr() for k, v in model.state_dict().items()}
     assert list(now) == list(storage)
     moved = {k for k in storage if now[k] != storage[k]}
-    assert len(moved) == LAYERS and all(model.get_parameter(k).t().is_contiguous() for k in moved), moved
+    downs = [f"{c.path.split('[')[0]}.{c.spec.down}.weight" for c in candidates]
+    assert moved == (set() if family in CONV1D_FAMILIES else set(downs)), moved
+    assert all(linear_weight(model.get_submodule(k.removesuffix(".weight"))).t().is_contiguous() for k in downs)
     assert {k: id(p) for k, p in model.named_parameters()} == params
     report = twell.report(model)
     assert [r.path for r in report] == [c.path for c in candidates]
@@ -113,17 +128,156 @@ def test_t5_relu_ffn_with_dropout_inside():
     assert torch.equal(sparse_train, model(**inputs).logits)
 
 
-def test_mixtral_experts_are_not_per_expert_mlps():
-    """transformers v5 stores Mixtral's experts as 3-D parameters (no per-expert nn.Linear): nothing to
-    match, and sparsify leaves the model as it is."""
-    torch.manual_seed(0)
-    config = transformers.MixtralConfig(**DECODER, hidden_act="relu", num_local_experts=4, num_experts_per_tok=2)
-    model = transformers.MixtralForCausalLM(config).eval()
+EXPERTS = MOE_FAMILIES["mixtral"][2]["num_local_experts"]
+
+
+def build_mixtral(activation="relu", seed=0):
+    return build("mixtral", activation, seed)
+
+
+def routed_tokens(model, ids) -> list[list[int]]:
+    """Per layer, the number of tokens the router sends to each expert."""
+    counts = []
+    hooks = [
+        layer.mlp.experts.register_forward_hook(
+            lambda m, args, out: counts.append(torch.bincount(args[1].flatten(), minlength=EXPERTS).tolist())
+        )
+        for layer in model.model.layers
+    ]
+    logits(model, ids)
+    for h in hooks:
+        h.remove()
+    return counts
+
+
+def test_mixtral_relu_experts_run_through_twell_ops(monkeypatch):
+    """transformers 5 stores Mixtral's experts as 3-D parameters: each expert is a candidate, the experts
+    module is swapped for one that runs each expert's routed tokens through the op, the router stays."""
+    from twell.kernels import reference
+    from twell.passes.experts import SparseExperts
+
+    model = build_mixtral()
     ids = token_ids()
     expected = logits(model, ids)
-    assert find_ffns(model) == []
+    before = snapshot(model)
+    routers = [layer.mlp.gate for layer in model.model.layers]
+    candidates = find_ffns(model)
+    assert [c.path for c in candidates] == [
+        f"model.layers.{i}.mlp.experts.{e}" for i in range(LAYERS) for e in range(EXPERTS)
+    ]
+    assert all(
+        (c.kind, c.activation, c.rewritable, c.hidden_size, c.model_size) == ("gated", "relu", True, 64, 32)
+        for c in candidates
+    )
     twell.sparsify(model)
+    assert all(isinstance(layer.mlp.experts, SparseExperts) for layer in model.model.layers)
+    assert [layer.mlp.gate for layer in model.model.layers] == routers
+    calls = []
+    gated_ffn = reference.gated_ffn
+    monkeypatch.setattr(reference, "gated_ffn", lambda x, *rest: calls.append(x.shape[0]) or gated_ffn(x, *rest))
+    torch.testing.assert_close(logits(model, ids), expected, atol=1e-5, rtol=1e-5)
+    routed = routed_tokens(model, ids)
+    assert sorted(calls) == sorted([n for layer in routed for n in layer if n] * 2)  # two logits() calls
+    # every expert's down weight, as the op takes it ([K, N]), has rows of down_weight.t() contiguous
+    for layer in model.model.layers:
+        assert all(layer.mlp.experts.down_proj[e].t().is_contiguous() for e in range(EXPERTS))
+    assert all(r.rewritten for r in twell.report(model))
+    twell.restore(model)
+    after = model.state_dict()
+    assert list(after) == list(before) and all(v.is_contiguous() for v in after.values())
+    assert all(torch.equal(after[k], v) for k, v in before.items())
     assert torch.equal(logits(model, ids), expected)
+
+
+@pytest.mark.parametrize("sparsified", [False, True], ids=["compiled", "sparsified-then-compiled"])
+def test_mixtral_compiled(sparsified):
+    model = build_mixtral()
+    ids = token_ids()
+    expected = logits(model, ids)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(twell.sparsify(model) if sparsified else model, backend="twell")
+        torch.testing.assert_close(logits(compiled, ids), expected, atol=1e-5, rtol=1e-5)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_mixtral_calibration_measures_each_expert(tmp_path):
+    model = build_mixtral()
+    ids = token_ids()
+    expected = logits(model, ids)
+    routed = [n for layer in routed_tokens(model, ids) for n in layer]
+    # min_speedup 0 and overflow up to 99%: every expert with a layout is rewritten whatever its density
+    config = {**QUICK_CALIBRATION, "min_speedup": 0.0, "max_overflow": 0.99}
+    twell.sparsify(model, [ids], config=config)
+    records = list(twell.report(model))
+    assert [r.decision["stats"].get("prefill", {}).get("rows", 0) for r in records] == routed
+    densities = [r.decision["density"] for r in records if r.decision["density"] is not None]
+    assert len(set(densities)) > 1  # measured per expert, not per layer
+    assert [r.rewritten for r in records] == [n > 0 for n in routed]
+    torch.testing.assert_close(logits(model, ids), expected, atol=1e-5, rtol=1e-5)
+    plan = tmp_path / "plan.json"
+    twell.save_plan(model, plan)
+    other = twell.sparsify(build_mixtral(), plan=plan)
+    assert [r.rewritten for r in twell.report(other)] == [r.rewritten for r in records]
+    torch.testing.assert_close(logits(other, ids), expected, atol=1e-5, rtol=1e-5)
+
+
+def _interleaved(experts):
+    experts.is_concatenated = False
+    return "experts interleave gate and up rows"
+
+
+def _post_norm(experts):
+    experts.has_post_expert_norm = True
+    experts.post_expert_norm = torch.nn.Identity()
+    return "experts apply a norm after each expert"
+
+
+def _own_gate(experts):
+    experts.__class__ = type("GatedExperts", (type(experts),), {"_apply_gate": lambda self, out: out.chunk(2, -1)[1]})
+    return "GatedExperts has its own _apply_gate"
+
+
+def _act_hook(experts):
+    experts.act_fn.register_forward_hook(lambda m, args, out: out)
+    return "activation act has forward hooks"
+
+
+def _expert_parallel(experts):
+    experts._is_expert_parallel = True
+    return "experts are split across devices"
+
+
+def _instance_forward(experts):
+    experts.forward = experts.forward  # what offloading hooks do
+    return "forward is replaced on the instance"
+
+
+@pytest.mark.parametrize(
+    "change", [_interleaved, _post_norm, _own_gate, _act_hook, _expert_parallel, _instance_forward]
+)
+def test_experts_twell_cannot_serve_are_reported(change):
+    model = build_mixtral()
+    reason = change(model.model.layers[0].mlp.experts)
+    ids = token_ids()
+    expected = logits(model, ids)
+    layer0, *rest = find_ffns(model)
+    assert (layer0.path, layer0.rewritable, layer0.activation) == ("model.layers.0.mlp.experts", False, "relu")
+    assert reason in layer0.reason
+    assert len(rest) == EXPERTS and all(c.rewritable for c in rest)
+    twell.sparsify(model)
+    assert type(model.model.layers[0].mlp.experts).__name__ != "SparseExperts"
+    torch.testing.assert_close(logits(model, ids), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_silu_experts_are_one_record_per_layer_with_the_reason():
+    model = build_mixtral(activation="silu")
+    records = list(twell.report(model))
+    assert [r.path for r in records] == [f"model.layers.{i}.mlp.experts" for i in range(LAYERS)]
+    assert all(
+        not r.rewritable and r.activation == "silu" and "activation silu is not sparse" in r.reason for r in records
+    )
 
 
 def test_report_table_and_json():
@@ -292,3 +446,35 @@ def test_warmup_runs_every_rewritten_ffn(monkeypatch):
         16: pytest.approx(0, abs=1),
         4096: pytest.approx(0, abs=1),
     }
+
+
+def test_conv1d_ffn_reaches_the_sparse_route_without_copies(monkeypatch):
+    """GPT-2's Conv1D weights go to the op as views of the very Parameters. The down weight passes the
+    dispatcher's layout test for the sparse kernels (down_weight.t() with unit stride on K); gate weights
+    are read through their strides."""
+    from twell.kernels import reference
+
+    model = twell.sparsify(build("gpt2"))
+    seen = []
+    ffn = reference.ffn
+    monkeypatch.setattr(reference, "ffn", lambda x, up, down, *rest: seen.append((up, down)) or ffn(x, up, down, *rest))
+    logits(model, token_ids())
+    assert len(seen) == LAYERS
+    for (up, down), block in zip(seen, model.transformer.h, strict=True):
+        assert down.t().stride(1) == 1  # twell.kernels.dispatch: `wd_t.stride(1) == 1` routes sparse
+        assert down.t().data_ptr() == block.mlp.c_proj.weight.data_ptr() and down.shape == (32, 64)
+        assert up.data_ptr() == block.mlp.c_fc.weight.data_ptr() and up.shape == (64, 32)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert", "mixtral"])
+def test_warmup_runs_conv1d_split_and_expert_ffns(family, monkeypatch):
+    from twell.kernels import reference
+
+    model = twell.sparsify(build(family))
+    calls = []
+    for name in ("ffn", "gated_ffn"):
+        original = getattr(reference, name)
+        monkeypatch.setattr(reference, name, lambda x, *rest, f=original: calls.append(tuple(x.shape)) or f(x, *rest))
+    twell.warmup(model, token_counts=(3,))
+    ffns = LAYERS * (EXPERTS if family == "mixtral" else 1)
+    assert calls == [(3, 32)] * ffns

@@ -15,7 +15,7 @@ import importlib
 
 from twell.calibrate import calibrate
 from twell.format import TwELL, pack, unpack
-from twell.sparsify import report, restore, save_plan, sparsify, warmup
+from twell.sparsify import compile_report, report, restore, save_plan, sparsify, warmup
 
 __version__ = "0.1.0"
 
@@ -47,6 +47,7 @@ __all__ = [
     "sparsify",
     "restore",
     "report",
+    "compile_report",
     "save_plan",
     "warmup",
     *_LAZY,

@@ -5,7 +5,9 @@
     save_plan(decisions, candidates, "plan.json"); load_plan("plan.json", candidates)
 
 Measurement: forward hooks on each candidate's ``gate_module`` (the linear whose output, the
-pre-activation, is thresholded) count, per call, the entries that survive ``not (h <= threshold)``:
+pre-activation, is thresholded; for one expert of a mixture-of-experts layer, the experts module, whose
+call gives that expert's pre-activation through the candidate's ``measure``) count, per call, the
+entries that survive ``not (h <= threshold)``:
 nonzeros per row, per (row, tile) for each candidate tile width, per neuron. Prefill-shaped calls
 (many tokens per sequence) and decode-shaped calls (one token per sequence, from a few greedy cached
 decode steps after each batch) are kept apart. Separately, the model and each FFN module (on the inputs
@@ -230,8 +232,13 @@ class _LayerRecorder:
         self.phases: dict[str, _PhaseCounter] = {}
         self.shards = 1  # slices of the neurons under tensor parallelism (the cost model sees one)
 
-    def __call__(self, module, args, output) -> None:
-        h, self.shards = full_hidden(module, output)
+    def __call__(self, module, args, kwargs, output) -> None:
+        if self.candidate.measure is None:
+            h, self.shards = full_hidden(module, output)
+        else:  # an expert: its pre-activation from the experts module's call (experts are not sharded here)
+            h = self.candidate.measure(args, kwargs, output)
+            if h is None:  # no token was routed to this expert in this call
+                return
         if self.candidate.gate_slice is not None:
             h = h[..., self.candidate.gate_slice]
         if h.shape[-1] != self.n:
@@ -752,7 +759,7 @@ def calibrate(model: torch.nn.Module, candidates, data, *, config=None) -> dict[
 
     model: the model to run (left unchanged; eval mode during calibration, its mode restored after).
     candidates: twell.passes.find_ffns(model) records (path, kind, rewritable, reason, gate_module,
-        gate_slice, threshold, hidden_size, model_size).
+        gate_slice, measure, threshold, hidden_size, model_size).
     data: an iterable of batches: token-id tensors [batch, seq] or dicts of forward kwargs.
     config: CalibrationConfig, a dict of its fields, or None.
     Returns {candidate.path: Decision}, one per candidate; candidates that are not rewritable get
@@ -780,7 +787,7 @@ def calibrate(model: torch.nn.Module, candidates, data, *, config=None) -> dict[
         if cfg.timing_repeats and ffns and not sharded(model):
             shares = _time_shares(model, batches[0], ffns, cfg.timing_repeats, cfg.decode_steps)
 
-        handles = [c.gate_module.register_forward_hook(recorders[c.path]) for c in measured]
+        handles = [c.gate_module.register_forward_hook(recorders[c.path], with_kwargs=True) for c in measured]
         try:
             # Nothing to measure (no rewritable FFN): no need to run the model at all.
             for kwargs in _progress(batches if measured else [], cfg.progress, "calibrating"):
@@ -840,13 +847,16 @@ def save_plan(decisions: Mapping[str, Decision], candidates, path: str | os.Path
     Path(path).write_text(json.dumps(plan, indent=1) + "\n")
 
 
-def load_plan(path: str | os.PathLike, candidates) -> dict[str, Decision]:
-    """Read a plan written by save_plan and check it fits the model whose FFNs are `candidates`.
+def read_plan(path: str | os.PathLike) -> tuple[dict, dict[str, Decision]]:
+    """The plan's FFN fingerprints {path: {path, kind, activation, hidden_size, model_size}} and its
+    decisions, unchecked against any model. Raises ValueError when the file is not a twell plan of this
+    format version."""
+    plan = _read_plan_file(path)
+    planned = {f["path"]: f for f in plan.get("ffns", [])}
+    return planned, {p: Decision.from_dict(d) for p, d in plan.get("decisions", {}).items()}
 
-    Raises ValueError with the reason when the file is not a twell plan, has another format version,
-    or was made for a different model (other FFN paths, kinds, activations or shapes), or when it
-    rewrites an FFN that is not rewritable in this model.
-    """
+
+def _read_plan_file(path: str | os.PathLike) -> dict:
     try:
         plan = json.loads(Path(path).read_text())
     except OSError as e:
@@ -860,8 +870,18 @@ def load_plan(path: str | os.PathLike, candidates) -> dict[str, Decision]:
             f"plan {path} has format version {plan.get('version')!r}; this twell reads version {PLAN_VERSION}: "
             "calibrate again"
         )
+    return plan
+
+
+def load_plan(path: str | os.PathLike, candidates) -> dict[str, Decision]:
+    """Read a plan written by save_plan and check it fits the model whose FFNs are `candidates`.
+
+    Raises ValueError with the reason when the file is not a twell plan, has another format version,
+    or was made for a different model (other FFN paths, kinds, activations or shapes), or when it
+    rewrites an FFN that is not rewritable in this model.
+    """
+    planned, decisions = read_plan(path)
     candidates = list(candidates)
-    planned = {f["path"]: f for f in plan.get("ffns", [])}
     present = {c.path: _fingerprint(c) for c in candidates}
     missing, extra = sorted(set(planned) - set(present)), sorted(set(present) - set(planned))
     if missing or extra:
@@ -878,7 +898,6 @@ def load_plan(path: str | os.PathLike, candidates) -> dict[str, Decision]:
                     f"plan {path} was made for a different model: {p} has {key}={value!r}, "
                     f"the plan {planned[p].get(key)!r}"
                 )
-    decisions = {p: Decision.from_dict(d) for p, d in plan.get("decisions", {}).items()}
     by_path = {c.path: c for c in candidates}
     for p, d in decisions.items():
         if p not in by_path:
@@ -898,6 +917,7 @@ __all__ = [
     "cuda_median_time",
     "load_plan",
     "predicted_model_speedup",
+    "read_plan",
     "resolve_cost_model",
     "save_plan",
 ]

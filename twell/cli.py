@@ -110,10 +110,15 @@ def analyse(args: argparse.Namespace) -> Analysis:
 
 
 def report_dict(analysis: Analysis) -> dict:
-    """The report as JSON-serialisable data (what --json writes)."""
+    """The report as JSON-serialisable data (what --json writes): the records and summary of
+    twell.report(model).to_dict(), where "rewritten" means the calibration decided to rewrite, plus the
+    model, the data and the predicted model speedups."""
     from twell.calibrate import predicted_model_speedup
+    from twell.sparsify import Report, build_records
 
     loaded = analysis.loaded
+    decided = {path for path, d in analysis.decisions.items() if d.rewrite}
+    report = Report(build_records(analysis.candidates, analysis.unmatched, analysis.decisions, decided)).to_dict()
     return {
         "twell_version": twell.__version__,
         "model": {"name": loaded.name, "path": str(loaded.path), "class": type(loaded.model).__name__},
@@ -121,19 +126,13 @@ def report_dict(analysis: Analysis) -> dict:
         "device": str(next(loaded.model.parameters()).device),
         "cost_model": analysis.cost_model,
         "summary": {
-            "ffns": len(analysis.candidates),
-            "rewritable": sum(bool(c.rewritable) for c in analysis.candidates),
-            "rewritten": sum(d.rewrite for d in analysis.decisions.values()),
+            **report["summary"],
             "min_speedup": next(
                 (d.min_speedup for d in analysis.decisions.values() if d.min_speedup is not None), None
             ),
             **{phase: predicted_model_speedup(analysis.decisions, phase) for phase in ("prefill", "decode")},
         },
-        "ffns": [
-            {"activation": c.activation, "rewritable": bool(c.rewritable), **analysis.decisions[c.path].to_dict()}
-            for c in analysis.candidates
-        ],
-        "not_analysed": [{"path": u.path, "reason": u.reason} for u in analysis.unmatched],
+        "records": report["records"],
     }
 
 
@@ -157,46 +156,53 @@ _COLUMNS = [
 ]
 
 
-def _decision_cell(ffn: dict, notes) -> str:
-    """rewrite / keep dense / not rewritable, with a note for any reason the other columns do not show
-    (a measured layer's predicted speedup, compared with the threshold in the summary, is its reason)."""
+def _decision_cell(record: dict, notes) -> str:
+    """rewrite / keep dense / not rewritable / not analysed, with a note for any reason the other columns
+    do not show (a measured layer's predicted speedup, compared with the threshold in the summary, is its
+    reason)."""
     from rich.markup import escape
 
     from twell.rendering import note_for
 
-    if ffn["rewrite"]:
+    decision = record["decision"] or {}
+    if record["rewritten"]:
         return "[green]rewrite[/green]"
-    if ffn["predicted_speedup"]:
+    if not record["matched"]:
+        return f"[red]not analysed[/red] {escape(notes.mark(record['reason']))}"
+    if decision.get("predicted_speedup"):
         return "[yellow]keep dense[/yellow]"
-    if not ffn["rewritable"]:
-        return f"[red]not rewritable[/red] {escape(notes.mark(ffn['reason']))}"
-    return f"[yellow]keep dense[/yellow] {escape(notes.mark(note_for(ffn['reason'], ffn)))}"
+    if not record["rewritable"]:
+        return f"[red]not rewritable[/red] {escape(notes.mark(record['reason']))}"
+    return f"[yellow]keep dense[/yellow] {escape(notes.mark(note_for(record['reason'], record['decision'])))}"
 
 
-def _ffn_row(ffn: dict, notes) -> list[str]:
+def _record_row(record: dict, notes) -> list[str]:
     from rich.markup import escape
 
     from twell.calibrate import PHASES
 
-    stats = ffn["stats"]
+    decision = record["decision"] or {}
+    stats = decision.get("stats") or {}
     main = stats.get("prefill") or stats.get("decode")
     nnz = main["nnz_per_row"] if main else None
     dead = "—"
-    if ffn["dead_neurons"] is not None:
-        dead = f"{ffn['dead_neurons']} ({ffn['dead_neurons'] / ffn['hidden_size']:.0%})"
-    speedups = ffn["predicted_speedup"]
+    if decision.get("dead_neurons") is not None:
+        dead = f"{decision['dead_neurons']} ({decision['dead_neurons'] / record['hidden_size']:.0%})"
+    speedups = decision.get("predicted_speedup") or {}
+    shape = f"{record['hidden_size']}×{record['model_size']}" if record["hidden_size"] else "—"
+    tile_n = decision.get("tile_n")
     return [
-        escape(ffn["path"]),  # inline FFNs' paths hold brackets: "layers.0[fc1,fc2]"
-        escape(ffn["activation"]),
-        f"{ffn['hidden_size']}×{ffn['model_size']}",
+        escape(record["path"]),  # inline FFNs' paths hold brackets: "layers.0[fc1,fc2]"
+        escape(record["activation"] or "—"),
+        shape,
         "/".join(_pct(stats.get(p, {}).get("density")) for p in PHASES),
         "—" if nnz is None else f"{nnz['mean']:.1f} {nnz['p50']} {nnz['p99']} {nnz['max']}",
         dead,
-        "—" if ffn["tile_n"] is None else f"{ffn['tile_n']}/{ffn['compression']}",
-        _pct(ffn["overflow_rows"], 1),
-        _pct(ffn["time_share"].get("prefill"), 0),
+        "—" if tile_n is None else f"{tile_n}/{decision['compression']}",
+        _pct(decision.get("overflow_rows"), 1),
+        _pct((decision.get("time_share") or {}).get("prefill"), 0),
         "/".join(f"{speedups[p]:.2f}x" if p in speedups else "—" for p in PHASES),
-        _decision_cell(ffn, notes),
+        _decision_cell(record, notes),
     ]
 
 
@@ -208,7 +214,9 @@ def _summary(data: dict) -> list[tuple[str, str]]:
     lines = [("data", escape(data["data"]))]
     if data["cost_model"]:
         lines.append(("cost model", escape(data["cost_model"])))
-    if any(ffn["predicted_speedup"] for ffn in data["ffns"]) and not data["device"].startswith("cuda"):
+    if any((r["decision"] or {}).get("predicted_speedup") for r in data["records"]) and not data["device"].startswith(
+        "cuda"
+    ):
         lines.append(
             (
                 f"on {data['device']}",
@@ -220,9 +228,10 @@ def _summary(data: dict) -> list[tuple[str, str]]:
         lines.append(
             ("threshold", f"an FFN is rewritten when its predicted speedup is at least {summary['min_speedup']:.2f}x")
         )
-    lines.append(
-        ("FFNs", f"{summary['ffns']} found, {summary['rewritable']} rewritable, {summary['rewritten']} rewritten")
-    )
+    found = f"{summary['candidates']} found, {summary['rewritable']} rewritable, {summary['rewritten']} rewritten"
+    if summary["unmatched"]:
+        found += f"; {summary['unmatched']} FFN-shaped modules not analysed"
+    lines.append(("FFNs", found))
     for phase in ("prefill", "decode"):
         s = summary[phase]
         if not s["timed_ffns"]:
@@ -253,7 +262,7 @@ def render(console, analysis: Analysis, plan_path: str | None = None) -> None:
     data = report_dict(analysis)
     title = f"twell report: {data['model']['name']} ({data['model']['class']})"
     notes = Notes()
-    rows = [_ffn_row(ffn, notes) for ffn in data["ffns"]]
+    rows = [_record_row(record, notes) for record in data["records"]]
     if rows:
         columns = [Column(header, level, justify) for header, level, justify in _COLUMNS]
         table = fitted_table(
@@ -274,8 +283,6 @@ def render(console, analysis: Analysis, plan_path: str | None = None) -> None:
             console.print(notes)
     else:
         console.print(f"[bold]{escape(title)}[/bold]: no feed-forward blocks found")
-    for module in data["not_analysed"]:
-        console.print(f"[yellow]not analysed[/yellow] {escape(module['path'])}: {escape(module['reason'])}")
 
     grid = Table.grid(padding=(0, 2))
     grid.add_column(no_wrap=True)

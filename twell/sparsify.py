@@ -5,6 +5,7 @@
     twell.save_plan(model, "plan.json")               # keep the decisions ...
     model = twell.sparsify(other_copy, plan="plan.json")   # ... and re-apply them without calibrating
     print(twell.report(model))                        # what was found, rewritten, and why
+    twell.compile_report(model)                       # what torch.compile(model, backend="twell") did
     twell.restore(model)                              # the original modules, bit for bit
 
 Importing this module is light: the passes (and networkx) load on first call.
@@ -125,12 +126,15 @@ class Report:
             Column("speedup", justify="right"),
             Column("rewritten"),
         ]
+        title = f"twell: {summary['rewritten']} of {summary['candidates']} FFNs rewritten"
+        if summary["unmatched"]:
+            title += f", {summary['unmatched']} FFN-shaped modules not analysed"
         yield fitted_table(
             console,
             options.max_width,
             columns,
             rows,
-            title=f"twell: {summary['rewritten']} of {summary['candidates']} FFNs rewritten",
+            title=title,
             title_justify="left",
             header_style="bold",
             box=box.SIMPLE_HEAD,
@@ -193,6 +197,10 @@ def sparsify(model: torch.nn.Module, calibration_data=None, *, config=None, plan
 
         decisions = load_plan(plan, candidates)
 
+    if decisions is not None:
+        from twell.passes import decided
+
+        decided.remember(candidates, decisions)  # the compile backend follows them too
     state = _State(candidates, unmatched, decisions, swaps=[])
     for candidate in candidates:
         if not candidate.rewritable:
@@ -213,9 +221,11 @@ def restore(model: torch.nn.Module) -> torch.nn.Module:
     _check_model(model)
     state = model.__dict__.pop(_STATE, None)
     if state is not None:
+        from twell.passes import decided
         from twell.passes.rewrite import undo
 
         undo(state.swaps)
+        decided.forget(state.candidates)
     return model
 
 
@@ -234,28 +244,51 @@ def warmup(model: torch.nn.Module, token_counts=(1, 16, 4096)) -> dict[int, floa
         raise ValueError(f"token_counts must hold positive ints, got {bad[0]!r}")
     import time
 
-    from twell.passes.modules import InlineFFN, SparseFFN
-
     state = getattr(model, _STATE, None)
-    ffns = [s.replacement for s in (state.swaps if state else []) if isinstance(s.replacement, (SparseFFN, InlineFFN))]
+    calls = _warmup_calls([s.replacement for s in state.swaps] if state else [])
     seconds = {}
     for m in token_counts:
         start = time.perf_counter()
-        for ffn in ffns:
-            weight = (getattr(ffn, ffn.spec.down) if isinstance(ffn, SparseFFN) else ffn).weight
-            x = torch.randn(m, weight.shape[0], dtype=weight.dtype, device=weight.device)
+        for k, weight, ffn in calls:
+            x = torch.randn(m, k, dtype=weight.dtype, device=weight.device)
             with torch.no_grad():
-                ffn.forward(x)  # the module's own path, without the forward hooks of the user's model
+                ffn(x)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         seconds[m] = time.perf_counter() - start
     return seconds
 
 
-def _records(state: _State) -> list[Record]:
+def _warmup_calls(replacements) -> list:
+    """(K, a weight of the FFN, function of x [M, K]) for every rewritten FFN: each module's own path,
+    without the forward hooks of the user's model."""
+    import functools
+
+    from twell.passes.experts import SparseExperts, sizes
+    from twell.passes.modules import InlineFFN, SparseFFN
+    from twell.passes.projections import features
+
+    calls = []
+    for r in replacements:
+        if isinstance(r, SparseFFN):
+            down = getattr(r, r.spec.down)
+            calls.append((features(down)[1], down.weight, r.forward))
+        elif isinstance(r, InlineFFN):
+            calls.append((r.out_features, r.weight, r.whole_ffn))
+        elif isinstance(r, SparseExperts):
+            k = sizes(r, r.spec)[2]
+            calls += [(k, r.down_proj, functools.partial(r.expert_ffn, e)) for e in sorted(r.rewritten)]
+    return calls
+
+
+def build_records(candidates, unmatched, decisions: dict | None, rewritten: set[str]) -> list[Record]:
+    """The report's records: one per candidate (module order), then one per module not analysed.
+
+    decisions: {path: twell.calibrate.Decision} or None; rewritten: the paths that are (or, for a report
+    of calibration alone, would be) rewritten. twell.report and `twell report --json` share these."""
     records = []
-    for c in state.candidates:
-        decision = state.decisions.get(c.path) if state.decisions is not None else None
+    for c in candidates:
+        decision = decisions.get(c.path) if decisions is not None else None
         reason = c.reason
         if not reason and decision is not None and not decision.rewrite:
             reason = decision.reason
@@ -266,7 +299,7 @@ def _records(state: _State) -> list[Record]:
                 matched=True,
                 activation=c.activation,
                 rewritable=c.rewritable,
-                rewritten=c.path in state.rewritten,
+                rewritten=c.path in rewritten,
                 reason=reason,
                 hidden_size=c.hidden_size,
                 model_size=c.model_size,
@@ -274,7 +307,7 @@ def _records(state: _State) -> list[Record]:
                 decision=decision.to_dict() if decision is not None else None,
             )
         )
-    for u in state.unmatched:
+    for u in unmatched:
         records.append(Record(u.path, "", False, "", False, False, u.reason))
     return records
 
@@ -287,7 +320,19 @@ def report(model: torch.nn.Module) -> Report:
         from twell.passes import scan
 
         state = _State(*scan(model), decisions=None, swaps=[])
-    return Report(_records(state))
+    return Report(build_records(state.candidates, state.unmatched, state.decisions, state.rewritten))
+
+
+def compile_report(model: torch.nn.Module) -> Report:
+    """What torch.compile's "twell" backend did to the FFNs of `model` (or of the module a
+    torch.compile'd `model` wraps): one record per FFN it found in the compiled graphs, the latest
+    compilation's, rewritten or not and why. FFNs that sparsify rewrote before compiling reach the
+    compiler as twell ops already: twell.report(model) lists those."""
+    model = getattr(model, "_orig_mod", model)
+    _check_model(model)
+    from twell.passes.decided import compiled_records
+
+    return Report(compiled_records(model))
 
 
 def save_plan(model: torch.nn.Module, path: str | os.PathLike) -> None:
@@ -301,4 +346,14 @@ def save_plan(model: torch.nn.Module, path: str | os.PathLike) -> None:
     _save(state.decisions, state.candidates, path)
 
 
-__all__ = ["Record", "Report", "restore", "report", "save_plan", "sparsify", "warmup"]
+__all__ = [
+    "Record",
+    "Report",
+    "build_records",
+    "compile_report",
+    "restore",
+    "report",
+    "save_plan",
+    "sparsify",
+    "warmup",
+]

@@ -12,11 +12,13 @@ gated FFN, act(x W_up^T) for a plain one. The penalty is the mean over FFN layer
 gates it drives most of h to exactly zero.
 
 FFNs are found by twell's FFN matcher (twell.passes). Where an FFN runs as written, a forward pre-hook
-on its down projection reads h as it is computed, at no extra cost. Where twell.sparsify rewrote it
-(SparseFFN, InlineFFN), the op never materialises h: a hook on the rewritten module recomputes it from
+on its down projection reads h as it is computed, at no extra cost. Where twell.sparsify rewrote a
+whole FFN module (SparseFFN), the op never materialises h: a hook on the SparseFFN recomputes it from
 the module's input and weights, two extra [M, K] x [K, N] products (one for a plain FFN) forward and
 their backward (a SparseFFN's hooks are its original module's, so after restore the original keeps
-recomputing). sparsify leaves an FFN whose down projection carries a hook dense: sparsify first, or
+recomputing). An FFN written inline in a bigger forward (OPT) and rewritten runs as written while its
+stand-ins carry a hook, so h is read from the down projection's stand-in at no extra cost, on the
+dense path. sparsify leaves an FFN whose down projection carries a hook dense: sparsify first, or
 remove the tracker before.
 """
 
@@ -43,8 +45,8 @@ SWITCHABLE = ("silu", "swish", "gelu")
 class _Probe:
     """Records one FFN's mean |h| (differentiable) and density (detached) into its tracker.
 
-    spec: None when hooked on the down projection (h is its input); else the FFNSpec of the rewritten
-    module whose input x it receives, from which h is recomputed."""
+    spec: None when hooked on the down projection or its inline stand-in (h is its input); else the
+    FFNSpec of the SparseFFN whose input x it receives, from which h is recomputed."""
 
     def __init__(self, tracker: L1Tracker, path: str, spec=None):
         self.tracker = tracker
@@ -68,15 +70,11 @@ def _linear_rows(linear: nn.Module, rows: slice | None, x: torch.Tensor) -> torc
 
 
 def _recompute_hidden(spec, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """h [..., N] of a rewritten FFN from its input x [..., K]: what twell.ops computes before the down
+    """h [..., N] of a SparseFFN from its input x [..., K]: what twell.ops computes before the down
     projection (kept entries are those not <= spec.threshold)."""
-    from twell.passes.modules import InlineFFN
-
-    if isinstance(module, InlineFFN):  # the layer's gate and up stand-ins
-        gate, up = module.__dict__["gate"], module.__dict__["up"]
-    else:  # SparseFFN, or the original module after restore (SparseFFN shares its hooks): children by name
-        gate = getattr(module, spec.gate)
-        up = getattr(module, spec.up) if spec.up is not None else None
+    # SparseFFN, or the original module after restore (SparseFFN shares its hooks): children by name
+    gate = getattr(module, spec.gate)
+    up = getattr(module, spec.up) if spec.up is not None else None
     pre = _linear_rows(gate, spec.gate_rows, x)
     hidden = pre.masked_fill(pre <= spec.threshold, 0.0)
     if spec.kind == "plain":
@@ -115,9 +113,10 @@ class L1Tracker:
             if isinstance(module, SparseFFN):
                 hooks.append((module, _Probe(self, path, module.spec)))
             elif isinstance(module, InlineFFN):
+                # A hooked inline stand-in computes what the original down projection does: h comes in.
                 spec = module.spec  # named as the candidate was: owner[gate,up,down] or owner[up,down]
                 names = [n for n in (spec.gate, spec.up, spec.down) if n is not None]
-                hooks.append((module, _Probe(self, f"{path.rpartition('.')[0]}[{','.join(names)}]", spec)))
+                hooks.append((module, _Probe(self, f"{path.rpartition('.')[0]}[{','.join(names)}]")))
         if not hooks:
             raise ValueError(f"no FFN found in {type(model).__name__}: nothing to penalise")
         for module, probe in hooks:

@@ -5,8 +5,9 @@ Thresholds measured on an H200, bf16, against the dense FFN in the same run (ben
 decode wins at every density up to 5% for 1-8 tokens (1.03-1.85x at K=2048, 1.22-1.77x at K=4096;
 gpu_check-decode-20261130-165108.json) and loses at 16 tokens and 5% (0.85x), so it serves up to 8,
 and up to 16 on layers whose prefill calls measured them at most 1% dense.
-Prefill wins from 32768 tokens at 0.5% (1.11-1.38x at K=2048 by pattern, 0.98-1.28x at K=4096) but
-not at 8192 with heavy-tailed rows (0.69x at K=2048, 0.88x at K=4096; ffn-20261130-165910.json).
+Prefill wins from 16384 tokens at 0.5% (1.20-1.40x at K=2048 by pattern, ffn-20261130-184434.json;
+1.01-1.32x at K=4096, ffn-20261130-184835.json); at 8192 it measured 0.89-1.33x across two runs
+(ffn-20261130-185525.json), so those calls stay dense.
 Tests and benchmarks set these module attributes to route calls to the kernels.
 """
 

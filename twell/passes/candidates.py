@@ -10,16 +10,29 @@ reaches the matcher as the same graph.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import inspect
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import fx, nn
 
 from twell.distributed import tensor_parallel_linear
-from twell.passes.match import Dialect, FFNMatch, find_matches, skip_identities
+from twell.passes import experts
+from twell.passes.match import (
+    Dialect,
+    FFNMatch,
+    _call_problems,
+    activation,
+    activation_problems,
+    find_matches,
+    skip_identities,
+)
 from twell.passes.modules import TWELL_MODULES, FFNSpec
+from twell.passes.projections import features, is_projection
 
 
 @dataclass
@@ -31,7 +44,9 @@ class Candidate:
     "model.decoder.layers.0[fc1,fc2]" (plain) or "layers.0[w1,w3,w2]" (gated: gate, up, down).
     gate_module: the nn.Linear whose output (pre-activation, [..., N]) is thresholded; for plain FFNs
     the up linear. gate_slice: for a fused gate_up linear, the slice of its last dim that is the gate.
-    hidden_size: N; model_size: K.
+    hidden_size: N; model_size: K. For one expert of a mixture-of-experts layer (path
+    "<experts module>.<e>"), gate_module is the experts module, `expert` its index, and `measure` gives
+    that expert's gate pre-activation from a call of the experts module.
     """
 
     path: str
@@ -46,9 +61,13 @@ class Candidate:
     model_size: int
     # How to rewrite it (None when not rewritable): the module that owns the FFN and the op's spec.
     owner: nn.Module | None = field(default=None, repr=False, compare=False)
-    spec: FFNSpec | None = field(default=None, repr=False, compare=False)
+    spec: FFNSpec | experts.ExpertsSpec | None = field(default=None, repr=False, compare=False)
     inline: bool = field(default=False, repr=False, compare=False)
     activation_children: tuple[str, ...] = field(default=(), repr=False, compare=False)
+    expert: int | None = field(default=None, repr=False, compare=False)
+    # (args, kwargs, output) of a gate_module call -> the pre-activation [..., N] to measure, None if
+    # nothing of this FFN ran in that call; None: gate_module's output (sliced by gate_slice)
+    measure: Callable | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -61,7 +80,7 @@ class Unmatched:
 
 class _Tracer(fx.Tracer):
     def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
-        if isinstance(module, (nn.Linear, *TWELL_MODULES)):
+        if isinstance(module, TWELL_MODULES) or is_projection(module):
             return True
         if module.__module__.startswith("torch.nn") and not isinstance(module, nn.Sequential):
             return True
@@ -90,8 +109,8 @@ def _input_name(module: nn.Module) -> str:
     return parameters[0].name
 
 
-def trace_module(module: nn.Module) -> fx.Graph:
-    """FX graph of module.forward(x) with every other argument at its default.
+def trace_module(module: nn.Module, inputs: int = 1) -> fx.Graph:
+    """FX graph of module.forward(x) (inputs=2: forward(x, other)) with every other argument at its default.
 
     Traced on a throwaway subclass instance sharing the module's state, through a method that calls
     the undecorated forward with x alone: transformers wraps layer forwards in (*args, **kwargs)
@@ -102,10 +121,14 @@ def trace_module(module: nn.Module) -> fx.Graph:
     def _twell_traced(self, x):
         return forward(self, x)
 
+    def _twell_traced_with_other(self, x, other):
+        return forward(self, x, other)
+
     tracer = _Tracer()
     tracer.traced_func_name = "_twell_traced"
+    traced = _twell_traced if inputs == 1 else _twell_traced_with_other
     try:
-        cls = type(type(module).__name__, (type(module),), {"_twell_traced": _twell_traced})
+        cls = type(type(module).__name__, (type(module),), {"_twell_traced": traced})
         shim = object.__new__(cls)
         shim.__dict__.update(module.__dict__)
         for key in ("_modules", "_parameters", "_buffers"):
@@ -122,14 +145,13 @@ def trace_module(module: nn.Module) -> fx.Graph:
 
 
 def _ffn_shaped(module: nn.Module) -> tuple[bool, bool]:
-    """(has an up/down pair of direct nn.Linear children, and one that expands: N > K)."""
-    linears = [m for m in module.children() if isinstance(m, nn.Linear)]
+    """(has an up/down pair of direct projection children, and one that expands: N > K)."""
+    shapes = [features(m) for m in module.children() if is_projection(m)]
     pair = expanding = False
-    for up, down in itertools.permutations(linears, 2):
-        n = down.in_features
-        if down.out_features == up.in_features and up.out_features in (n, 2 * n):
+    for (up_in, up_out), (n, down_out) in itertools.permutations(shapes, 2):
+        if down_out == up_in and up_out in (n, 2 * n):
             pair = True
-            expanding = expanding or n > up.in_features
+            expanding = expanding or n > up_in
     return pair, expanding
 
 
@@ -246,6 +268,178 @@ def _candidate(path: str, module: nn.Module, graph: fx.Graph, match: FFNMatch, i
     )
 
 
+class _ActivationProbe(nn.Module):
+    """A two-neuron FFN around a given activation module: the matcher names and checks the activation of
+    experts (whose own forward, over routed tokens, does not trace) as it does any other FFN's."""
+
+    def __init__(self, act: nn.Module, gated: bool):
+        super().__init__()
+        self.gate = nn.Linear(1, 2, bias=False)
+        self.up = nn.Linear(1, 2, bias=False) if gated else None
+        self.down = nn.Linear(2, 1, bias=False)
+        self.act = act
+
+    def forward(self, x):
+        hidden = self.act(self.gate(x))
+        return self.down(hidden * self.up(x) if self.up is not None else hidden)
+
+
+def _experts_candidates(path: str, module: nn.Module) -> list[Candidate]:
+    """One candidate per expert when twell can serve the layer, else one for the layer with the reason."""
+    spec, problems = experts.layout(module)
+    kind = "gated" if module.has_gate else "plain"
+    activation, threshold, squared = "", 0.0, False
+    act = getattr(module, "act_fn", None)
+    if not isinstance(act, nn.Module):
+        problems.append("experts have no activation module (act_fn)")
+    else:
+        probe = _ActivationProbe(act, kind == "gated")
+        try:
+            (match,) = find_matches(trace_module(probe), Dialect(probe))
+        except (TraceFailure, ValueError) as failure:
+            problems.append(f"the experts' activation could not be analysed: {failure}")
+        else:
+            activation, threshold, squared = match.activation_name, match.threshold, match.squared
+            problems.extend(match.problems)
+    down = module._parameters["down_proj"]
+    transposed = bool(module.is_transposed)
+    n, k = (down.shape[-2], down.shape[-1]) if transposed else (down.shape[-1], down.shape[-2])
+    common = dict(kind=kind, activation=activation, gate_slice=None, threshold=threshold, hidden_size=n, model_size=k)
+    if problems:
+        return [Candidate(path, rewritable=False, reason="; ".join(problems), gate_module=module, **common)]
+    spec = dataclasses.replace(spec, threshold=threshold, squared=squared)
+    return [
+        Candidate(
+            f"{path}.{e}" if path else str(e),
+            rewritable=True,
+            reason="",
+            gate_module=module,
+            owner=module,
+            spec=spec,
+            expert=e,
+            measure=functools.partial(_expert_preactivation, module, spec, e),
+            **common,
+        )
+        for e in range(experts.sizes(module, spec)[0])
+    ]
+
+
+def _expert_preactivation(module, spec, expert, args, kwargs, output):
+    return experts.gate_preactivation(module, spec, expert, args, kwargs)
+
+
+def _split_pairs(module: nn.Module) -> list[tuple[str, str, str, str]]:
+    """(first, up, second, down) for children `first`, whose only projection `up` widens K -> N, and
+    `second`, with a projection `down` N -> K: an FFN that may be split across the two (BERT's
+    intermediate and output)."""
+    children = [(name, child) for name, child in module.named_children() if not is_projection(child)]
+    pairs = []
+    for first, a in children:
+        ups = [(name, features(m)) for name, m in a.named_children() if is_projection(m)]
+        if len(ups) != 1 or ups[0][1][1] <= ups[0][1][0]:
+            continue
+        up, (k, n) = ups[0]
+        for second, b in children:
+            downs = [name for name, m in b.named_children() if is_projection(m) and features(m) == (n, k)]
+            if second != first and len(downs) == 1:
+                pairs.append((first, up, second, downs[0]))
+    return pairs
+
+
+def _called_once(graph: fx.Graph, target: str) -> fx.Node | None:
+    nodes = [n for n in graph.nodes if n.op == "call_module" and n.target == target]
+    return nodes[0] if len(nodes) == 1 else None
+
+
+def _split_candidate(path: str, module: nn.Module, graph: fx.Graph, pair) -> Candidate | Unmatched | None:
+    """The FFN split across children `first` (x -> act(up(x))) and `second` (whose forward starts with
+    down(h) on first's output h), or None if the module does not pass first's output to second; where
+    it does but either half is not that, the reason as an Unmatched. The rewrite is the
+    inline one across both: up returns x, the activation is the identity (first now returns x), and down
+    computes the whole FFN from x; the rest of second's forward (dropout, residual, norm) is unchanged."""
+    first, up_name, second, down_name = pair
+    a, b = module.get_submodule(first), module.get_submodule(second)
+    ffn_path = f"{path}[{first}.{up_name},{second}.{down_name}]"
+    node_a, node_b = _called_once(graph, first), _called_once(graph, second)
+    if node_a is None or node_b is None or node_b.args[:1] != (node_a,):
+        return None
+    problems = []
+    if list(node_a.users) != [node_b] or node_a in node_b.args[1:] or node_a in node_b.kwargs.values():
+        problems.append(f"{first}'s output is also used outside {second}'s first argument")
+    try:
+        graph_a = trace_module(a)
+        parameters = list(inspect.signature(inspect.unwrap(type(b).forward)).parameters.values())[1:]
+        graph_b = trace_module(b, inputs=2 if len(parameters) > 1 else 1)
+    except TraceFailure as failure:
+        return Unmatched(ffn_path, f"could not trace {first} or {second}: {failure}")
+    dialect_a, dialect_b = Dialect(a), Dialect(b)
+    (x,) = [n for n in graph_a.nodes if n.op == "placeholder"]
+    (output,) = [n for n in graph_a.nodes if n.op == "output"]
+    source, trailing, dropouts = skip_identities(output.args[0], dialect_a)
+    act = activation(source, dialect_a)
+    if act is None or act.projection.rows is not None or act.projection.linear.node.target != up_name:
+        return Unmatched(ffn_path, f"{first} passes its output to {second}, but does not return act({up_name}(x))")
+    up = act.projection.linear
+    if up.input is not x or set(graph_a.nodes) != {x, output, up.node, *act.nodes, *trailing}:
+        problems.append(f"{first}'s forward computes more than act({up_name}(x))")
+    h = next(n for n in graph_b.nodes if n.op == "placeholder")
+    down_node = _called_once(graph_b, down_name)
+    if down_node is None or list(h.users) != [down_node]:
+        return Unmatched(ffn_path, f"{second} does not use {first}'s output only as the input of {down_name}")
+    down = dialect_b.linear(down_node)
+    match = FFNMatch("plain", x, act.projection, None, down, act, None, frozenset())
+    problems += activation_problems(match)
+    if dropouts:
+        problems.append(f"dropout after the activation in {first} would act on the FFN's input in training mode")
+    owners = {_stack_root(node) for node in act.nodes}
+    if len(owners) != 1 or None in owners or "." in next(iter(owners)):
+        problems.append(
+            f"the activation is written inline in {first}'s forward, not an activation module that can be swapped"
+        )
+    for node in act.nodes:
+        if dialect_a.module(node) is not None:
+            problems += _call_problems(dialect_a.module(node), f"activation {first}.{node.target}")
+    problems += dialect_a.weight_problems(up, "up") + dialect_b.weight_problems(down, "down")
+    problems += _call_problems(a, first) + _call_problems(b, second)
+    if any(tensor_parallel_linear(m) for m in (up.module, down.module)):
+        problems.append("tensor-parallel linears of an FFN split across two modules (twell runs FFN modules)")
+    weights = {(w.dtype, w.device) for w in (up.module.weight, down.module.weight)}
+    if len(weights) > 1:
+        problems.append("the two projections differ in dtype or device")
+    names = [f"{first}.{up_name}", f"{second}.{down_name}"]
+    return Candidate(
+        path=ffn_path,
+        kind="plain",
+        activation=match.activation_name,
+        rewritable=not problems,
+        reason="; ".join(problems),
+        gate_module=up.module,
+        gate_slice=None,
+        threshold=match.threshold,
+        hidden_size=match.hidden_size,
+        model_size=match.model_size,
+        owner=module,
+        spec=None
+        if problems
+        else FFNSpec(
+            kind="plain",
+            gate=names[0],
+            up=None,
+            down=names[1],
+            threshold=match.threshold,
+            squared=match.squared,
+        ),
+        inline=True,
+        activation_children=() if problems else (f"{first}.{next(iter(owners))}",),
+    )
+
+
+_NO_PATTERN = (
+    "holds projections K -> N and N -> K, but its forward computes neither down(act(up(x))) nor "
+    "down(act(gate(x)) * up(x)) from its input"
+)
+
+
 def scan(model: nn.Module) -> tuple[list[Candidate], list[Unmatched]]:
     """Every FFN of `model` (module order), and the modules that could not be analysed."""
     if not isinstance(model, nn.Module):
@@ -253,8 +447,25 @@ def scan(model: nn.Module) -> tuple[list[Candidate], list[Unmatched]]:
     candidates: list[Candidate] = []
     unmatched: list[Unmatched] = []
     for path, module in model.named_modules():
-        if isinstance(module, TWELL_MODULES) or isinstance(module, nn.Linear):
+        if isinstance(module, (*TWELL_MODULES, experts.SparseExperts)) or is_projection(module):
             continue
+        if experts.is_experts(module):
+            candidates.extend(_experts_candidates(path, module))
+            continue
+        pairs = _split_pairs(module)
+        if pairs:
+            try:
+                _input_name(module)
+                graph = trace_module(module)
+            except TraceFailure as failure:
+                unmatched.append(Unmatched(path, f"could not trace {type(module).__name__}: {failure}"))
+            else:
+                for pair in pairs:
+                    found = _split_candidate(path, module, graph, pair)
+                    if isinstance(found, Candidate):
+                        candidates.append(found)
+                    elif found is not None:
+                        unmatched.append(found)
         pair, expanding = _ffn_shaped(module)
         if not pair:
             continue
@@ -265,7 +476,10 @@ def scan(model: nn.Module) -> tuple[list[Candidate], list[Unmatched]]:
             if expanding:
                 unmatched.append(Unmatched(path, f"could not trace {type(module).__name__}: {failure}"))
             continue
-        for match in find_matches(graph, Dialect(module)):
+        matches = find_matches(graph, Dialect(module))
+        if not matches and expanding:
+            unmatched.append(Unmatched(path, _NO_PATTERN))
+        for match in matches:
             candidates.append(_candidate(path, module, graph, match, input_name))
     return candidates, unmatched
 

@@ -24,6 +24,7 @@ import torch
 from torch import fx, nn
 
 from twell.distributed import tensor_parallel_linear
+from twell.passes.projections import features, is_conv1d, is_projection, native_forward
 
 SPARSE_ACTIVATIONS = ("relu", "fatrelu", "relu2")
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -72,16 +73,18 @@ def arg(node: fx.Node, index: int, name: str, default=None):
 
 @dataclass
 class Linear:
-    """A recognised y = x W^T + b. `weight`/`bias` are nodes (function forms) or None with `module` set."""
+    """A recognised y = x W^T + b. `weight`/`bias` are nodes (function forms) or None with `module` set.
+    transposed: the weight is stored [in, out] (Conv1D, or mm/addmm of a weight without a transpose)."""
 
     node: fx.Node  # the node holding y
     input: fx.Node  # x (views into 2-D peeled off)
     out_features: int
     in_features: int
-    module: nn.Linear | None = None
+    module: nn.Module | None = None  # nn.Linear or Conv1D
     weight: fx.Node | None = None
     bias: fx.Node | None = None
     nodes: tuple[fx.Node, ...] = ()  # value-side nodes of this linear, y included (not the weight's transpose)
+    transposed: bool = False
 
 
 @dataclass
@@ -196,9 +199,18 @@ class Dialect:
     def linear(self, node: fx.Node) -> Linear | None:
         module = self.module(node)
         if module is not None:
-            if not isinstance(module, nn.Linear) or not node.args:
+            if not is_projection(module) or not node.args:
                 return None
-            return Linear(node, node.args[0], module.out_features, module.in_features, module=module, nodes=(node,))
+            in_features, out_features = features(module)
+            return Linear(
+                node,
+                node.args[0],
+                out_features,
+                in_features,
+                module=module,
+                nodes=(node,),
+                transposed=is_conv1d(module),
+            )
         name = op_name(node)
         if name == "linear":
             x, weight, bias = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
@@ -209,7 +221,8 @@ class Dialect:
         return self._aten_linear(node)
 
     def _aten_linear(self, node: fx.Node) -> Linear | None:
-        # Post-grad form: view(mm(view(x, [M, K]), permute(W, [1, 0])), [..., N]), addmm with a bias.
+        # Post-grad form: view(mm(view(x, [M, K]), permute(W, [1, 0])), [..., N]), addmm with a bias; a
+        # weight stored [in, out] (Conv1D) enters mm / addmm as it is, in dynamo's graphs and aten's alike.
         outer = node
         inner = node.args[0] if op_name(node) in _VIEW and isinstance(node.args[0], fx.Node) else node
         name = op_name(inner)
@@ -223,10 +236,8 @@ class Dialect:
             return None
         if outer is inner and len(inner.users) == 1 and op_name(next(iter(inner.users))) in _VIEW:
             return None  # the view of this mm back to [..., N] is the linear's output
-        if op_name(bt) == "t" or (op_name(bt) == "permute" and list(bt.args[1]) == [1, 0]):
-            weight = bt.args[0]
-        else:
-            return None
+        transposed = not (op_name(bt) == "t" or (op_name(bt) == "permute" and list(bt.args[1]) == [1, 0]))
+        weight = bt if transposed else bt.args[0]
         w = self.tensor(weight)
         if w is None or w.dim() != 2 or weight.op not in ("placeholder", "get_attr"):
             return None
@@ -237,13 +248,16 @@ class Dialect:
                 nodes.append(a)
         if outer is not inner:
             nodes.append(outer)
-        return Linear(outer, x, w.shape[0], w.shape[1], weight=weight, bias=bias, nodes=tuple(nodes))
+        out_features, in_features = w.shape[::-1] if transposed else w.shape
+        return Linear(
+            outer, x, out_features, in_features, weight=weight, bias=bias, nodes=tuple(nodes), transposed=transposed
+        )
 
     def weight_problems(self, linear: Linear, role: str) -> list[str]:
         """Weights must be parameters (or graph inputs) of a supported dtype, the linear exact."""
         if linear.module is not None:
             module = linear.module
-            if type(module).forward is not nn.Linear.forward:
+            if not native_forward(module):
                 return [f"{role} linear is a {type(module).__name__} with its own forward, not a plain nn.Linear"]
             problems = _call_problems(module, f"{role} linear")
             if problems:
@@ -505,7 +519,7 @@ def _other_function(node: fx.Node, dialect: Dialect) -> Activation | None:
         if current.op not in ("call_function", "call_method", "call_module") or len(seen) >= _MAX_ACTIVATION_NODES:
             return None
         module = dialect.module(current)
-        if module is not None and (any(True for _ in module.parameters()) or isinstance(module, nn.Linear)):
+        if module is not None and (any(True for _ in module.parameters()) or is_projection(module)):
             return None
         seen.add(current)
         stack.extend(a for a in current.all_input_nodes)

@@ -7,8 +7,11 @@ Two ways to stand in for an FFN:
   hand-written nn.Sequential ...).
 - For an FFN written inline in a bigger forward (OPT's decoder layer: fc1 -> activation_fn -> fc2),
   the layer keeps its own forward and its children are swapped: the gate linear by GatePassthrough
-  (returns x), the activation module(s) by nn.Identity, a gated FFN's up linear by UpUnit (returns 1,
-  so act(gate) * up is x again) and the down linear by InlineFFN, which computes the whole FFN from x.
+  (returns x), the activation module(s) by ActivationPassthrough (returns its input), a gated FFN's up
+  linear by UpUnit (returns 1, so act(gate) * up is x again) and the down linear by InlineFFN, which
+  computes the whole FFN from x. While forward hooks are registered on any of them (or on the modules
+  they replace), each computes what its original does instead. An FFN split across two modules (BERT's
+  intermediate and output) is rewritten the same way, across both.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from twell import distributed, ops
+from twell.passes.projections import features, is_conv1d, linear_weight, native_forward
 
 
 @dataclass(frozen=True)
@@ -46,16 +50,17 @@ class FFNSpec:
 
 
 def store_down_rows(weight: torch.Tensor) -> bool:
-    """Re-lay a down projection's weight [K, N] in place so that weight.t() ([N, K], one row per hidden
-    neuron) is contiguous: the kernels gather whole rows of it for the active neurons, and a copy per
-    call would cost more than the whole sparse FFN at decode sizes. Same tensor object, shape and
-    values; only the strides change (.to()/.half() keep them). Returns whether it re-laid the weight."""
+    """Re-lay a down projection's weight [K, N] (or a stack of them, [E, K, N]: one per expert) in place
+    so that weight.t() ([N, K], one row per hidden neuron) is contiguous: the kernels gather whole rows
+    of it for the active neurons, and a copy per call would cost more than the whole sparse FFN at
+    decode sizes. Same tensor object, shape and values; only the strides change (.to()/.half() keep
+    them). Returns whether it re-laid the weight."""
     if distributed.is_dtensor(weight):
         return distributed.store_local_rows(weight)
-    if type(weight.data) is not torch.Tensor or weight.dim() != 2 or weight.t().is_contiguous():
+    if type(weight.data) is not torch.Tensor or weight.dim() < 2 or weight.transpose(-2, -1).is_contiguous():
         return False
     with torch.no_grad():
-        weight.data = weight.data.t().contiguous().t()
+        weight.data = weight.data.transpose(-2, -1).contiguous().transpose(-2, -1)
     return True
 
 
@@ -69,7 +74,7 @@ def store_contiguous(weight: torch.Tensor) -> None:
 
 
 def _rows(linear: nn.Module, rows: slice | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    weight, bias = linear.weight, linear.bias
+    weight, bias = linear_weight(linear), linear.bias
     if rows is None:
         return weight, bias
     # Row slices of a [2N, K] weight are contiguous views: no copy of the fused weight.
@@ -77,13 +82,14 @@ def _rows(linear: nn.Module, rows: slice | None) -> tuple[torch.Tensor, torch.Te
 
 
 def run_ffn(spec: FFNSpec, gate: nn.Module, up: nn.Module | None, down: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The FFN of `spec` on x [..., K] through twell.ops; gate/up/down hold weight [N, K] / [K, N] and bias."""
+    """The FFN of `spec` on x [..., K] through twell.ops; gate/up/down are projections (nn.Linear, or
+    Conv1D passed as transposed views) with bias."""
     gate_weight, gate_bias = _rows(gate, spec.gate_rows)
     if spec.kind == "plain":
         return ops.ffn(
             x,
             gate_weight,
-            down.weight,
+            linear_weight(down),
             up_bias=gate_bias,
             down_bias=down.bias,
             threshold=spec.threshold,
@@ -94,7 +100,7 @@ def run_ffn(spec: FFNSpec, gate: nn.Module, up: nn.Module | None, down: nn.Modul
         x,
         gate_weight,
         up_weight,
-        down.weight,
+        linear_weight(down),
         gate_bias=gate_bias,
         up_bias=up_bias,
         down_bias=down.bias,
@@ -119,19 +125,15 @@ def dense_ffn(spec: FFNSpec, gate: nn.Module, up: nn.Module | None, down: nn.Mod
     hidden = F.linear(x, gate_weight, gate_bias)
     hidden = hidden.masked_fill(hidden <= spec.threshold, 0.0)
     if spec.kind == "plain":
-        return F.linear(hidden * hidden if spec.squared else hidden, down.weight, down.bias)
+        return F.linear(hidden * hidden if spec.squared else hidden, linear_weight(down), down.bias)
     up_weight, up_bias = _rows(up, spec.up_rows)
     up_out = F.linear(x, up_weight, up_bias)
-    return F.linear(hidden * (torch.relu(up_out) if spec.drelu else up_out), down.weight, down.bias)
+    return F.linear(hidden * (torch.relu(up_out) if spec.drelu else up_out), linear_weight(down), down.bias)
 
 
 def _plain_linear(m: nn.Module) -> bool:
-    """An nn.Linear whose call is exactly F.linear: no subclass forward, instance forward or hooks."""
-    return (
-        type(m).forward is nn.Linear.forward
-        and "forward" not in m.__dict__
-        and not any(getattr(m, hooks) for hooks in _FORWARD_HOOKS)
-    )
+    """A projection whose call is exactly its linear map: no subclass forward, instance forward or hooks."""
+    return native_forward(m) and "forward" not in m.__dict__ and not any(getattr(m, hooks) for hooks in _FORWARD_HOOKS)
 
 
 def _op_dtype(x: torch.Tensor, linear: nn.Module) -> bool:
@@ -206,40 +208,73 @@ class SparseFFN(_StandIn):
         return f"twell {self.spec.kind}, threshold={self.spec.threshold}, drelu={self.spec.drelu}"
 
 
-class GatePassthrough(_StandIn):
+class _InlineMember(_StandIn):
+    """One of the modules standing in for an inline FFN's children. It shares its forward hooks with the
+    module it replaces (hooks registered on either object land in the same dicts), and while any module
+    of its group (the FFN's members, and the halves of a split FFN) has hooks, every member computes what
+    its original computes, so each hook sees the inputs and outputs it would see without twell."""
+
+    def __init__(self, original: nn.Module, group: list[_InlineMember], *, children: bool = False):
+        super().__init__(original, children=children)
+        for hooks in _FORWARD_HOOKS:
+            setattr(self, hooks, getattr(original, hooks))
+        # Not submodules: the layer owns each member under its own name.
+        self.__dict__["group"] = group
+        group.append(self)
+
+    def hooked(self) -> bool:
+        return any(getattr(member, hooks) for member in self.__dict__["group"] for hooks in _FORWARD_HOOKS)
+
+    def as_original(self, x: torch.Tensor) -> torch.Tensor:
+        # Its forward, not its __call__: this module's (shared) hooks run around this call already.
+        return self.sync_original().forward(x)
+
+
+class _ProjectionMember(_InlineMember):
+    def __init__(self, linear: nn.Module, group: list[_InlineMember]):
+        super().__init__(linear, group)
+        self.in_features, self.out_features = features(linear)
+        self.weight_transposed = is_conv1d(linear)
+
+
+class GatePassthrough(_ProjectionMember):
     """Inline FFN: in place of the gate (plain: up) linear; returns its input x unchanged."""
 
-    def __init__(self, linear: nn.Linear):
-        super().__init__(linear, children=False)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x
+        return self.as_original(x) if self.hooked() else x
 
 
-class UpUnit(_StandIn):
+class UpUnit(_ProjectionMember):
     """Inline gated FFN: in place of the up linear; returns 1, so the layer's act(gate) * up is x."""
 
-    def __init__(self, linear: nn.Linear):
-        super().__init__(linear, children=False)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.as_original(x) if self.hooked() else x.new_ones(())
+
+
+class ActivationPassthrough(_InlineMember):
+    """Inline FFN: in place of the activation module; returns its input unchanged."""
+
+    def __init__(self, activation: nn.Module, group: list[_InlineMember]):
+        super().__init__(activation, group, children=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.new_ones(())
+        return self.as_original(x) if self.hooked() else x
 
 
-class InlineFFN(_StandIn):
+class InlineFFN(_ProjectionMember):
     """Inline FFN: in place of the down linear; receives x and returns the whole FFN's output."""
 
-    def __init__(self, linear: nn.Linear, spec: FFNSpec, gate: GatePassthrough, up: UpUnit | None):
-        super().__init__(linear, children=False)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+    def __init__(self, linear: nn.Module, spec: FFNSpec, gate: GatePassthrough, up: UpUnit | None, group):
+        super().__init__(linear, group)
         self.spec = spec
-        # Not submodules: the layer owns them under their own names.
         self.__dict__["gate"] = gate
         self.__dict__["up"] = up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.as_original(x) if self.hooked() else self.whole_ffn(x)
+
+    def whole_ffn(self, x: torch.Tensor) -> torch.Tensor:
+        """The FFN from its input x [..., K]."""
         gate, up = self.__dict__["gate"], self.__dict__["up"]
         if not _op_dtype(x, gate):
             return dense_ffn(self.spec, gate, up, self, x)
@@ -249,4 +284,4 @@ class InlineFFN(_StandIn):
         return f"twell inline {self.spec.kind}, threshold={self.spec.threshold}, drelu={self.spec.drelu}"
 
 
-TWELL_MODULES = (SparseFFN, GatePassthrough, UpUnit, InlineFFN)
+TWELL_MODULES = (SparseFFN, GatePassthrough, UpUnit, ActivationPassthrough, InlineFFN)

@@ -7,20 +7,30 @@ from dataclasses import dataclass
 from torch import nn
 
 from twell.passes.candidates import Candidate
-from twell.passes.modules import GatePassthrough, InlineFFN, SparseFFN, UpUnit, store_contiguous, store_down_rows
+from twell.passes.experts import ExpertsSpec, SparseExperts, store_expert_rows
+from twell.passes.modules import (
+    ActivationPassthrough,
+    GatePassthrough,
+    InlineFFN,
+    SparseFFN,
+    UpUnit,
+    store_contiguous,
+    store_down_rows,
+)
 
 
 @dataclass
 class Swap:
     """parent.<name> was `original` before sparsify (and is `replacement` while sparsified).
-    relaid: the down projection whose weight sparsify re-laid (store_down_rows), if any; restore lays
-    out whatever weight it holds then (load_state_dict(assign=True) may have replaced the tensor)."""
+    relaid: (module, parameter name) of the down weight sparsify re-laid (store_down_rows), if any;
+    restore lays out whatever tensor the module holds then (load_state_dict(assign=True) may have
+    replaced it)."""
 
     parent: nn.Module
     name: str
     original: nn.Module
     replacement: nn.Module
-    relaid: nn.Module | None = None
+    relaid: tuple[nn.Module, str] | None = None
 
 
 def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
@@ -33,36 +43,60 @@ def apply(model: nn.Module, candidate: Candidate) -> list[Swap]:
     if not candidate.rewritable or candidate.spec is None:
         raise ValueError(f"{candidate.path!r} is not rewritable: {candidate.reason}")
     spec, owner = candidate.spec, candidate.owner
+    if isinstance(spec, ExpertsSpec):
+        return _apply_expert(model, candidate)
     if not candidate.inline:
         parent, name = _parent(model, candidate.path)
         swaps = [Swap(parent, name, owner, SparseFFN(owner, spec))]
     else:
-        gate = GatePassthrough(getattr(owner, spec.gate))
-        up = UpUnit(getattr(owner, spec.up)) if spec.up is not None else None
-        down = InlineFFN(getattr(owner, spec.down), spec, gate, up)
+        # Names are paths below the owner: children, or grandchildren for an FFN split across two of them.
+        group = []
+        gate = GatePassthrough(owner.get_submodule(spec.gate), group)
+        up = UpUnit(owner.get_submodule(spec.up), group) if spec.up is not None else None
+        down = InlineFFN(owner.get_submodule(spec.down), spec, gate, up, group)
         replacements = {spec.gate: gate, spec.down: down}
         if up is not None:
             replacements[spec.up] = up
         replacements.update(
-            {name: nn.Identity().train(getattr(owner, name).training) for name in candidate.activation_children}
+            {name: ActivationPassthrough(owner.get_submodule(name), group) for name in candidate.activation_children}
         )
-        swaps = [Swap(owner, name, getattr(owner, name), module) for name, module in replacements.items()]
-    down = getattr(owner, spec.down)  # the original linear: a child shared with SparseFFN, or swapped inline
+        # A split FFN's halves (BERT's intermediate and output) pass x on while rewritten: hooks on them
+        # make the members compute what their originals do, as hooks on the members do.
+        group.extend(owner.get_submodule(name.rpartition(".")[0]) for name in (spec.gate, spec.down) if "." in name)
+        swaps = [
+            Swap(*_parent(owner, name), owner.get_submodule(name), module) for name, module in replacements.items()
+        ]
+    down = owner.get_submodule(spec.down)  # the original linear: a child shared with SparseFFN, or swapped inline
     for swap in swaps:
         setattr(swap.parent, swap.name, swap.replacement)
-    if store_down_rows(down.weight):
-        swaps[-1].relaid = down
+    # A Conv1D down weight is [N, K] row-major already: the rows the kernels gather.
+    if isinstance(down, nn.Linear) and store_down_rows(down.weight):
+        swaps[-1].relaid = (down, "weight")
     return swaps
+
+
+def _apply_expert(model: nn.Module, candidate: Candidate) -> list[Swap]:
+    """One expert: the experts module is swapped for a SparseExperts on its first rewritten expert, and
+    each further expert joins that one's rewritten set (no new swap)."""
+    parent, name = _parent(model, candidate.path.rpartition(".")[0])
+    current = getattr(parent, name)
+    if isinstance(current, SparseExperts) and current.sync_original() is candidate.owner:
+        current.rewritten.add(candidate.expert)
+        return []
+    replacement = SparseExperts(candidate.owner, candidate.spec)
+    replacement.rewritten.add(candidate.expert)
+    swap = Swap(parent, name, candidate.owner, replacement)
+    setattr(parent, name, replacement)
+    if store_expert_rows(candidate.owner, candidate.spec):
+        swap.relaid = (candidate.owner, "down_proj")
+    return [swap]
 
 
 def undo(swaps: list[Swap]) -> None:
     """Put the originals back, carrying over tensors that .to()/.half() replaced meanwhile."""
     for swap in reversed(swaps):
-        if hasattr(swap.replacement, "sync_original"):
-            swap.replacement.sync_original()
-        else:
-            swap.original.training = swap.replacement.training
+        swap.replacement.sync_original()
         setattr(swap.parent, swap.name, swap.original)
     for swap in swaps:  # after every sync: the originals hold the current tensors
         if swap.relaid is not None:
-            store_contiguous(swap.relaid.weight)
+            store_contiguous(getattr(*swap.relaid))

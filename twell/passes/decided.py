@@ -1,0 +1,55 @@
+"""What sparsify decided, and what compilation did, for each FFN, keyed by its gate weight.
+
+The compile backend sees a model's weights only as graph inputs (the very Parameter objects), never the
+model: so the decisions of `sparsify(model, calibration_data or plan)` are looked up here by the gate
+weight of each FFN the backend finds, and what the backend did to each FFN is kept here for
+`twell.compile_report(model)`. Both maps hold their keys weakly, by identity: they forget a weight when it is freed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+# gate weight -> (candidate path, Decision): set by sparsify with decisions, dropped by restore
+_decisions = WeakIdKeyDictionary()
+# gate weight -> twell.sparsify.Record: what the latest compilation that found this FFN did to it
+_compiled = WeakIdKeyDictionary()
+
+
+def remember(candidates, decisions: dict) -> None:
+    """Record sparsify's decision for every candidate FFN with a gate weight (experts have none here)."""
+    for c in candidates:
+        weight = getattr(c.gate_module, "weight", None)
+        if isinstance(weight, torch.nn.Parameter) and c.path in decisions:
+            _decisions[weight] = (c.path, decisions[c.path])
+
+
+def forget(candidates) -> None:
+    for c in candidates:
+        weight = getattr(c.gate_module, "weight", None)
+        if isinstance(weight, torch.nn.Parameter):
+            _decisions.pop(weight, None)
+
+
+def decision_for(weight) -> tuple[str, object] | None:
+    """(path, Decision) sparsify made for the FFN whose gate weight is `weight`, if any."""
+    return _decisions.get(weight) if isinstance(weight, torch.nn.Parameter) else None
+
+
+def decisions_digest() -> bytes:
+    """The decisions of every live sparsified model, as bytes that change when any of them does."""
+    return "\n".join(sorted(f"{path} {d.rewrite} {d.reason}" for path, d in _decisions.values())).encode()
+
+
+def record_compiled(weight, record) -> None:
+    if isinstance(weight, torch.nn.Parameter):
+        _compiled[weight] = record
+
+
+def compiled_records(model: torch.nn.Module) -> list:
+    """What compilation did to the FFNs of `model` (in the order of their gate weights in the model)."""
+    return [_compiled[p] for p in model.parameters() if p in _compiled]
+
+
+__all__ = ["compiled_records", "decision_for", "decisions_digest", "forget", "record_compiled", "remember"]
