@@ -38,13 +38,13 @@ import os
 import platform
 import socket
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ffn import git_commit  # the benchmarks' directory is the script's: on sys.path
 
 import twell
 from twell.kernels import policy
@@ -69,16 +69,6 @@ def parse_args(argv=None):
     if args.smoke:
         args.layers, args.batch, args.seq, args.warmup, args.reps = 2, 2, 16, 1, 2
     return args
-
-
-def git_commit() -> str:
-    """TWELL_COMMIT if set (the device machine's copy of the tree may carry a stale .git), else HEAD."""
-    if os.environ.get("TWELL_COMMIT"):
-        return os.environ["TWELL_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown"
 
 
 # ---------------------------------------------------------------------------------------------------
