@@ -93,6 +93,42 @@ def _entry(
     return y + h * wd
 
 
+@triton.jit
+def _flatten(
+    cnt, incl, lo, count, m, n_tiles, vals_ptr, idx_ptr, g_row, n_row, TILE_N: tl.constexpr, SLOTS: tl.constexpr,
+    TILES_PAD: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """The row's flat entries lo .. lo + count - 1 as (gate value, neuron) pairs in the scratch, CHUNK
+    at a time, so the entry loop that follows has no tile bookkeeping."""
+    for c0 in range(0, count, CHUNK):
+        e = c0 + tl.arange(0, CHUNK)
+        valid = e < count
+        g, neuron = _row_entries(cnt, incl, lo + e, valid, m, n_tiles, vals_ptr, idx_ptr, TILE_N, SLOTS, TILES_PAD)
+        tl.store(g_row + e, g, mask=valid)
+        tl.store(n_row + e, neuron, mask=valid)
+
+
+@triton.jit
+def _walk(
+    y, xv, g_row, n_row, count, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un, stride_uk, stride_dn, stride_dk,
+    HAS_UP: tl.constexpr, HAS_UP_BIAS: tl.constexpr, DRELU: tl.constexpr,
+):  # fmt: skip
+    """y plus the first `count` scratch entries' contributions, one entry after another."""
+    for e in range(0, count):
+        y = _entry(
+            y, xv, tl.load(g_row + e), tl.load(n_row + e).to(tl.int64), offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr,
+            stride_un, stride_uk, stride_dn, stride_dk, HAS_UP, HAS_UP_BIAS, DRELU,
+        )  # fmt: skip
+    return y
+
+
+@triton.jit
+def _store_row(y, m, bd_ptr, y_ptr, offs_k, k_ok, stride_ym, stride_yk, HAS_DOWN_BIAS: tl.constexpr):
+    if HAS_DOWN_BIAS:
+        y += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + offs_k * stride_yk, y.to(y_ptr.dtype.element_ty), mask=k_ok)
+
+
 ROWVEC_CONFIGS = [
     # (num_warps, num_stages): the whole K row lives in registers, entries stream one at a time
     (4, 3),
@@ -162,29 +198,16 @@ def _twell_up_down_kernel(
     incl = tl.cumsum(cnt, axis=0)
     g_row = g_ptr + m * WIDTH
     n_row = n_ptr + m * WIDTH
-    # flat list of the row's (gate value, neuron) pairs, so the entry loop below has no tile bookkeeping
-    for c0 in range(0, total, CHUNK):
-        e = c0 + tl.arange(0, CHUNK)
-        valid = e < total
-        g, neuron = _row_entries(cnt, incl, e, valid, m, n_tiles, vals_ptr, idx_ptr, TILE_N, SLOTS, TILES_PAD)
-        tl.store(g_row + e, g, mask=valid)
-        tl.store(n_row + e, neuron, mask=valid)
+    _flatten(cnt, incl, 0, total, m, n_tiles, vals_ptr, idx_ptr, g_row, n_row, TILE_N, SLOTS, TILES_PAD, CHUNK)
     tl.debug_barrier()  # the loop below reads scratch entries that other threads of this program wrote
-
     offs_k = tl.arange(0, BLOCK_K)
     k_ok = offs_k < K
     xv = tl.load(x_ptr + m * stride_xm + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
-    y = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for e in range(0, total):
-        g = tl.load(g_row + e)
-        neuron = tl.load(n_row + e).to(tl.int64)
-        y = _entry(
-            y, xv, g, neuron, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un, stride_uk, stride_dn, stride_dk,
-            HAS_UP, HAS_UP_BIAS, DRELU,
-        )  # fmt: skip
-    if HAS_DOWN_BIAS:
-        y += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + m * stride_ym + offs_k * stride_yk, y.to(y_ptr.dtype.element_ty), mask=k_ok)
+    y = _walk(
+        tl.zeros([BLOCK_K], dtype=tl.float32), xv, g_row, n_row, total, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr,
+        stride_un, stride_uk, stride_dn, stride_dk, HAS_UP, HAS_UP_BIAS, DRELU,
+    )  # fmt: skip
+    _store_row(y, m, bd_ptr, y_ptr, offs_k, k_ok, stride_ym, stride_yk, HAS_DOWN_BIAS)
 
 
 @triton.jit
@@ -242,18 +265,12 @@ def _heavy_part(
     y = tl.zeros([BLOCK_K], dtype=tl.float32)
     for b0 in range(lo, hi, WIDTH):
         block = tl.minimum(hi - b0, WIDTH)
-        for c0 in range(0, block, CHUNK):
-            e = c0 + tl.arange(0, CHUNK)
-            valid = e < block
-            g, neuron = _row_entries(cnt, incl, b0 + e, valid, m, n_tiles, vals_ptr, idx_ptr, TILE_N, SLOTS, TILES_PAD)
-            tl.store(g_row + e, g, mask=valid)
-            tl.store(n_row + e, neuron, mask=valid)
+        _flatten(cnt, incl, b0, block, m, n_tiles, vals_ptr, idx_ptr, g_row, n_row, TILE_N, SLOTS, TILES_PAD, CHUNK)
         tl.debug_barrier()
-        for e in range(0, block):
-            y = _entry(
-                y, xv, tl.load(g_row + e), tl.load(n_row + e).to(tl.int64), offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr,
-                stride_un, stride_uk, stride_dn, stride_dk, HAS_UP, HAS_UP_BIAS, DRELU,
-            )  # fmt: skip
+        y = _walk(
+            y, xv, g_row, n_row, block, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un, stride_uk, stride_dn,
+            stride_dk, HAS_UP, HAS_UP_BIAS, DRELU,
+        )  # fmt: skip
         tl.debug_barrier()  # the next block overwrites the scratch
     offs_r = tl.arange(0, RECOMPUTE)
     for t in range(part, n_tiles, parts):
@@ -277,20 +294,12 @@ def _heavy_part(
                 tl.store(g_row + slot, g, mask=kept)
                 tl.store(n_row + slot, cols, mask=kept)
                 tl.debug_barrier()
-                for e in range(0, n_kept):
-                    y = _entry(
-                        y, xv, tl.load(g_row + e), tl.load(n_row + e).to(tl.int64), offs_k, k_ok, wu_ptr, bu_ptr,
-                        wd_ptr, stride_un, stride_uk, stride_dn, stride_dk, HAS_UP, HAS_UP_BIAS, DRELU,
-                    )  # fmt: skip
+                y = _walk(
+                    y, xv, g_row, n_row, n_kept, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un, stride_uk,
+                    stride_dn, stride_dk, HAS_UP, HAS_UP_BIAS, DRELU,
+                )  # fmt: skip
                 tl.debug_barrier()
     return y
-
-
-@triton.jit
-def _store_row(y, m, bd_ptr, y_ptr, offs_k, k_ok, stride_ym, stride_yk, HAS_DOWN_BIAS: tl.constexpr):
-    if HAS_DOWN_BIAS:
-        y += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + m * stride_ym + offs_k * stride_yk, y.to(y_ptr.dtype.element_ty), mask=k_ok)
 
 
 @triton.jit
