@@ -6,7 +6,8 @@ row sample) and writes JSON to benchmarks/results/ (or --out).
 
 Both sides are what users run: a Llama-style ReLU-gated FFN module, dense (eager and compiled) and after
 twell.sparsify (its modules, its weight layouts). Calls of up to 256 tokens are timed as CUDA-graph
-replays, as serving stacks run them.
+replays, as serving stacks run them: one graph over 8 such FFN layers (neuron-permuted copies: the same
+sparsity on distinct weights, so each layer reads its own from HBM), time per layer.
 
 Inputs: "exact": every row has exactly round(density * N) active neurons (the best case of a
 fixed-slot format). Otherwise x ~ N(0, 1) rows scaled by exp(0.12 z), z ~ N(0, 1), and the gate bias
@@ -19,6 +20,7 @@ Floors: gate GEMM alone (cuBLAS), and bytes over the measured copy bandwidth.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -35,11 +37,14 @@ from triton.testing import do_bench
 import twell
 from twell.kernels import dispatch, policy, reference
 from twell.kernels.gate import gate_twell, pack_dense
-from twell.kernels.updown import twell_up_down
+from twell.kernels.updown import gate_up_down, twell_up_down
 
 MS = [1, 16, 128, 8192, 32768, 131072]
 DENSITIES = [0.005, 0.01, 0.02, 0.05]
 GRAPH_MAX_M = 256  # decode-sized calls are timed as CUDA-graph replays, as serving stacks run them
+# layers per graph for those calls: a model's decode step replays one graph over all its layers, each
+# with its own weights (read from HBM, not L2), and one replay's fixed cost spread over them
+LAYERS_PER_GRAPH = 8
 
 
 class GatedFFN(torch.nn.Module):
@@ -127,6 +132,18 @@ def peak_mb(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+def neuron_permuted(block, seed):
+    """A copy of block with its neurons permuted: the same function (and sparsity) on other weights."""
+    clone = copy.deepcopy(block)
+    mlp = clone.mlp
+    perm = torch.randperm(mlp.gate_proj.out_features, generator=torch.Generator().manual_seed(seed)).cuda()
+    with torch.no_grad():
+        for t in (mlp.gate_proj.weight, mlp.gate_proj.bias, mlp.up_proj.weight):
+            t.copy_(t[perm])
+        mlp.down_proj.weight.copy_(mlp.down_proj.weight[:, perm])
+    return clone
+
+
 def weights(block) -> dict:
     mlp = block.mlp
     return {
@@ -159,19 +176,26 @@ def dense_ffn(x, gate_weight, gate_bias, up_weight, down_weight):
 
 def bench_point(k, n, m, density, pattern, compiled) -> dict:
     """One point: the dense module (eager, and torch.compile) against the same module after
-    twell.sparsify, called exactly as a user calls it (W_down in the layout sparsify gives it)."""
+    twell.sparsify, called exactly as a user calls it (W_down in the layout sparsify gives it).
+    Decode-sized calls: times per layer of a graph over LAYERS_PER_GRAPH such modules."""
     x, block = make_inputs(m, k, n, density, pattern, seed=m + n)
     graph = m <= GRAPH_MAX_M
+    blocks = [block] + [neuron_permuted(block, i) for i in range(1, LAYERS_PER_GRAPH if graph else 1)]
+
+    def per_layer(fn):
+        return timed(lambda: [fn(b) for b in blocks], graph) / len(blocks)
+
     with torch.no_grad():
-        dense_ms = timed(lambda: block(x), graph)
-        w = weights(block)
-        compiled_ms = timed(lambda: compiled(x, **w), graph)
-        twell.sparsify(block)
+        dense_ms = per_layer(lambda b: b(x))
+        ws = {id(b): weights(b) for b in blocks}
+        compiled_ms = per_layer(lambda b: compiled(x, **ws[id(b)]))
+        for b in blocks:
+            twell.sparsify(b)
         dispatch.forget_layers()
         out = block(x)
         err = rel_err_sample(out, x, block)
         dispatch.forget_layers()
-        twell_ms = timed(lambda: block(x), graph)
+        twell_ms = per_layer(lambda b: b(x))
         w = weights(block)
         gate = F.relu(F.linear(x, w["gate_weight"], w["gate_bias"]))
         nnz = (gate != 0).sum(1).float()
@@ -182,6 +206,7 @@ def bench_point(k, n, m, density, pattern, compiled) -> dict:
             "M": m,
             "density": density,
             "pattern": pattern,
+            "layers_per_graph": len(blocks) if graph else None,
             "nnz_mean": nnz.mean().item(),
             "nnz_max": nnz.max().item(),
             "dense_eager_ms": dense_ms,
@@ -196,19 +221,21 @@ def bench_point(k, n, m, density, pattern, compiled) -> dict:
         twell.restore(block)
         row["dense_peak_mb"] = peak_mb(lambda: block(x))
         twell.sparsify(block)
-        # every path the dispatcher can take, forced, to set its thresholds from data
-        for path, (decode_max, prefill_min) in {"decode": (1 << 30, 1 << 31), "prefill": (0, 1)}.items():
-            if (path == "decode" and m > 1024) or (path == "prefill" and m < 128):
+        # every path the dispatcher can take, forced, to set its thresholds from data; prefill also with
+        # the pack pass instead of the scanning up+down kernel
+        forced = {"decode": (1 << 30, 1 << 31, True), "prefill": (0, 1, True), "prefill_pack": (0, 1, False)}
+        for path, (decode_max, prefill_min, scan) in forced.items():
+            if (path == "decode" and m > 1024) or (path != "decode" and m < 128):
                 continue
-            saved = policy.DECODE_MAX_M, policy.PREFILL_MIN_M
-            policy.DECODE_MAX_M, policy.PREFILL_MIN_M = decode_max, prefill_min
+            saved = policy.DECODE_MAX_M, policy.PREFILL_MIN_M, policy.SCAN_GATE
+            policy.DECODE_MAX_M, policy.PREFILL_MIN_M, policy.SCAN_GATE = decode_max, prefill_min, scan
             try:
                 dispatch.forget_layers()
                 row[f"{path}_err"] = rel_err_sample(block(x), x, block)
                 dispatch.forget_layers()
-                row[f"{path}_ms"] = timed(lambda: block(x), graph and path == "decode")  # prefill syncs
+                row[f"{path}_ms"] = per_layer(lambda b: b(x)) if path == "decode" else timed(lambda: block(x), False)
             finally:
-                policy.DECODE_MAX_M, policy.PREFILL_MIN_M = saved
+                policy.DECODE_MAX_M, policy.PREFILL_MIN_M, policy.SCAN_GATE = saved
         if m >= 8192:
             row.update(prefill_stages(x, w))
     return row
@@ -229,6 +256,9 @@ def prefill_stages(x, w) -> dict:
             x, values, indices, counts, wg, bg, w["up_weight"], None, wd_t, None, tile_n=policy.TILE_N, threshold=0.0
         ),
         return_mode="median",
+    )
+    row["scan_updown_ms"] = do_bench(
+        lambda: gate_up_down(x, pre, w["up_weight"], None, wd_t, None, threshold=0.0), return_mode="median"
     )
     pairs = int(counts.sum())
     row["updown_l2_tb_s"] = pairs * 2 * x.shape[1] * 2 / row["updown_ms"] / 1e9
@@ -271,7 +301,7 @@ def main():
     out_dir = Path(os.environ["OUT"]) if "OUT" in os.environ else Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"ffn-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    columns = "K N M dens pat nnz max dense twell x err dec pre gateC pack fused updn TB/s ovfl memD memT"
+    columns = "K N M dens pat nnz max dense twell x err dec pre prePk gateC pack fused updn scan TB/s ovfl memD memT"
     header = " ".join(f"{c:>7}" for c in columns.split())
     lines = [header]
     print(header, flush=True)
@@ -290,9 +320,10 @@ def main():
                         f"{row['nnz_max']:>5.0f} {min(row['dense_eager_ms'], row['dense_compiled_ms']):>8.3f} "
                         f"{row['twell_ms']:>8.3f} {row['speedup']:>5.2f} {row['rel_err']:>8.1e} "
                         f"{row.get('decode_ms', 0):>7.3f} {row.get('prefill_ms', 0):>7.3f} "
+                        f"{row.get('prefill_pack_ms', 0):>7.3f} "
                         f"{row.get('cublas_gate_ms', 0):>6.2f} {row.get('pack_ms', 0):>5.2f} "
                         f"{row.get('fused_gate_ms', 0):>6.2f} "
-                        f"{row.get('updown_ms', 0):>6.2f} "
+                        f"{row.get('updown_ms', 0):>6.2f} {row.get('scan_updown_ms', 0):>6.2f} "
                         f"{row.get('updown_l2_tb_s', 0):>5.1f} "
                         f"{row.get('overflow_tiles', 0):>6} {row['dense_peak_mb']:>7.0f} {row['twell_peak_mb']:>7.0f}"
                     )

@@ -18,34 +18,58 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
-from ffn import GRAPH_MAX_M, git_commit, make_inputs, rel_err_sample, timed, weights
+from ffn import LAYERS_PER_GRAPH, git_commit, make_inputs, neuron_permuted, rel_err_sample, timed, weights
 from triton.testing import do_bench
 
 import twell
 from twell.kernels import decode, gate, policy, updown
 from twell.kernels.gate import pack_dense
 
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the gate+up kernel, (BLOCK_K, GROUP, CHUNK, num_warps) of
+# the down kernel; keyed by one token (1) or more (2), as decode.GATE_UP_CONFIG / DOWN_CONFIG
+DECODE_GATE_UP_CANDIDATES = {
+    1: [(16, 512, 4, 3), (8, 512, 4, 3), (32, 512, 4, 3), (16, 256, 4, 3), (16, 1024, 4, 3), (16, 1024, 8, 3),
+        (8, 1024, 4, 2), (16, 512, 2, 3), (16, 2048, 8, 2), (32, 1024, 8, 3), (8, 256, 2, 4), (4, 1024, 4, 3)],
+    2: [(64, 128, 4, 4), (32, 128, 4, 4), (64, 256, 4, 3), (128, 128, 8, 3), (32, 256, 4, 3), (16, 256, 4, 3)],
+}  # fmt: skip
+DECODE_DOWN_CANDIDATES = {
+    1: [(64, 32, 16, 4), (64, 512, 16, 4), (32, 512, 16, 4), (128, 64, 16, 4), (32, 32, 16, 4), (64, 16, 16, 4),
+        (16, 512, 16, 2), (64, 128, 32, 4)],
+    2: [(128, 8, 16, 4), (64, 8, 16, 4), (128, 16, 16, 4), (256, 8, 16, 8), (128, 4, 16, 4), (64, 32, 16, 4)],
+}  # fmt: skip
+
 
 def decode_point(k, n, m, density, gate_up_configs, down_configs) -> list[dict]:
+    """Each (gate+up, down) config pair of the decode kernels at one point, timed per layer of a graph
+    over LAYERS_PER_GRAPH layers (as benchmarks/ffn.py times decode-sized calls), dense the same way."""
     x, block = make_inputs(m, k, n, density, "uniform", seed=m + n)
-    graph = m <= GRAPH_MAX_M
+    blocks = [block] + [neuron_permuted(block, i) for i in range(1, LAYERS_PER_GRAPH)]
+
+    def per_layer(fn):
+        return timed(lambda: [fn(b) for b in blocks], True) / len(blocks)
+
     with torch.no_grad():
-        dense_ms = timed(lambda: block(x), graph)
-        twell.sparsify(block)  # the layout users get
-        w = weights(block)
-        wd_t = w["down_weight"].t()
+        dense_ms = per_layer(lambda b: b(x))
+        for b in blocks:
+            twell.sparsify(b)  # the layout users get
+        ws = {id(b): weights(b) for b in blocks}
         rows = []
         for gu in gate_up_configs:
             for dn in down_configs:
 
-                def run(gu=gu, dn=dn):
+                def run(b, gu=gu, dn=dn):
+                    w = ws[id(b)]
                     return decode.decode_ffn(
-                        x, w["gate_weight"], w["gate_bias"], w["up_weight"], None, wd_t, None, 0.0,
+                        x, w["gate_weight"], w["gate_bias"], w["up_weight"], None, w["down_weight"].t(), None, 0.0,
                         gate_up_config=gu, down_config=dn,
                     )  # fmt: skip
 
-                err = rel_err_sample(run(), x, block)
-                ms = timed(run, graph)
+                try:
+                    err = rel_err_sample(run(block), x, block)
+                    ms = per_layer(run)
+                except Exception as e:  # a config the compiler refuses (shared memory, registers)
+                    print(f"{gu} {dn}: {type(e).__name__}", flush=True)
+                    continue
                 rows.append(
                     {"K": k, "N": n, "M": m, "density": density, "gate_up": gu, "down": dn, "dense_ms": dense_ms,
                      "decode_ms": ms, "speedup": dense_ms / ms, "rel_err": err}
@@ -55,7 +79,6 @@ def decode_point(k, n, m, density, gate_up_configs, down_configs) -> list[dict]:
                     f"{ms * 1e3:8.1f}us {dense_ms / ms:5.2f}x err {err:.1e}",
                     flush=True,
                 )
-        twell.restore(block)
     return rows
 
 
@@ -180,8 +203,12 @@ def main():
         print(result["first_call_s"], flush=True)
         for shape in args.shapes.split(","):
             k, n = map(int, shape.split("x"))
-            for m in (1, 2, 4, 8, 16, 32):
-                for density in (0.005, 0.01, 0.02, 0.05):
+            for m in (1, 16):  # each kernel's candidates with the other's shipped config
+                gu_now, dn_now = decode.GATE_UP_CONFIG[min(m, 2)], decode.DOWN_CONFIG[min(m, 2)]
+                result["rows"] += decode_point(k, n, m, 0.005, DECODE_GATE_UP_CANDIDATES[min(m, 2)], [dn_now])
+                result["rows"] += decode_point(k, n, m, 0.005, [gu_now], DECODE_DOWN_CANDIDATES[min(m, 2)])
+            for m in (1, 4, 16, 64):
+                for density in (0.01, 0.05):
                     result["rows"] += decode_point(k, n, m, density, [None], [None])
     elif args.part == "profile":
         for k, n, m, pattern in ((2048, 5632, 1, "exact"), (4096, 14336, 1, "exact"), (2048, 5632, 8192, "uniform")):
