@@ -198,6 +198,9 @@ def main():
         "part": args.part,
         "rows": [],
     }
+    out_dir = Path(os.environ["OUT"]) if "OUT" in os.environ else Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"gpu_check-{args.part}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     if args.part == "decode":
         result["first_call_s"] = first_call_seconds()
         print(result["first_call_s"], flush=True)
@@ -210,6 +213,7 @@ def main():
             for m in (1, 4, 16, 64):
                 for density in (0.01, 0.05):
                     result["rows"] += decode_point(k, n, m, density, [None], [None])
+            path.write_text(json.dumps(result, indent=1))  # kept if a later shape runs out of time
     elif args.part == "profile":
         for k, n, m, pattern in ((2048, 5632, 1, "exact"), (4096, 14336, 1, "exact"), (2048, 5632, 8192, "uniform")):
             if m > 8:
@@ -218,9 +222,6 @@ def main():
     else:
         for k, n, m in ((2048, 5632, 131072), (4096, 14336, 65536)):
             result["rows"] += gate_point(k, n, m)
-    out_dir = Path(os.environ["OUT"]) if "OUT" in os.environ else Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"gpu_check-{args.part}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")
 
