@@ -37,7 +37,8 @@ from triton.testing import do_bench
 import twell
 from twell.kernels import dispatch, policy, reference
 from twell.kernels.gate import gate_twell, pack_dense
-from twell.kernels.updown import gate_up_down, twell_up_down
+from twell.kernels.updown import _twell_up_down_kernel as updown_kernel
+from twell.kernels.updown import twell_up_down
 
 MS = [1, 16, 128, 8192, 32768, 131072]
 DENSITIES = [0.005, 0.01, 0.02, 0.05]
@@ -221,21 +222,19 @@ def bench_point(k, n, m, density, pattern, compiled) -> dict:
         twell.restore(block)
         row["dense_peak_mb"] = peak_mb(lambda: block(x))
         twell.sparsify(block)
-        # every path the dispatcher can take, forced, to set its thresholds from data; prefill also with
-        # the pack pass instead of the scanning up+down kernel
-        forced = {"decode": (1 << 30, 1 << 31, True), "prefill": (0, 1, True), "prefill_pack": (0, 1, False)}
-        for path, (decode_max, prefill_min, scan) in forced.items():
-            if (path == "decode" and m > 1024) or (path != "decode" and m < 128):
+        # every path the dispatcher can take, forced, to set its thresholds from data
+        for path, (decode_max, prefill_min) in {"decode": (1 << 30, 1 << 31), "prefill": (0, 1)}.items():
+            if (path == "decode" and m > 1024) or (path == "prefill" and m < 128):
                 continue
-            saved = policy.DECODE_MAX_M, policy.PREFILL_MIN_M, policy.SCAN_GATE
-            policy.DECODE_MAX_M, policy.PREFILL_MIN_M, policy.SCAN_GATE = decode_max, prefill_min, scan
+            saved = policy.DECODE_MAX_M, policy.PREFILL_MIN_M
+            policy.DECODE_MAX_M, policy.PREFILL_MIN_M = decode_max, prefill_min
             try:
                 dispatch.forget_layers()
                 row[f"{path}_err"] = rel_err_sample(block(x), x, block)
                 dispatch.forget_layers()
                 row[f"{path}_ms"] = per_layer(lambda b: b(x)) if path == "decode" else timed(lambda: block(x), False)
             finally:
-                policy.DECODE_MAX_M, policy.PREFILL_MIN_M, policy.SCAN_GATE = saved
+                policy.DECODE_MAX_M, policy.PREFILL_MIN_M = saved
         if m >= 8192:
             row.update(prefill_stages(x, w))
     return row
@@ -257,9 +256,7 @@ def prefill_stages(x, w) -> dict:
         ),
         return_mode="median",
     )
-    row["scan_updown_ms"] = do_bench(
-        lambda: gate_up_down(x, pre, w["up_weight"], None, wd_t, None, threshold=0.0), return_mode="median"
-    )
+    row["updown_config"] = str(updown_kernel.best_config)
     pairs = int(counts.sum())
     row["updown_l2_tb_s"] = pairs * 2 * x.shape[1] * 2 / row["updown_ms"] / 1e9
     row["overflow_tiles"] = int((counts > slots).sum())
@@ -301,7 +298,7 @@ def main():
     out_dir = Path(os.environ["OUT"]) if "OUT" in os.environ else Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"ffn-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    columns = "K N M dens pat nnz max dense twell x err dec pre prePk gateC pack fused updn scan TB/s ovfl memD memT"
+    columns = "K N M dens pat nnz max dense twell x err dec pre gateC pack fused updn TB/s ovfl memD memT"
     header = " ".join(f"{c:>7}" for c in columns.split())
     lines = [header]
     print(header, flush=True)
@@ -320,10 +317,9 @@ def main():
                         f"{row['nnz_max']:>5.0f} {min(row['dense_eager_ms'], row['dense_compiled_ms']):>8.3f} "
                         f"{row['twell_ms']:>8.3f} {row['speedup']:>5.2f} {row['rel_err']:>8.1e} "
                         f"{row.get('decode_ms', 0):>7.3f} {row.get('prefill_ms', 0):>7.3f} "
-                        f"{row.get('prefill_pack_ms', 0):>7.3f} "
                         f"{row.get('cublas_gate_ms', 0):>6.2f} {row.get('pack_ms', 0):>5.2f} "
                         f"{row.get('fused_gate_ms', 0):>6.2f} "
-                        f"{row.get('updown_ms', 0):>6.2f} {row.get('scan_updown_ms', 0):>6.2f} "
+                        f"{row.get('updown_ms', 0):>6.2f} "
                         f"{row.get('updown_l2_tb_s', 0):>5.1f} "
                         f"{row.get('overflow_tiles', 0):>6} {row['dense_peak_mb']:>7.0f} {row['twell_peak_mb']:>7.0f}"
                     )

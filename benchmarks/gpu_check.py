@@ -25,17 +25,18 @@ import twell
 from twell.kernels import decode, gate, policy, updown
 from twell.kernels.gate import pack_dense
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the gate+up kernel, (BLOCK_K, GROUP, CHUNK, num_warps) of
-# the down kernel; keyed by one token (1) or more (2), as decode.GATE_UP_CONFIG / DOWN_CONFIG
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, EACH) of the gate+up kernel, (BLOCK_K, GROUP, CHUNK,
+# num_warps) of the down kernel (None: the launcher's choice); keyed by one token (1) or more (2), as
+# decode.GATE_UP_CONFIG / DOWN_CONFIG
 DECODE_GATE_UP_CANDIDATES = {
-    1: [(16, 512, 4, 3), (8, 512, 4, 3), (32, 512, 4, 3), (16, 256, 4, 3), (16, 1024, 4, 3), (16, 1024, 8, 3),
-        (8, 1024, 4, 2), (16, 512, 2, 3), (16, 2048, 8, 2), (32, 1024, 8, 3), (8, 256, 2, 4), (4, 1024, 4, 3)],
-    2: [(64, 128, 4, 4), (32, 128, 4, 4), (64, 256, 4, 3), (128, 128, 8, 3), (32, 256, 4, 3), (16, 256, 4, 3)],
+    1: [(16, 512, 4, 3, False), (16, 512, 4, 3, True), (16, 256, 4, 3, True), (16, 512, 8, 3, True),
+        (16, 256, 2, 3, True), (8, 512, 4, 3, True), (32, 256, 4, 3, True), (16, 128, 2, 3, True),
+        (32, 512, 8, 3, True), (16, 1024, 8, 3, True)],
+    2: [(64, 128, 4, 4, False), (64, 128, 4, 4, True), (64, 256, 4, 3, False), (128, 128, 8, 3, False)],
 }  # fmt: skip
 DECODE_DOWN_CANDIDATES = {
-    1: [(64, 32, 16, 4), (64, 512, 16, 4), (32, 512, 16, 4), (128, 64, 16, 4), (32, 32, 16, 4), (64, 16, 16, 4),
-        (16, 512, 16, 2), (64, 128, 32, 4)],
-    2: [(128, 8, 16, 4), (64, 8, 16, 4), (128, 16, 16, 4), (256, 8, 16, 8), (128, 4, 16, 4), (64, 32, 16, 4)],
+    1: [None, (64, 32, 16, 4), (128, 64, 16, 4), (32, 512, 16, 4), (64, 1024, 16, 4)],
+    2: [(128, 8, 16, 4), (64, 8, 16, 4)],
 }  # fmt: skip
 
 
@@ -206,11 +207,10 @@ def main():
         print(result["first_call_s"], flush=True)
         for shape in args.shapes.split(","):
             k, n = map(int, shape.split("x"))
-            for m in (1, 16):  # each kernel's candidates with the other's shipped config
-                gu_now, dn_now = decode.GATE_UP_CONFIG[min(m, 2)], decode.DOWN_CONFIG[min(m, 2)]
-                result["rows"] += decode_point(k, n, m, 0.005, DECODE_GATE_UP_CANDIDATES[min(m, 2)], [dn_now])
-                result["rows"] += decode_point(k, n, m, 0.005, [gu_now], DECODE_DOWN_CANDIDATES[min(m, 2)])
-            for m in (1, 4, 16, 64):
+            for m in (1, 16):  # each kernel's candidates with the other's shipped choice
+                result["rows"] += decode_point(k, n, m, 0.005, DECODE_GATE_UP_CANDIDATES[min(m, 2)], [None])
+                result["rows"] += decode_point(k, n, m, 0.005, [None], DECODE_DOWN_CANDIDATES[min(m, 2)])
+            for m in (1, 4, 16):
                 for density in (0.01, 0.05):
                     result["rows"] += decode_point(k, n, m, density, [None], [None])
             path.write_text(json.dumps(result, indent=1))  # kept if a later shape runs out of time

@@ -12,7 +12,7 @@ from twell.format import TwELL, kept_mask
 from twell.kernels import dispatch, gate, policy, reference, updown
 from twell.kernels.decode import decode_ffn
 from twell.kernels.gate import gate_twell, pack_dense
-from twell.kernels.updown import gate_up_down, twell_up_down
+from twell.kernels.updown import twell_up_down
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
 # empty rows, typical sparse rows and a few fully dense rows (every tile overflows; the prefill path
@@ -143,17 +143,12 @@ UPDOWN_CASES = {
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("variant", ["gated", "gated-bias", "drelu", "plain", "relu2", "fatrelu"])
-@pytest.mark.parametrize(
-    "source,case_id",
-    [("twell", case) for case in UPDOWN_CASES]
-    # row order is a TwELL-only option, and these rows never reach the heavy kernel from a dense gate
-    + [("gate", case) for case in UPDOWN_CASES if case not in ("m40", "m40-in-order")],
-)
-def test_up_down_matches_reference(source, case_id, dtype, variant, monkeypatch):
+@pytest.mark.parametrize("case_id", list(UPDOWN_CASES))
+def test_up_down_matches_reference(case_id, dtype, variant, monkeypatch):
     """Rows with empty, sparse and overflowing tiles (recomputed by the heavy-row kernel), ragged last
     tile, awkward K, output poisoned; a narrow scratch sends rows with many entries to the heavy-row
     kernel too, split in parts (more parts than some rows have entries or tiles) or, past the
-    partials' capacity, whole. source: entries from the TwELL arrays, or scanned from the dense gate."""
+    partials' capacity, whole."""
     m, k, n, width, order, splits, split_rows = UPDOWN_CASES[case_id]
     gated = variant not in ("plain", "relu2")
     biases = variant in ("gated-bias", "fatrelu")
@@ -162,30 +157,36 @@ def test_up_down_matches_reference(source, case_id, dtype, variant, monkeypatch)
     threshold = 0.02 if variant == "fatrelu" else 0.0
     gate_w, gate_b = (case["gate_weight"], case["gate_bias"]) if gated else (case["up_weight"], case["up_bias"])
     pre = torch.nn.functional.linear(case["x"], gate_w, gate_b)
+    values, indices, counts = pack_dense(pre, threshold, tile_n, slots, square=variant == "relu2")
+    if m > 1:
+        assert (counts > slots).any() and (counts <= slots).all(1).any(), "rows with and without overflow"
     monkeypatch.setattr(updown, "MAX_WIDTH", width)
     monkeypatch.setattr(updown, "SPLITS", splits)
     monkeypatch.setattr(updown, "PARTIAL_BYTES", split_rows * splits * k * 4)
-    monkeypatch.setattr(updown, "GATE_SCAN", 64)  # several scan steps per row
     out = torch.full_like(case["x"], float("nan"))
-    up = (case["up_weight"], case["up_bias"]) if gated else (None, None)
-    flags = {"threshold": threshold, "drelu": variant == "drelu", "square": variant == "relu2", "out": out}
-    if source == "twell":
-        values, indices, counts = pack_dense(pre, threshold, tile_n, slots, square=variant == "relu2")
-        if m > 1:
-            assert (counts > slots).any() and (counts <= slots).all(1).any(), "rows with and without overflow"
-        kept = counts.sum(1)
-        twell_up_down(
-            case["x"], values, indices, counts, gate_w, gate_b, *up, case["down_weight"].t(), case["down_bias"],
-            tile_n=tile_n, order=order, **flags,
-        )  # fmt: skip
-    else:
-        _, kept = gate_up_down(case["x"], pre, *up, case["down_weight"].t(), case["down_bias"], **flags)
+    twell_up_down(
+        case["x"],
+        values,
+        indices,
+        counts,
+        gate_w,
+        gate_b,
+        case["up_weight"] if gated else None,
+        case["up_bias"] if gated else None,
+        case["down_weight"].t(),
+        case["down_bias"],
+        tile_n=tile_n,
+        threshold=threshold,
+        drelu=variant == "drelu",
+        square=variant == "relu2",
+        out=out,
+        order=order,
+    )
     if gated:
         ref = gated_ref(case, threshold, drelu=variant == "drelu")
     else:
         ref = plain_ref(case, squared=variant == "relu2")
     assert rel_err(out, ref) <= TOL[dtype] * (4 if variant == "relu2" else 1)
-    assert torch.equal(kept, (~(pre <= updown.threshold_in(threshold, dtype))).sum(1, dtype=torch.int32))
 
 
 def test_up_down_heavy_rows_split_or_whole_give_the_same_bits(monkeypatch):
@@ -248,12 +249,13 @@ def poisoned_empty(monkeypatch):
 
 
 DECODE_CASES = {
-    # m, k, n, densities, gate_up_config, down_config
-    "m1": (1, 16, 64, MIXED[1:2], (16, 16, 4, 1), (16, 2, 16, 4)),
-    "m1-empty": (1, 40, 100, [0.0], (16, 32, 4, 1), (16, 2, 16, 4)),
-    "m16-groups": (16, 40, 200, MIXED, (16, 32, 4, 1), (32, 2, 16, 4)),
-    "m70-blocks": (70, 130, 100, MIXED, (32, 64, 4, 1), (64, 1, 16, 4)),
-    "m3-dense": (3, 24, 48, [1.0], (16, 16, 4, 1), (16, 2, 16, 4)),
+    # m, k, n, densities, gate_up_config, down_config (None: the launcher's choice)
+    "m1": (1, 16, 64, MIXED[1:2], (16, 16, 4, 1, False), (16, 2, 16, 4)),
+    "m1-each": (1, 40, 100, [1.0], (16, 16, 4, 1, True), None),
+    "m1-empty": (1, 40, 100, [0.0], (16, 32, 4, 1, False), (16, 2, 16, 4)),
+    "m16-groups": (16, 40, 200, MIXED, (16, 32, 4, 1, False), (32, 2, 16, 4)),
+    "m70-blocks": (70, 130, 100, MIXED, (32, 64, 4, 1, True), (64, 1, 16, 4)),
+    "m3-dense": (3, 24, 48, [1.0], (16, 16, 4, 1, False), (16, 2, 16, 4)),
 }
 
 
@@ -306,25 +308,19 @@ def sparse_paths(monkeypatch):
     dispatch.forget_layers()
 
 
-@pytest.mark.parametrize(
-    "fused,scan", [(False, True), (False, False), (True, True)], ids=["cublas-scan", "cublas-pack", "fused-gate"]
-)
-def test_prefill_through_each_gate_route(fused, scan, sparse_paths, monkeypatch):
+@pytest.mark.parametrize("fused", [False, True], ids=["cublas-gate", "fused-gate"])
+def test_prefill_through_each_gate_route(fused, sparse_paths, monkeypatch):
     monkeypatch.setattr(policy, "FUSED_GATE", fused)
-    monkeypatch.setattr(policy, "SCAN_GATE", scan)
     calls = []
-    for name in ("gate_twell", "pack_dense", "gate_up_down", "twell_up_down"):
+    for name in ("gate_twell", "pack_dense"):
         fn = getattr(dispatch, name)
         monkeypatch.setattr(dispatch, name, lambda *a, _f=fn, _n=name, **k: calls.append(_n) or _f(*a, **k))
     case = make_ffn(100, 40, 96, MIXED, torch.float32, DEVICE, seed=9, biases=True)
     args = [case[k] for k in ("gate_weight", "up_weight", "down_weight", "gate_bias", "up_bias", "down_bias")]
     y = dispatch.gated_ffn(case["x"], *args, 0.0, False)
-    # on a GPU fp32 operands fit no fused-gate config: they take cuBLAS
+    # on a GPU fp32 operands fit no fused-gate config: they take cuBLAS + the pack pass
     fused = fused and gate.fused_gate_supported(case["x"], case["gate_weight"], policy.TILE_N)
-    if fused:
-        assert calls == ["gate_twell", "twell_up_down"]
-    else:
-        assert calls == (["gate_up_down"] if scan else ["pack_dense", "twell_up_down"])
+    assert calls == ["gate_twell" if fused else "pack_dense"]
     assert rel_err(y, gated_ref(case)) <= 1e-5
 
 

@@ -39,11 +39,13 @@ def _rows_times_x(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    EACH: tl.constexpr,
 ):
     """x[rows] @ w[cols]^T in fp32, [BLOCK_M, BLOCK_N]; rows of w outside w_rows_ok are not read. One
     token (BLOCK_M == 1) is a GEMV on the CUDA cores: products accumulate per lane, one reduction at
-    the end (no 16-row padding of the tensor-core path)."""
-    if BLOCK_M == 1:
+    the end (no 16-row padding of the tensor-core path), or with EACH one reduction per K step (no
+    [BLOCK_K, BLOCK_N] accumulator: registers left for loads in flight)."""
+    if BLOCK_M == 1 and not EACH:
         part = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -54,14 +56,39 @@ def _rows_times_x(
         wt = tl.load(w_ptr + cols[None, :] * stride_wn + offs_k[:, None] * stride_wk, mask=w_mask, other=0.0)
         if BLOCK_M == 1:
             xk = tl.load(x_ptr + rows * stride_xm + offs_k * stride_xk, mask=k_ok, other=0.0)
-            part += xk.to(tl.float32)[:, None] * wt.to(tl.float32)
+            if EACH:
+                acc += tl.sum(xk.to(tl.float32)[:, None] * wt.to(tl.float32), axis=0)[None, :]
+            else:
+                part += xk.to(tl.float32)[:, None] * wt.to(tl.float32)
         else:
             x_mask = m_ok[:, None] & k_ok[None, :]
             xt = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=x_mask, other=0.0)
             acc = tl.dot(xt, wt, acc, input_precision=DOT_PRECISION)
-    if BLOCK_M == 1:
+    if BLOCK_M == 1 and not EACH:
         acc = tl.sum(part, axis=0)[None, :]
     return acc
+
+
+@triton.jit
+def _active_rows_times_x(
+    x_row, w_ptr, offs_n, active, n_active, K, stride_xk, stride_wn, stride_wk, UP_K: tl.constexpr
+):
+    """x . w[n] for the block's active neurons n (0 elsewhere), [1, BLOCK_N], one token: each active
+    row is read whole, UP_K at a time, so a block pays one memory latency per active neuron instead of
+    one per K step of a masked block product."""
+    slot = tl.cumsum(active.to(tl.int32), axis=0) - 1
+    u = tl.zeros(offs_n.shape, dtype=tl.float32)
+    for j in range(0, n_active):
+        neuron = tl.sum(tl.where(active & (slot == j), offs_n, 0), axis=0)
+        dot = tl.full([], 0.0, tl.float32)
+        for k0 in range(0, K, UP_K):
+            offs_k = k0 + tl.arange(0, UP_K)
+            k_ok = offs_k < K
+            xk = tl.load(x_row + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
+            wk = tl.load(w_ptr + neuron.to(tl.int64) * stride_wn + offs_k * stride_wk, mask=k_ok, other=0.0)
+            dot += tl.sum(xk * wk.to(tl.float32), axis=0)
+        u = tl.where(offs_n == neuron, dot, u)
+    return u[None, :]
 
 
 @triton.jit
@@ -95,6 +122,8 @@ def _decode_gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    EACH: tl.constexpr,
+    UP_K: tl.constexpr,
     SEM_BLOCK: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -114,7 +143,7 @@ def _decode_gate_up_kernel(
 
     acc = _rows_times_x(
         x_ptr, wg_ptr, rows, cols, m_ok, n_ok, K, stride_xm, stride_xk, stride_gn, stride_gk,
-        DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+        DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, EACH,
     )  # fmt: skip
     if HAS_GATE_BIAS:
         acc += tl.load(bg_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -127,10 +156,16 @@ def _decode_gate_up_kernel(
     n_active = tl.sum(active.to(tl.int32), axis=0)
     if HAS_UP:
         if n_active > 0:
-            u = _rows_times_x(
-                x_ptr, wu_ptr, rows, cols, m_ok, active, K, stride_xm, stride_xk, stride_un, stride_uk,
-                DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-            )  # fmt: skip
+            if BLOCK_M == 1:
+                u = _active_rows_times_x(
+                    x_ptr + pid_m * stride_xm, wu_ptr, offs_n, active, n_active, K, stride_xk, stride_un, stride_uk,
+                    UP_K,
+                )  # fmt: skip
+            else:
+                u = _rows_times_x(
+                    x_ptr, wu_ptr, rows, cols, m_ok, active, K, stride_xm, stride_xk, stride_un, stride_uk,
+                    DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, EACH,
+                )  # fmt: skip
             if HAS_UP_BIAS:
                 u += tl.load(bu_ptr + offs_n, mask=active, other=0.0).to(tl.float32)[None, :]
             u = u.to(dtype).to(tl.float32)
@@ -225,11 +260,15 @@ def _decode_down_kernel(
             tl.atomic_xchg(sem, 0)  # ready for a rerun of this kernel alone (autotuning, replays)
 
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the gate + up kernel, (BLOCK_K, GROUP, CHUNK, num_warps)
-# of the down kernel, for one token and for more; the fastest at both of K=2048/N=5632 and
-# K=4096/N=14336 on an H200 (gpu_check-decode-20261130-161902.json).
-GATE_UP_CONFIG = {1: (16, 512, 4, 3), 2: (64, 128, 4, 4)}
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, EACH) of the gate + up kernel, (BLOCK_K, GROUP, CHUNK,
+# num_warps) of the down kernel, for one token and for more; the fastest at both of K=2048/N=5632 and
+# K=4096/N=14336 on an H200 (gpu_check-decode-20261130-161902.json, -230248.json).
+GATE_UP_CONFIG = {1: (16, 512, 4, 3, False), 2: (64, 128, 4, 4, False)}
 DOWN_CONFIG = {1: (64, 32, 16, 4), 2: (128, 8, 16, 4)}
+# One token, at most this many neuron blocks: the down kernel takes them all in one group (no partials,
+# no last-arriver pass): 15.8 against 17.2 us per layer at K=2048 (352 blocks); at K=4096 (896 blocks)
+# two groups of 512 were slower than 28 groups of 32 (61.7 against 51.6 us; gpu_check-decode-20261130-230248).
+ONE_GROUP_MAX_BLOCKS = 512
 
 
 def decode_ffn(
@@ -259,11 +298,13 @@ def decode_ffn(
     for name, t in (("gate_weight", gate_weight), ("up_weight", up_weight), ("down_weight_t", down_weight_t)):
         if t is not None and tuple(t.shape) != (n, k):
             raise ValueError(f"decode_ffn expects {name} of shape [{n}, {k}], got {list(t.shape)}")
-    block_n, block_k, warps, stages = gate_up_config or GATE_UP_CONFIG[min(m, 2)]
+    block_n, block_k, warps, stages, each = gate_up_config or GATE_UP_CONFIG[min(m, 2)]
+    n_blocks = triton.cdiv(n, block_n)
     down_k, group, chunk, down_warps = down_config or DOWN_CONFIG[min(m, 2)]
+    if down_config is None and m == 1 and n_blocks <= ONE_GROUP_MAX_BLOCKS:
+        group = triton.next_power_of_2(n_blocks)
     block_m = 1 if m == 1 else min(max(triton.next_power_of_2(m), 16), 64)
     m_blocks = triton.cdiv(m, block_m)
-    n_blocks = triton.cdiv(n, block_n)
     k_blocks = triton.cdiv(k, down_k)
     n_groups = triton.cdiv(n_blocks, group)
     precision = dot_precision(x.dtype)
@@ -302,6 +343,8 @@ def decode_ffn(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        EACH=each,
+        UP_K=min(triton.next_power_of_2(k), 4096),
         SEM_BLOCK=256,
         num_warps=warps,
         num_stages=stages,

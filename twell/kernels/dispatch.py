@@ -27,7 +27,7 @@ import triton
 from twell.kernels import policy, reference
 from twell.kernels.decode import decode_ffn
 from twell.kernels.gate import fused_gate_supported, gate_twell, pack_dense
-from twell.kernels.updown import gate_up_down, twell_up_down
+from twell.kernels.updown import twell_up_down
 
 
 @dataclass
@@ -124,22 +124,31 @@ def _run(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, 
         ).reshape(shape)
 
     tile_n, slots = policy.TILE_N, policy.SLOTS
-    flags = {"threshold": threshold, "drelu": drelu, "square": square}
-    fused = policy.FUSED_GATE and fused_gate_supported(x2, gate_weight, tile_n)
-    if policy.SCAN_GATE and not fused:
-        y, kept = gate_up_down(x2, F.linear(x2, gate_weight, gate_bias), up_weight, up_bias, wd_t, down_bias, **flags)
+    if policy.FUSED_GATE and fused_gate_supported(x2, gate_weight, tile_n):
+        values, indices, counts = gate_twell(x2, gate_weight, gate_bias, threshold, tile_n, slots, square=square)
     else:
-        if fused:
-            twell = gate_twell(x2, gate_weight, gate_bias, threshold, tile_n, slots, square=square)
-        else:
-            twell = pack_dense(F.linear(x2, gate_weight, gate_bias), threshold, tile_n, slots, square=square)
-        y = twell_up_down(
-            x2, *twell, gate_weight, gate_bias, up_weight, up_bias, wd_t, down_bias, tile_n=tile_n, **flags
-        )  # fmt: skip
-        kept = twell[2]
+        pre = F.linear(x2, gate_weight, gate_bias)
+        values, indices, counts = pack_dense(pre, threshold, tile_n, slots, square=square)
+        del pre
+    y = twell_up_down(
+        x2,
+        values,
+        indices,
+        counts,
+        gate_weight,
+        gate_bias,
+        up_weight,
+        up_bias,
+        wd_t,
+        down_bias,
+        tile_n=tile_n,
+        threshold=threshold,
+        drelu=drelu,
+        square=square,
+    )
     # one probe in flight per layer: a newer one would never land while the host runs ahead of the GPU
     if state.pending is None and not capturing:
-        state.pending = _probe(kept, m * gate_weight.shape[0])
+        state.pending = _probe(counts, m * gate_weight.shape[0])
     return y.reshape(shape)
 
 

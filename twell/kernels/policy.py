@@ -23,9 +23,6 @@ PREFILL_MIN_M: int | None = 16384
 # Gate of the prefill path: the persistent TMA GEMM with the packing epilogue (True) or cuBLAS + the
 # pack pass (False); the faster measured at K=2048/N=5632 and K=4096/N=14336 on an H200.
 FUSED_GATE = False
-# Otherwise cuBLAS computes the gate and either the up+down kernel scans its rows for the kept entries
-# (True: no packing pass) or a pass packs it to TwELL first (False).
-SCAN_GATE = True
 MAX_K = 8192  # wider models run dense: the up+down kernel keeps whole x and y rows in registers
 # Mean density above which a layer's prefill runs dense: 1.28x at 0.5%, 0.99-1.00x at 1% (NOTES.md v5/v6).
 DENSE_ABOVE = 0.008

@@ -26,13 +26,12 @@ import triton
 import triton.language as tl
 
 from twell.kernels import policy
-from twell.kernels.common import autotune_configs, threshold_in
+from twell.kernels.common import autotune_configs, m_bucket, threshold_in
 
 CHUNK = 16  # entries flattened at a time
 MAX_WIDTH = 256  # scratch entries per row; rows with more take the heavy-row kernel
 SPLITS = 8  # parts of a heavy row, each a program's work
 PARTIAL_BYTES = 64 << 20  # fp32 partials of split rows; rows past this capacity are taken whole
-GATE_SCAN = 1024  # dense gate columns a main-kernel program scans at a time (gate_up_down)
 
 
 @triton.jit
@@ -124,44 +123,6 @@ def _walk(
 
 
 @triton.jit
-def _activate(g, ok, threshold, SQUARE: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """(value, kept) of gate values g, already rounded as the dense gate is: kept = not (g <= threshold)
-    within ok (NaN kept, as by relu); the value squared and rounded again for relu²."""
-    kept = ((g > threshold) | (g != g)) & ok
-    if SQUARE:
-        g = (g * g).to(OUT_DTYPE).to(tl.float32)
-    return g, kept
-
-
-@triton.jit
-def _stash(g, cols, kept, before, limit, g_row, n_row):
-    """Append the kept (value, neuron) pairs to the scratch behind its `before` entries; those that
-    would land at `limit` or past it are counted, not stored. Returns the new count."""
-    kept_i = kept.to(tl.int32)
-    pos = before + tl.cumsum(kept_i, axis=0) - 1
-    stored = kept & (pos < limit)
-    tl.store(g_row + pos, g, mask=stored)
-    tl.store(n_row + pos, cols, mask=stored)
-    return before + tl.sum(kept_i, axis=0)
-
-
-@triton.jit
-def _stash_walk(
-    y, xv, g, cols, kept, g_row, n_row, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un, stride_uk, stride_dn,
-    stride_dk, HAS_UP: tl.constexpr, HAS_UP_BIAS: tl.constexpr, DRELU: tl.constexpr,
-):  # fmt: skip
-    """y plus the contributions of the kept entries of one vector of gate values (it fits the scratch)."""
-    count = _stash(g, cols, kept, 0, g.shape[0], g_row, n_row)
-    tl.debug_barrier()  # entries other threads of this program stored
-    y = _walk(
-        y, xv, g_row, n_row, count, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un, stride_uk, stride_dn, stride_dk,
-        HAS_UP, HAS_UP_BIAS, DRELU,
-    )  # fmt: skip
-    tl.debug_barrier()  # the next vector overwrites the scratch
-    return y
-
-
-@triton.jit
 def _store_row(y, m, bd_ptr, y_ptr, offs_k, k_ok, stride_ym, stride_yk, HAS_DOWN_BIAS: tl.constexpr):
     if HAS_DOWN_BIAS:
         y += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
@@ -179,7 +140,9 @@ ROWVEC_CONFIGS = [
 
 @triton.autotune(
     configs=autotune_configs(ROWVEC_CONFIGS, lambda w, s: {}),
-    key=["K", "TILE_N", "SLOTS", "HAS_UP", "WIDTH", "FROM_GATE"],
+    # per token bucket: one key for every M let a config tuned on a small, noisy call (8192 tokens: ~0.3 ms)
+    # serve every size, and runs picked different configs (benchmarks/NOTES.md v9)
+    key=["M_BUCKET", "K", "TILE_N", "SLOTS", "HAS_UP", "WIDTH"],
     cache_results=True,
     reset_to_zero=["heavy_ptr"],  # the heavy list starts empty on every benchmarked run
 )
@@ -189,8 +152,6 @@ def _twell_up_down_kernel(
     vals_ptr,
     idx_ptr,
     cnt_ptr,
-    pre_ptr,
-    tot_ptr,
     order_ptr,
     heavy_ptr,
     wu_ptr,
@@ -200,68 +161,47 @@ def _twell_up_down_kernel(
     y_ptr,
     g_ptr,
     n_ptr,
-    N,
     K,
     n_tiles,
-    threshold,
+    M_BUCKET,
     stride_xm,
     stride_xk,
-    stride_pm,
-    stride_pn,
     stride_un,
     stride_uk,
     stride_dn,
     stride_dk,
     stride_ym,
     stride_yk,
-    FROM_GATE: tl.constexpr,
     HAS_ORDER: tl.constexpr,
     HAS_UP: tl.constexpr,
     HAS_UP_BIAS: tl.constexpr,
     HAS_DOWN_BIAS: tl.constexpr,
     DRELU: tl.constexpr,
-    SQUARE: tl.constexpr,
     TILE_N: tl.constexpr,
     SLOTS: tl.constexpr,
     TILES_PAD: tl.constexpr,
     WIDTH: tl.constexpr,
     CHUNK: tl.constexpr,
-    SCAN: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """The common row: at most WIDTH entries (and, from TwELL, no overflowing tile); the others are
-    appended to the heavy list (heavy[0]: their number, heavy[1 + i]: row ids) for _heavy_kernel.
-    Program i takes row order[i] with HAS_ORDER (heaviest first), else row i. FROM_GATE: the entries
-    come from the dense gate row pre[m] (scanned SCAN columns at a time, the row's count stored to
-    tot[m]) instead of the TwELL arrays."""
+    """The common row: no overflowing tile and at most WIDTH entries; the others are appended to the
+    heavy list (heavy[0]: their number, heavy[1 + i]: row ids) for _heavy_kernel. Program i takes
+    row order[i] with HAS_ORDER (heaviest first), else row i."""
     if HAS_ORDER:
         m = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
     else:
         m = tl.program_id(0).to(tl.int64)
-    g_row = g_ptr + m * WIDTH
-    n_row = n_ptr + m * WIDTH
-    if FROM_GATE:
-        total = tl.full([], 0, tl.int32)
-        for c0 in range(0, N, SCAN):
-            cols = c0 + tl.arange(0, SCAN)
-            ok = cols < N
-            g = tl.load(pre_ptr + m * stride_pm + cols * stride_pn, mask=ok, other=0.0).to(tl.float32)
-            g, kept = _activate(g, ok, threshold, SQUARE, y_ptr.dtype.element_ty)
-            total = _stash(g, cols, kept, total, WIDTH, g_row, n_row)
-        tl.store(tot_ptr + m, total)
-        heavy = total > WIDTH
-    else:
-        offs_t = tl.arange(0, TILES_PAD)
-        cnt = tl.load(cnt_ptr + m * n_tiles + offs_t, mask=offs_t < n_tiles, other=0)
-        total = tl.sum(cnt, axis=0)
-        heavy = (tl.max(cnt, axis=0) > SLOTS) | (total > WIDTH)
-    if heavy:
+    offs_t = tl.arange(0, TILES_PAD)
+    cnt = tl.load(cnt_ptr + m * n_tiles + offs_t, mask=offs_t < n_tiles, other=0)
+    total = tl.sum(cnt, axis=0)
+    if (tl.max(cnt, axis=0) > SLOTS) | (total > WIDTH):
         slot = tl.atomic_add(heavy_ptr, 1)
         tl.store(heavy_ptr + 1 + slot, m.to(tl.int32))
         return
-    if not FROM_GATE:
-        incl = tl.cumsum(cnt, axis=0)
-        _flatten(cnt, incl, 0, total, m, n_tiles, vals_ptr, idx_ptr, g_row, n_row, TILE_N, SLOTS, TILES_PAD, CHUNK)
+    incl = tl.cumsum(cnt, axis=0)
+    g_row = g_ptr + m * WIDTH
+    n_row = n_ptr + m * WIDTH
+    _flatten(cnt, incl, 0, total, m, n_tiles, vals_ptr, idx_ptr, g_row, n_row, TILE_N, SLOTS, TILES_PAD, CHUNK)
     tl.debug_barrier()  # the loop below reads scratch entries that other threads of this program wrote
     offs_k = tl.arange(0, BLOCK_K)
     k_ok = offs_k < K
@@ -284,7 +224,6 @@ def _heavy_part(
     vals_ptr,
     idx_ptr,
     cnt_ptr,
-    pre_ptr,
     wg_ptr,
     bg_ptr,
     wu_ptr,
@@ -295,15 +234,12 @@ def _heavy_part(
     N,
     n_tiles,
     threshold,
-    stride_pm,
-    stride_pn,
     stride_gn,
     stride_gk,
     stride_un,
     stride_uk,
     stride_dn,
     stride_dk,
-    FROM_GATE: tl.constexpr,
     HAS_UP: tl.constexpr,
     HAS_GATE_BIAS: tl.constexpr,
     HAS_UP_BIAS: tl.constexpr,
@@ -318,63 +254,54 @@ def _heavy_part(
     RECOMPUTE: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """fp32 partial of y_m over part `part` of `parts` of row m. From TwELL: its share of the packed
-    entries (one contiguous range, WIDTH at a time through the program's scratch) and the overflowing
-    tiles t with t % parts == part, whose gate values are recomputed from W_g RECOMPUTE neurons at a
-    time. FROM_GATE: its share of the dense gate row's columns, WIDTH at a time."""
+    """fp32 partial of y_m over part `part` of `parts` of row m: its share of the packed entries (one
+    contiguous range, WIDTH at a time through the program's scratch) and the overflowing tiles t with
+    t % parts == part, whose gate values are recomputed from W_g RECOMPUTE neurons at a time."""
+    offs_t = tl.arange(0, TILES_PAD)
+    true_cnt = tl.load(cnt_ptr + m * n_tiles + offs_t, mask=offs_t < n_tiles, other=0)
+    cnt = tl.where(true_cnt > SLOTS, 0, true_cnt)
+    incl = tl.cumsum(cnt, axis=0)
+    total = tl.sum(cnt, axis=0)
+    per = tl.cdiv(total, parts)
+    lo = part * per
+    hi = tl.minimum(total, lo + per)
     y = tl.zeros([BLOCK_K], dtype=tl.float32)
-    if FROM_GATE:
-        per = tl.cdiv(tl.cdiv(N, parts), WIDTH) * WIDTH
-        for c0 in range(part * per, tl.minimum(N, part * per + per), WIDTH):
-            cols = c0 + tl.arange(0, WIDTH)
-            ok = cols < N
-            g = tl.load(pre_ptr + m * stride_pm + cols * stride_pn, mask=ok, other=0.0).to(tl.float32)
-            g, kept = _activate(g, ok, threshold, SQUARE, OUT_DTYPE)
-            y = _stash_walk(
-                y, xv, g, cols, kept, g_row, n_row, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un, stride_uk,
-                stride_dn, stride_dk, HAS_UP, HAS_UP_BIAS, DRELU,
-            )  # fmt: skip
-    else:
-        offs_t = tl.arange(0, TILES_PAD)
-        true_cnt = tl.load(cnt_ptr + m * n_tiles + offs_t, mask=offs_t < n_tiles, other=0)
-        cnt = tl.where(true_cnt > SLOTS, 0, true_cnt)
-        incl = tl.cumsum(cnt, axis=0)
-        total = tl.sum(cnt, axis=0)
-        per = tl.cdiv(total, parts)
-        lo = part * per
-        hi = tl.minimum(total, lo + per)
-        for b0 in range(lo, hi, WIDTH):
-            block = tl.minimum(hi - b0, WIDTH)
-            _flatten(
-                cnt, incl, b0, block, m, n_tiles, vals_ptr, idx_ptr, g_row, n_row, TILE_N, SLOTS, TILES_PAD, CHUNK
-            )  # fmt: skip
-            tl.debug_barrier()
-            y = _walk(
-                y, xv, g_row, n_row, block, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un, stride_uk, stride_dn,
-                stride_dk, HAS_UP, HAS_UP_BIAS, DRELU,
-            )  # fmt: skip
-            tl.debug_barrier()  # the next block overwrites the scratch
-        offs_r = tl.arange(0, RECOMPUTE)
-        for t in range(part, n_tiles, parts):
-            if tl.load(cnt_ptr + m * n_tiles + t) > SLOTS:
-                for c0 in range(0, TILE_N, RECOMPUTE):
-                    cols = t * TILE_N + c0 + offs_r
-                    ok = (c0 + offs_r < TILE_N) & (cols < N)
-                    rows = cols.to(tl.int64)
-                    wg = tl.load(
-                        wg_ptr + rows[:, None] * stride_gn + offs_k[None, :] * stride_gk,
-                        ok[:, None] & k_ok[None, :],
-                        0.0,
-                    )
-                    g = tl.sum(wg.to(tl.float32) * xv[None, :], axis=1)
-                    if HAS_GATE_BIAS:
-                        g += tl.load(bg_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-                    # the dense gate's rounding
-                    g, kept = _activate(g.to(OUT_DTYPE).to(tl.float32), ok, threshold, SQUARE, OUT_DTYPE)
-                    y = _stash_walk(
-                        y, xv, g, cols, kept, g_row, n_row, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un,
-                        stride_uk, stride_dn, stride_dk, HAS_UP, HAS_UP_BIAS, DRELU,
-                    )  # fmt: skip
+    for b0 in range(lo, hi, WIDTH):
+        block = tl.minimum(hi - b0, WIDTH)
+        _flatten(cnt, incl, b0, block, m, n_tiles, vals_ptr, idx_ptr, g_row, n_row, TILE_N, SLOTS, TILES_PAD, CHUNK)
+        tl.debug_barrier()
+        y = _walk(
+            y, xv, g_row, n_row, block, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un, stride_uk, stride_dn,
+            stride_dk, HAS_UP, HAS_UP_BIAS, DRELU,
+        )  # fmt: skip
+        tl.debug_barrier()  # the next block overwrites the scratch
+    offs_r = tl.arange(0, RECOMPUTE)
+    for t in range(part, n_tiles, parts):
+        if tl.load(cnt_ptr + m * n_tiles + t) > SLOTS:
+            for c0 in range(0, TILE_N, RECOMPUTE):
+                cols = t * TILE_N + c0 + offs_r
+                ok = (c0 + offs_r < TILE_N) & (cols < N)
+                rows = cols.to(tl.int64)
+                wg = tl.load(
+                    wg_ptr + rows[:, None] * stride_gn + offs_k[None, :] * stride_gk, ok[:, None] & k_ok[None, :], 0.0
+                )
+                g = tl.sum(wg.to(tl.float32) * xv[None, :], axis=1)
+                if HAS_GATE_BIAS:
+                    g += tl.load(bg_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+                g = g.to(OUT_DTYPE).to(tl.float32)  # the dense gate's rounding
+                kept = ((g > threshold) | (g != g)) & ok  # not (g <= t): NaN kept, as by relu
+                if SQUARE:
+                    g = (g * g).to(OUT_DTYPE).to(tl.float32)
+                slot = tl.cumsum(kept.to(tl.int32), axis=0) - 1
+                n_kept = tl.sum(kept.to(tl.int32), axis=0)
+                tl.store(g_row + slot, g, mask=kept)
+                tl.store(n_row + slot, cols, mask=kept)
+                tl.debug_barrier()
+                y = _walk(
+                    y, xv, g_row, n_row, n_kept, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un, stride_uk,
+                    stride_dn, stride_dk, HAS_UP, HAS_UP_BIAS, DRELU,
+                )  # fmt: skip
+                tl.debug_barrier()
     return y
 
 
@@ -384,7 +311,6 @@ def _heavy_kernel(
     vals_ptr,
     idx_ptr,
     cnt_ptr,
-    pre_ptr,
     heavy_ptr,
     sem_ptr,
     part_ptr,
@@ -404,8 +330,6 @@ def _heavy_kernel(
     threshold,
     stride_xm,
     stride_xk,
-    stride_pm,
-    stride_pn,
     stride_gn,
     stride_gk,
     stride_un,
@@ -414,7 +338,6 @@ def _heavy_kernel(
     stride_dk,
     stride_ym,
     stride_yk,
-    FROM_GATE: tl.constexpr,
     HAS_UP: tl.constexpr,
     HAS_GATE_BIAS: tl.constexpr,
     HAS_UP_BIAS: tl.constexpr,
@@ -450,10 +373,10 @@ def _heavy_kernel(
         y = tl.zeros([BLOCK_K], dtype=tl.float32)
         for p in range(tl.where(split, part, 0), tl.where(split, part + 1, SPLITS)):
             y_p = _heavy_part(
-                xv, offs_k, k_ok, m, p, SPLITS, vals_ptr, idx_ptr, cnt_ptr, pre_ptr, wg_ptr, bg_ptr, wu_ptr,
-                bu_ptr, wd_ptr, g_row, n_row, N, n_tiles, threshold, stride_pm, stride_pn, stride_gn, stride_gk,
-                stride_un, stride_uk, stride_dn, stride_dk, FROM_GATE, HAS_UP, HAS_GATE_BIAS, HAS_UP_BIAS, DRELU,
-                SQUARE, y_ptr.dtype.element_ty, TILE_N, SLOTS, TILES_PAD, WIDTH, CHUNK, RECOMPUTE, BLOCK_K,
+                xv, offs_k, k_ok, m, p, SPLITS, vals_ptr, idx_ptr, cnt_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr,
+                wd_ptr, g_row, n_row, N, n_tiles, threshold, stride_gn, stride_gk, stride_un, stride_uk,
+                stride_dn, stride_dk, HAS_UP, HAS_GATE_BIAS, HAS_UP_BIAS, DRELU, SQUARE, y_ptr.dtype.element_ty,
+                TILE_N, SLOTS, TILES_PAD, WIDTH, CHUNK, RECOMPUTE, BLOCK_K,
             )  # fmt: skip
             y += y_p
         if split:
@@ -475,19 +398,6 @@ def _programs(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return 8 * torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _check_operands(x, n, gate_weight, up_weight, down_weight_t, out, caller) -> None:
-    k = x.shape[1]
-    if k > policy.MAX_K:
-        raise ValueError(f"{caller} needs K <= {policy.MAX_K} (rows live in registers), got K={k}")
-    for name, t in (("gate_weight", gate_weight), ("up_weight", up_weight), ("down_weight_t", down_weight_t)):
-        if t is not None and (tuple(t.shape) != (n, k) or t.dtype != x.dtype or t.device != x.device):
-            raise ValueError(
-                f"{name} must be [{n}, {k}] {x.dtype} on {x.device}, got {list(t.shape)} {t.dtype} on {t.device}"
-            )
-    if out is not None and (out.shape != x.shape or out.dtype != x.dtype):
-        raise ValueError(f"out must be {list(x.shape)} {x.dtype}, got {list(out.shape)} {out.dtype}")
 
 
 def twell_up_down(
@@ -517,9 +427,10 @@ def twell_up_down(
     whole rows are held in registers. order: rows heaviest first (an argsort of the row totals on the
     device; it changes which program takes a row, never the row's result).
     """
-    m = x.shape[0]
+    m, k = x.shape
+    if k > policy.MAX_K:
+        raise ValueError(f"twell_up_down needs K <= {policy.MAX_K} (rows live in registers), got K={k}")
     n = gate_weight.shape[0]
-    _check_operands(x, n, gate_weight, up_weight, down_weight_t, out, "twell_up_down")
     n_tiles, slots = values.shape[1], values.shape[2]
     if counts.shape != (m, n_tiles) or indices.shape != values.shape or values.shape[0] != m:
         raise ValueError(
@@ -528,62 +439,15 @@ def twell_up_down(
         )
     if n_tiles != triton.cdiv(n, tile_n):
         raise ValueError(f"{n_tiles} tiles do not cover N={n} at tile_n={tile_n}")
-    row_order = None
-    if order:  # a one-byte key sorts in one radix pass; rows past 255 entries are heavy-kernel rows anyway
-        row_order = torch.argsort(counts.sum(1).clamp_(max=255).to(torch.uint8), descending=True).to(torch.int32)
+    for name, t in (("gate_weight", gate_weight), ("up_weight", up_weight), ("down_weight_t", down_weight_t)):
+        if t is not None and (tuple(t.shape) != (n, k) or t.dtype != x.dtype or t.device != x.device):
+            raise ValueError(
+                f"{name} must be [{n}, {k}] {x.dtype} on {x.device}, got {list(t.shape)} {t.dtype} on {t.device}"
+            )
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype):
+        raise ValueError(f"out must be {list(x.shape)} {x.dtype}, got {list(out.shape)} {out.dtype}")
     y = torch.empty_like(x) if out is None else out
-    layout = {"TILE_N": tile_n, "SLOTS": slots, "TILES_PAD": max(triton.next_power_of_2(n_tiles), 2)}
-    _launch(
-        x, y, n, (values, indices, counts), None, row_order, gate_weight, gate_bias, up_weight, up_bias,
-        down_weight_t, down_bias, threshold, drelu, square, min(n_tiles * slots, MAX_WIDTH), layout,
-    )  # fmt: skip
-    return y
-
-
-def gate_up_down(
-    x: torch.Tensor,
-    pre: torch.Tensor,
-    up_weight: torch.Tensor | None,
-    up_bias: torch.Tensor | None,
-    down_weight_t: torch.Tensor,
-    down_bias: torch.Tensor | None,
-    *,
-    threshold: float,
-    drelu: bool = False,
-    square: bool = False,
-    out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y [M, K], kept entries per row [M] int32) from x [M, K] and the dense gate pre-activation
-    pre = x gate_weight^T + gate_bias [M, N] in the dtype of x (a cuBLAS product): each program scans
-    its row of pre for the kept entries itself, so no packing pass runs. Otherwise as twell_up_down;
-    rows past MAX_WIDTH entries are split across programs, read again from pre (no recompute).
-    """
-    m, n = pre.shape if pre.dim() == 2 else (-1, -1)
-    if pre.dim() != 2 or m != x.shape[0] or pre.dtype != x.dtype or pre.device != x.device:
-        raise ValueError(
-            f"gate_up_down expects pre [{x.shape[0]}, N] {x.dtype} on {x.device}, got {list(pre.shape)} "
-            f"{pre.dtype} on {pre.device}"
-        )
-    _check_operands(x, n, None, up_weight, down_weight_t, out, "gate_up_down")
-    y = torch.empty_like(x) if out is None else out
-    totals = torch.empty(m, dtype=torch.int32, device=x.device)
-    width = min(triton.next_power_of_2(n), MAX_WIDTH)
-    layout = {"TILE_N": 16, "SLOTS": 1, "TILES_PAD": 2}  # unused: no TwELL arrays
-    _launch(
-        x, y, n, None, (pre, totals), None, None, None, up_weight, up_bias, down_weight_t, down_bias, threshold,
-        drelu, square, width, layout,
-    )  # fmt: skip
-    return y, totals
-
-
-def _launch(
-    x, y, n, twell, gate, row_order, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold,
-    drelu, square, width, layout,
-):  # fmt: skip
-    """The main kernel over every row, then the heavy-row kernel over the rows it listed; the entries
-    come from the TwELL arrays (twell = (values, indices, counts)) or from the dense gate
-    (gate = (pre, totals))."""
-    m, k = x.shape
+    width = min(n_tiles * slots, MAX_WIDTH)
     programs = _programs(x.device)
     # a row's entries (main kernel), then a heavy-row program's (after it, in stream order)
     g_scratch = torch.empty(max(m, programs), width, dtype=torch.float32, device=x.device)
@@ -593,10 +457,6 @@ def _launch(
     heavy = torch.zeros(1 + m + capacity, dtype=torch.int32, device=x.device)
     partials = torch.empty(capacity, SPLITS, k, dtype=torch.float32, device=x.device)
     dummy = x
-    values, indices, counts = twell if twell is not None else (dummy, dummy, dummy)
-    pre, totals = gate if gate is not None else (dummy, dummy)
-    n_tiles = counts.shape[1] if twell is not None else 1
-    pre_strides = (pre.stride(0), pre.stride(1)) if gate is not None else (0, 0)
     up = (up_weight, up_bias if up_bias is not None else dummy) if up_weight is not None else (dummy, dummy)
     strides = (
         *(up_weight.stride() if up_weight is not None else (0, 0)),
@@ -606,31 +466,31 @@ def _launch(
         y.stride(1),
     )
     flags = {
-        "FROM_GATE": gate is not None,
         "HAS_UP": up_weight is not None,
         "HAS_UP_BIAS": up_bias is not None,
         "HAS_DOWN_BIAS": down_bias is not None,
         "DRELU": drelu,
-        "SQUARE": square,
+        "TILE_N": tile_n,
+        "SLOTS": slots,
+        "TILES_PAD": max(triton.next_power_of_2(n_tiles), 2),
         "WIDTH": width,
         "BLOCK_K": triton.next_power_of_2(k),
-        **layout,
     }
     down_bias = down_bias if down_bias is not None else dummy
-    threshold = threshold_in(threshold, x.dtype)
+    row_order = counts
+    if order:  # a one-byte key sorts in one radix pass; rows past 255 entries are heavy-kernel rows anyway
+        row_order = torch.argsort(counts.sum(1).clamp_(max=255).to(torch.uint8), descending=True).to(torch.int32)
     _twell_up_down_kernel[(m,)](
-        x, values, indices, counts, pre, totals, row_order if row_order is not None else counts, heavy, *up,
-        down_weight_t, down_bias, y, g_scratch, n_scratch, n, k, n_tiles, threshold, x.stride(0), x.stride(1),
-        *pre_strides, *strides, HAS_ORDER=row_order is not None, CHUNK=CHUNK,
-        SCAN=min(triton.next_power_of_2(n), GATE_SCAN), **flags,
+        x, values, indices, counts, row_order, heavy, *up, down_weight_t, down_bias, y, g_scratch, n_scratch, k,
+        n_tiles, m_bucket(m), x.stride(0), x.stride(1), *strides, HAS_ORDER=order, CHUNK=CHUNK, **flags,
     )  # fmt: skip
     # neurons recomputed at a time: a [RECOMPUTE, BLOCK_K] tile of W_g in registers, kept ones fit the scratch
-    recompute = 1 << (min(16, max(1, 16384 // flags["BLOCK_K"]), layout["TILE_N"], width).bit_length() - 1)
+    recompute = 1 << (min(16, max(1, 16384 // flags["BLOCK_K"]), tile_n, width).bit_length() - 1)
     _heavy_kernel[(programs,)](
-        x, values, indices, counts, pre, heavy, heavy[1 + m :], partials,
-        gate_weight if gate_weight is not None else dummy, gate_bias if gate_bias is not None else dummy, *up,
-        down_weight_t, down_bias, y, g_scratch, n_scratch, n, k, n_tiles, capacity, threshold, x.stride(0),
-        x.stride(1), *pre_strides, gate_weight.stride(0) if gate_weight is not None else 0,
-        gate_weight.stride(1) if gate_weight is not None else 0, *strides, HAS_GATE_BIAS=gate_bias is not None,
-        CHUNK=CHUNK, RECOMPUTE=recompute, SPLITS=SPLITS, num_warps=4, **flags,
+        x, values, indices, counts, heavy, heavy[1 + m :], partials, gate_weight,
+        gate_bias if gate_bias is not None else dummy, *up, down_weight_t, down_bias, y, g_scratch, n_scratch, n, k,
+        n_tiles, capacity, threshold_in(threshold, x.dtype), x.stride(0), x.stride(1), gate_weight.stride(0),
+        gate_weight.stride(1), *strides, HAS_GATE_BIAS=gate_bias is not None, SQUARE=square, CHUNK=CHUNK,
+        RECOMPUTE=recompute, SPLITS=SPLITS, num_warps=4, **flags,
     )  # fmt: skip
+    return y
