@@ -366,9 +366,9 @@ def test_benchmark_tokens_sets_the_prefill_shape():
     calibrate(model, [candidate_of(model, 0)], batches, config={**FAST, "cost_model": Recording(0.5)})
     assert seen == [(policy.PREFILL_MIN_M, 32, 64, "gated"), (5, 32, 64, "gated")]  # prefill at serving size
     seen.clear()
-    config = {**FAST, "cost_model": Recording(0.5), "benchmark_tokens": 8192}
+    config = {**FAST, "cost_model": Recording(0.5), "benchmark_tokens": 32768}
     calibrate(model, [candidate_of(model, 0)], batches, config=config)
-    assert seen == [(8192, 32, 64, "gated"), (5, 32, 64, "gated")]
+    assert seen == [(32768, 32, 64, "gated"), (5, 32, 64, "gated")]
 
 
 @pytest.mark.gpu

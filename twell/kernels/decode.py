@@ -262,12 +262,18 @@ def _decode_down_kernel(
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, EACH) of the gate + up kernel, (BLOCK_K, GROUP, CHUNK,
 # num_warps) of the down kernel, for one token and for more; the fastest at both of K=2048/N=5632 and
-# K=4096/N=14336 on an H200 (gpu_check-decode-20261130-161902.json, -230248.json).
+# K=4096/N=14336 on an H200 (gpu_check-decode-20261130-161902.json, -230248.json, -231118.json).
 GATE_UP_CONFIG = {1: (16, 512, 4, 3, False), 2: (64, 128, 4, 4, False)}
+# One token with K > 2048: 256-wide K steps reduced each step (72 registers, ~3x the programs per SM of
+# the config above, more of W_g in flight): 44.7 against 48.7 us per layer at K=4096; 14.9 against
+# 14.1 us at K=2048 (gpu_check-decode-20261130-231118.json).
+GATE_UP_CONFIG_WIDE = (16, 256, 4, 3, True)
 DOWN_CONFIG = {1: (64, 32, 16, 4), 2: (128, 8, 16, 4)}
 # One token, at most this many neuron blocks: the down kernel takes them all in one group (no partials,
 # no last-arriver pass): 15.8 against 17.2 us per layer at K=2048 (352 blocks); at K=4096 (896 blocks)
 # two groups of 512 were slower than 28 groups of 32 (61.7 against 51.6 us; gpu_check-decode-20261130-230248).
+# The price is at higher density, where one program per K block walks every entry: 5% at K=2048,
+# 28.6 us (1.16x dense) against 19.2 us with 11 groups (gpu_check-decode-20261130-231118.json).
 ONE_GROUP_MAX_BLOCKS = 512
 
 
@@ -291,14 +297,15 @@ def decode_ffn(
 
     x: [M, K]; gate_weight, up_weight: [N, K]; down_weight_t: [N, K] (= down_weight.t(), unit stride on K
     for coalesced row loads); biases contiguous. Exact at any density: a dense call reads every row.
-    The configs override GATE_UP_CONFIG / DOWN_CONFIG (tests, benchmarks).
+    The configs override GATE_UP_CONFIG(_WIDE) / DOWN_CONFIG (tests, benchmarks).
     """
     m, k = x.shape
     n = gate_weight.shape[0]
     for name, t in (("gate_weight", gate_weight), ("up_weight", up_weight), ("down_weight_t", down_weight_t)):
         if t is not None and tuple(t.shape) != (n, k):
             raise ValueError(f"decode_ffn expects {name} of shape [{n}, {k}], got {list(t.shape)}")
-    block_n, block_k, warps, stages, each = gate_up_config or GATE_UP_CONFIG[min(m, 2)]
+    default = GATE_UP_CONFIG_WIDE if m == 1 and k > 2048 else GATE_UP_CONFIG[min(m, 2)]
+    block_n, block_k, warps, stages, each = gate_up_config or default
     n_blocks = triton.cdiv(n, block_n)
     down_k, group, chunk, down_warps = down_config or DOWN_CONFIG[min(m, 2)]
     if down_config is None and m == 1 and n_blocks <= ONE_GROUP_MAX_BLOCKS:
