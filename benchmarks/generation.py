@@ -17,9 +17,9 @@ keys and values with index_copy_ at positions from its own device counter (advan
 for one-token queries on a static cache it always builds the attention mask from device tensors.
 The prompt's forward is not captured (once per generation, and capture needs the cache allocated).
 
-Positions go in as `position_ids` and the cache as `past_key_values` or `cache` (transformers 5.17 and
-5.24 name it differently); the same calls as generate(greedy, static cache) makes, so the tokens match
-it (tests/test_generation.py).
+Needs transformers 5.x. Positions go in as `position_ids` and the cache as `past_key_values` or `cache`
+(5.17 and 5.24 name it differently): the same calls generate(greedy, static cache) makes, so the tokens
+match it (tests/test_generation.py).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+import transformers
 from transformers import StaticCache
 
 
@@ -48,8 +49,10 @@ class GreedyDecoder:
     """
 
     def __init__(self, model, batch: int, max_len: int, *, forward=None, graph: bool | None = None):
+        if int(transformers.__version__.split(".")[0]) < 5:  # 4.x caches take their write positions from the host
+            raise RuntimeError(f"transformers {transformers.__version__}: the loop needs 5.x")
         self.model = model
-        self.forward = forward or model
+        self.forward = model if forward is None else forward
         self.device = next(model.parameters()).device
         self.graph = self.device.type == "cuda" if graph is None else graph
         if self.graph and self.device.type != "cuda":

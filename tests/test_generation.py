@@ -40,9 +40,9 @@ def reference_tokens(model, prompt):
     return out[:, PROMPT:]
 
 
-def check_against_generate(model, batch, graph):
+def check_against_generate(model, batch, graph, forward=None):
     prompt = torch.randint(0, 64, (batch, PROMPT), device=model.device)
-    decoder = GreedyDecoder(model, batch, PROMPT + NEW, graph=graph)
+    decoder = GreedyDecoder(model, batch, PROMPT + NEW, forward=forward, graph=graph)
     tokens = decoder.generate(prompt, NEW)
     assert torch.equal(tokens, reference_tokens(model, prompt))
     other = torch.randint(0, 64, (batch, PROMPT), device=model.device)  # the decoder is reusable
@@ -56,6 +56,14 @@ def test_loop_matches_generate_on_cpu(batch, sparse):
     if sparse:
         twell.sparsify(model)
     check_against_generate(model, batch, graph=False)
+
+
+def test_step_compiled_with_the_twell_backend_matches_generate():
+    """The decode step writes the static cache in place: the compiled graph must keep those writes."""
+    model = tiny_model("cpu")
+    torch._dynamo.reset()
+    check_against_generate(model, 2, graph=False, forward=torch.compile(model, backend="twell"))
+    torch._dynamo.reset()
 
 
 def test_graph_needs_cuda():
