@@ -9,6 +9,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from generation import GreedyDecoder  # noqa: E402
+from models import VOCAB, build  # noqa: E402
 
 import twell  # noqa: E402
 
@@ -16,20 +17,9 @@ PROMPT, NEW = 5, 12
 
 
 def tiny_model(device):
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        hidden_act="relu",
-        mlp_bias=True,
-        max_position_embeddings=64,
-        eos_token_id=None,  # no end of sequence: generate() would stop there (or suppress it) where the loop does not
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).to(device).eval()
+    model = build("llama-bias").to(device)
+    model.generation_config.eos_token_id = None  # generate() would stop there, the loop does not
+    return model
 
 
 def reference_tokens(model, prompt):
@@ -41,11 +31,11 @@ def reference_tokens(model, prompt):
 
 
 def check_against_generate(model, batch, graph, forward=None):
-    prompt = torch.randint(0, 64, (batch, PROMPT), device=model.device)
+    prompt = torch.randint(0, VOCAB, (batch, PROMPT), device=model.device)
     decoder = GreedyDecoder(model, batch, PROMPT + NEW, forward=forward, graph=graph)
     tokens = decoder.generate(prompt, NEW)
     assert torch.equal(tokens, reference_tokens(model, prompt))
-    other = torch.randint(0, 64, (batch, PROMPT), device=model.device)  # the decoder is reusable
+    other = torch.randint(0, VOCAB, (batch, PROMPT), device=model.device)  # the decoder is reusable
     assert torch.equal(decoder.generate(other, NEW), reference_tokens(model, other))
 
 
