@@ -15,7 +15,7 @@ Gaussian inputs at the 2B shape and the skewed profile, p99 3.9x and max 13x the
 - "skewed": 0.5% mean density; 30% dead neurons, the others log-normal rates (sigma 1.5)
   (benchmarks/ffn.py's skewed_rates);
 - "demo": the per-neuron rate distribution twell's calibration measures on the trained demo model
-  (twell/demo) over Python source (the standard library's email package, byte-level): each layer
+  (twell/demo) over Python source (twell's own, byte-level: the same text on every machine): each layer
   takes the rate quantiles of the demo layer at the same relative depth, scaled to that layer's
   measured density (0.2% to 1.4% per layer).
 What each layer then fires on its calibration tokens is in the JSON (profiles.*.layers).
@@ -50,16 +50,15 @@ JSON to benchmarks/results/e2e-<timestamp>.json (or --out), written after every 
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import math
 import os
 import statistics
 import sys
-import sysconfig
 import tempfile
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import transformers
@@ -104,7 +103,6 @@ ROWS = ("dense-eager", "dense-compiled", "twell-compiled", "twell-eager")  # run
 DENSITY = 0.005
 ROW_SPREAD = 0.3  # weight of the gate direction all neurons of a layer share
 CALIB_TOKENS = 8192
-DEMO_TEXT = "email/*.py"  # under the standard library
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -125,18 +123,19 @@ def share_gate_direction(model, weight: float, generator) -> None:
 
 def demo_profile(windows: int) -> dict:
     """Per layer of the demo model: density and firing-rate quantiles, measured by twell.calibrate on
-    `windows` windows of 128 bytes of the standard library's email package."""
+    `windows` windows of 128 bytes of twell's own source."""
     from twell.loading import load_model, read_texts, tokenize
     from twell.passes import find_ffns
 
     loaded = load_model(None)
-    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], DEMO_TEXT)))
+    package = Path(twell.__file__).parent
+    files = sorted(package.rglob("*.py"))
     stream = tokenize([text for f in files for text in read_texts(f)], None, loaded.vocab_size)
     ids = torch.tensor(stream[: windows * 128]).view(-1, 128)
     config = {"cost_model": "analytic", "decode_steps": 0, "timing_repeats": 0, "progress": False}
     decisions = twell.calibrate(loaded.model, find_ffns(loaded.model), list(ids.split(16)), config=config)
     layers = [{"density": d.density, "neuron_rates": d.stats["prefill"]["neuron_rates"]} for d in decisions.values()]
-    return {"text": f"{DEMO_TEXT} ({len(files)} files, {ids.numel()} bytes)", "layers": layers}
+    return {"text": f"twell/**/*.py, the first {ids.numel()} bytes", "layers": layers}
 
 
 def rates_from_quantiles(quantiles: dict, density: float, n: int, generator) -> torch.Tensor:
@@ -513,7 +512,7 @@ def main():
         "args": vars(args),
         "models": [],
     }
-    demo = demo_profile(16 if args.smoke else 64) if "demo" in args.profiles.split(",") else None
+    demo = demo_profile(16 if args.smoke else 128) if "demo" in args.profiles.split(",") else None
     result["demo_profile"] = demo
     for name in args.models.split(","):
         shape = dict(shapes[name])
