@@ -20,19 +20,26 @@ Gaussian inputs at the 2B shape and the skewed profile, p99 3.9x and max 13x the
   measured density (0.2% to 1.4% per layer).
 What each layer then fires on its calibration tokens is in the JSON (profiles.*.layers).
 
-Rows: "dense eager"; "dense compiled" (torch.compile(model)); "twell eager" (twell.sparsify(model):
-every FFN rewritten, no calibration); "twell compiled" (torch.compile(model, backend="twell")). Dense
+Rows (--rows): "dense-eager"; "dense-compiled" (torch.compile(model)); "twell-eager" (twell.sparsify(
+model): every FFN rewritten, no calibration); "twell-compiled" (torch.compile(model, backend="twell")),
+compiled once per row: the prefill points share one dynamic-shape graph, generation one graph per
+batch size. Dense
 times do not depend on the profile (the same kernels on other values): the dense rows run once, on
 the first profile. Speedups are against the faster dense row at each point.
 
 Timed, per model, profile and row (each call a CUDA-event pair, synchronised after each; median of
-at least 3 calls and at least --min-time seconds, after --warmup untimed calls, whose seconds,
-compilation and autotuning included, are recorded as warmup_s):
+at least 3 calls and at least --min-time seconds, after untimed calls whose seconds, compilation,
+autotuning and graph capture included, are recorded as warmup_s: --warmup per prefill point, one per
+generation):
 - prefill: one forward of [batch, seq] random tokens, no KV cache, logits of the last position only
-  (as a serving prefill); seq in --seqs, batch = tokens / seq for tokens in --tokens.
+  (as a serving prefill); seq in --seqs, batch = tokens / seq for tokens in --tokens. Each point
+  records its layer count: all of them by default (the 2B's 131072-token points take about 1 s and
+  under 20 GB per forward by FLOP and byte counts); --layers reduces a model's layers.
 - generation: benchmarks/generation.py's greedy loop (static cache, the decode step replayed as a
-  CUDA graph), a --prompt token prompt + --new-tokens tokens, at each of --batches; the prompt's
-  forward runs eager, the decode steps the row's forward. tokens/s = batch * new tokens / time.
+  CUDA graph), a --prompt token prompt + --new-tokens tokens, at each of --batches. The prompt's
+  forward runs the eager model (in the compiled rows the dense one: compiling it too would cost two
+  more compilations per row), the decode steps the row's forward. tokens/s = batch * new tokens /
+  time of the whole generation.
 - peak memory (torch.cuda.max_memory_allocated over the timed calls, weights included) and energy
   per token (NVML's total-energy counter around the timed calls / tokens; null without NVML).
 - prefill time breakdown, eager rows: CUDA events recorded by hooks around every layer's attention and
