@@ -72,6 +72,14 @@ class Block(torch.nn.Module):
         return self.mlp(x)
 
 
+def skewed_rates(n, density, generator):
+    """Firing rates [n] on the generator's device: 30% dead neurons, the rest log-normal (sigma 1.5),
+    mean `density` (capped at 0.5 per neuron)."""
+    rates = torch.exp(1.5 * torch.randn(n, device=generator.device, generator=generator))
+    rates[torch.rand(n, device=generator.device, generator=generator) < 0.3] = 0.0
+    return (rates * density * n / rates.sum()).clamp(max=0.5)
+
+
 def make_inputs(m, k, n, density, pattern, seed=0, dtype=torch.bfloat16):
     """x [M, K] and a Block whose FFN fires at `density` with the given pattern (module docstring)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -87,12 +95,7 @@ def make_inputs(m, k, n, density, pattern, seed=0, dtype=torch.bfloat16):
         x[:, -1] = -(top[:, r - 1] + top[:, r]) / 2
     else:
         x *= torch.exp(0.12 * torch.randn(m, 1, device="cuda", generator=g))
-        if pattern == "uniform":
-            rates = torch.full((n,), density, device="cuda")
-        else:
-            rates = torch.exp(1.5 * torch.randn(n, device="cuda", generator=g))
-            rates[torch.rand(n, device="cuda", generator=g) < 0.3] = 0.0
-            rates = (rates * density * n / rates.sum()).clamp(max=0.5)
+        rates = torch.full((n,), density, device="cuda") if pattern == "uniform" else skewed_rates(n, density, g)
         normal = torch.distributions.Normal(0.0, 1.0)
         sigma = w_gate.norm(dim=1)
         shift = -sigma * normal.icdf((1 - rates).clamp(1e-7, 1 - 1e-7))
@@ -273,6 +276,27 @@ def git_commit() -> str:
         return "unknown"
 
 
+def environment(**versions) -> dict:
+    """What every result file records: GPU (or "cpu"), torch, triton, python, commit, time, and
+    `versions` (e.g. transformers=...)."""
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        **versions,
+        "python": platform.python_version(),
+        "commit": git_commit(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+
+
+def result_path(out: str, kind: str) -> Path:
+    """$OUT (the device machine's output folder) if set, else `out`: <dir>/<kind>-<timestamp>.json."""
+    out_dir = Path(os.environ["OUT"]) if "OUT" in os.environ else Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return out_dir / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default="2048x5632,4096x14336")
@@ -284,20 +308,9 @@ def main():
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     compiled = torch.compile(dense_ffn, dynamic=True)  # the same FFN as a function: compiled once
-    result = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "commit": git_commit(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "ceilings": ceilings(),
-        "points": [],
-    }
+    result = {**environment(), "ceilings": ceilings(), "points": []}
     print(json.dumps(result["ceilings"]))
-    out_dir = Path(os.environ["OUT"]) if "OUT" in os.environ else Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"ffn-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path = result_path(args.out, "ffn")
     columns = "K N M dens pat nnz max dense twell x err dec pre gateC pack fused updn TB/s ovfl memD memT"
     header = " ".join(f"{c:>7}" for c in columns.split())
     lines = [header]

@@ -280,3 +280,33 @@ def test_inductor_pass_uuid_follows_plan_and_decisions(plan_keeping_layer_1_dens
     assert TwellInductorPass().uuid() != plain
     twell.restore(model)
     assert TwellInductorPass().uuid() == plain
+
+
+class CachedFFN(nn.Module):
+    """An FFN that writes its input into a buffer in place first (as a static KV cache does), the
+    write's result unused."""
+
+    def __init__(self, d=16, n=32):
+        super().__init__()
+        self.gate = nn.Linear(d, n)
+        self.up = nn.Linear(d, n, bias=False)
+        self.down = nn.Linear(n, d, bias=False)
+        self.register_buffer("cache", torch.zeros(8, d))
+        self.register_buffer("length", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x, position):
+        self.cache.index_copy_(0, position, x)
+        self.length.add_(1)
+        return self.down(F.relu(self.gate(x)) * self.up(x))
+
+
+def test_twell_backend_keeps_in_place_writes(op_calls):
+    torch.manual_seed(0)
+    eager, model = CachedFFN(), CachedFFN()
+    model.load_state_dict(eager.state_dict())
+    compiled = torch.compile(model, backend="twell", fullgraph=True)
+    x, position = torch.randn(2, 16), torch.tensor([3, 5])
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, position), eager(x, position), atol=1e-5, rtol=1e-5)
+    assert op_calls["gated_ffn"] == 1
+    assert torch.equal(model.cache, eager.cache) and model.cache[3].equal(x[0]) and int(model.length) == 1

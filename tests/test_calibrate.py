@@ -148,6 +148,10 @@ def test_statistics_match_format_pack(n, threshold):
         ref["max"],
     )
     assert decision.dead_neurons == ref["dead"] >= 7
+    rates = (h > threshold).double().mean(0).sort().values
+    for q, rate in stats["neuron_rates"].items():
+        assert rate == pytest.approx(rates[max(1, math.ceil(float(q) * n)) - 1].item())
+    assert stats["neuron_rates"]["0.0"] == 0.0 and stats["neuron_rates"]["1.0"] == rates[-1].item() > 0
 
 
 def test_prefill_and_decode_calls_are_kept_apart():

@@ -62,6 +62,9 @@ from twell.kernels import policy
 PLAN_FORMAT = "twell-plan"
 PLAN_VERSION = 1
 PHASES = ("prefill", "decode")
+# Quantiles of the per-neuron firing rates kept in the statistics: the shape of a layer's rate
+# distribution (dead neurons at the bottom, a long tail of frequent ones at the top).
+NEURON_RATE_QUANTILES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 0.999, 1.0)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -218,7 +221,13 @@ class _PhaseCounter:
                 str(t): int(torch.nonzero(h).max()) if rows else 0 for t, h in self.tile_max_hist.items()
             },
             "overflow_rows": overflow,
+            "neuron_rates": self.neuron_rate_quantiles(),
         }
+
+    def neuron_rate_quantiles(self) -> dict[str, float]:
+        """{quantile: rate}: nearest-rank quantiles of the fraction of rows in which each neuron fired."""
+        rates = (self.neuron_counts.double() / max(self.rows, 1)).sort().values.cpu()
+        return {str(q): float(rates[max(1, math.ceil(q * self.n)) - 1]) for q in NEURON_RATE_QUANTILES}
 
 
 class _LayerRecorder:

@@ -126,8 +126,25 @@ def rewrite_graph(graph: fx.Graph, dialect: Dialect, keep=None) -> list[tuple[FF
                 counters["twell"]["ffn_rewritten"] += 1
         found.append((match, reason))
     if any(not reason for _, reason in found):
-        graph.eliminate_dead_code()
+        _remove_dead_nodes(graph)
     return found
+
+
+def _mutates(node: fx.Node) -> bool:
+    """Whether the node writes into a tensor: an in-place method or function (name ending in one
+    underscore), an operator overload with a mutable schema, or an out= argument."""
+    if isinstance(node.target, torch._ops.OpOverload):
+        return node.target._schema.is_mutable
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or "out" in node.kwargs
+
+
+def _remove_dead_nodes(graph: fx.Graph) -> None:
+    """Graph.eliminate_dead_code without removing writes: FX counts dynamo's in-place calls (a static KV
+    cache's index_copy_ and position add_, whose results nobody uses) as pure, and would drop them."""
+    for node in reversed(graph.nodes):
+        if not node.users and not node.is_impure() and not _mutates(node):
+            graph.erase_node(node)
 
 
 # A parameter's dynamo source: L['self']._modules['model']._modules['layers']._modules['0']._parameters['weight']
