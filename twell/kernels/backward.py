@@ -352,6 +352,11 @@ def _check_weights(x2, gate_weight, up_weight, down_weight_t, width) -> tuple[in
     return m, n
 
 
+def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Buffers the kernels write in full (tests poison them)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def _scan(width: int) -> int:
     """Gate columns per compaction step: at most the width, so a dense-backup row's chunk fits its slots."""
     return min(SCAN, 1 << (width.bit_length() - 1))
@@ -379,11 +384,11 @@ def train_forward(
     m, n = _check_weights(x, gate_weight, up_weight, down_weight_t, width)
     k = x.shape[1]
     pre = torch.nn.functional.linear(x, gate_weight, gate_bias)  # dense: the gate GEMM (cuBLAS)
-    y = torch.empty_like(x)
-    ids = torch.empty(m, width, dtype=torch.int32, device=x.device)
-    gate = torch.empty(m, width, dtype=x.dtype, device=x.device)
-    up = torch.empty(m, width if up_weight is not None else 0, dtype=x.dtype, device=x.device)
-    counts = torch.empty(m, dtype=torch.int32, device=x.device)
+    y = _alloc((m, k), x.dtype, x.device)
+    ids = _alloc((m, width), torch.int32, x.device)
+    gate = _alloc((m, width), x.dtype, x.device)
+    up = _alloc((m, width if up_weight is not None else 0), x.dtype, x.device)
+    counts = _alloc((m,), torch.int32, x.device)
     if m == 0:
         return y, ids, gate, up, counts
     _train_forward_kernel[(m,)](
@@ -438,14 +443,14 @@ def train_backward(
         raise ValueError(f"dy must be {list(x.shape)} {x.dtype} with unit stride on K, got {list(dy.shape)} {dy.dtype}")
     width = ids.shape[1]
     f32 = {"dtype": torch.float32, "device": x.device}
-    dx = torch.empty_like(x)
+    dx = _alloc((m, k), x.dtype, x.device)
     dwg = torch.zeros(n, k, **f32)
     dwu = torch.zeros(n, k, **f32) if up_weight is not None else dwg.new_empty(0)
     dwd = torch.zeros(n, k, **f32)
     dbg = torch.zeros(n if gate_bias is not None else 0, **f32)
     dbu = torch.zeros(n if up_bias is not None else 0, **f32)
-    dg = torch.empty(m, width, **f32)
-    du = torch.empty(m, width, **f32) if up_weight is not None else dg
+    dg = _alloc((m, width), torch.float32, x.device)
+    du = _alloc((m, width), torch.float32, x.device) if up_weight is not None else dg
     flags = {
         "HAS_UP": up_weight is not None,
         "HAS_GATE_BIAS": gate_bias is not None,

@@ -1,0 +1,242 @@
+"""Sparse training path (twell::ffn_train and its backward) against float64 dense autograd of
+twell.kernels.reference (CPU: Triton's interpreter, fp32/fp16; GPU: bf16 at a real shape too)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import DEVICE, rel_err
+from ffn_cases import gated_ref, make_ffn, plain_ref
+from torch.utils.checkpoint import checkpoint
+
+import twell
+import twell.ops
+from twell.kernels import backward, policy
+
+# empty rows, sparse rows, rows past the record width (0.3 of 70 > 16 slots) and fully dense rows
+DENSITIES = [0.0, 0.1, 1.0, 0.05, 0.3, 0.02]
+GRAD_TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(autouse=True)
+def poisoned_buffers(monkeypatch):
+    """Every buffer the kernels allocate starts as NaN / -1, so an element they fail to write shows."""
+    alloc = backward._alloc
+
+    def poisoned(shape, dtype, device):
+        t = alloc(shape, dtype, device)
+        return t.fill_(float("nan") if t.is_floating_point() else -1)
+
+    monkeypatch.setattr(backward, "_alloc", poisoned)
+
+
+def _leaves(case, dtype=None):
+    return {
+        name: (t.to(dtype) if dtype else t).clone().requires_grad_() if t is not None else None
+        for name, t in case.items()
+    }
+
+
+def _train_op(leaves, gated, threshold=0.0, drelu=False, squared=False, width=16):
+    if gated:
+        args = (leaves["gate_weight"], leaves["up_weight"], leaves["down_weight"], leaves["gate_bias"])
+        args += (leaves["up_bias"], leaves["down_bias"])
+    else:
+        args = (leaves["up_weight"], None, leaves["down_weight"], leaves["up_bias"], None, leaves["down_bias"])
+    return torch.ops.twell.ffn_train(leaves["x"], *args, threshold, drelu, squared, width)
+
+
+def _check_grads(case, gated, dtype, threshold=0.0, drelu=False, squared=False, width=16, dy=None):
+    """Output and every gradient of the training op against float64 dense autograd."""
+    leaves = _leaves(case)
+    y = _train_op(leaves, gated, threshold, drelu, squared, width)[0]
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(dtype) if dy is None else dy
+    y.backward(dy.to(DEVICE))
+    ref_leaves = _leaves(case, torch.float64)
+    ref = gated_ref(ref_leaves, threshold, drelu) if gated else plain_ref(ref_leaves, threshold, squared)
+    ref.backward(dy.double().to(DEVICE))
+    tol = GRAD_TOL[dtype]
+    assert rel_err(y, ref) <= tol, "y"
+    for name, leaf in leaves.items():
+        if leaf is not None:
+            assert rel_err(leaf.grad, ref_leaves[name].grad) <= tol, name
+    return leaves
+
+
+VARIANTS = {
+    # id: (gated, biases, threshold, drelu, squared)
+    "gated-relu-bias": (True, True, 0.0, False, False),
+    "gated-relu": (True, False, 0.0, False, False),
+    "gated-fatrelu-bias": (True, True, 0.05, False, False),
+    "gated-drelu": (True, False, 0.0, True, False),
+    "plain-relu-bias": (False, True, 0.0, False, False),
+    "plain-relu2": (False, False, 0.0, False, True),
+    "plain-fatrelu-relu2-bias": (False, True, 0.05, False, True),
+}
+CASES = [(v, torch.float32) for v in VARIANTS] + [("gated-relu-bias", torch.float16), ("plain-relu2", torch.float16)]
+
+
+@pytest.mark.parametrize("variant,dtype", CASES, ids=[f"{v}-{str(d)[6:]}" for v, d in CASES])
+def test_every_gradient_matches_dense_autograd(variant, dtype):
+    """M=13, K=24, N=70 (no multiple of any block), width 16: empty, sparse, past-width and dense rows."""
+    gated, biases, threshold, drelu, squared = VARIANTS[variant]
+    case = make_ffn(13, 24, 70, DENSITIES, dtype, DEVICE, seed=3, biases=biases, gated=gated)
+    _check_grads(case, gated, dtype, threshold, drelu, squared)
+
+
+def test_single_token_and_width_past_n():
+    case = make_ffn(1, 24, 70, [0.2], torch.float32, DEVICE, biases=True)
+    _check_grads(case, True, torch.float32, width=128)
+
+
+def test_neuron_active_in_every_token_is_split():
+    """257 tokens share neuron 5 (its pairs split into parts summed atomically); leading dims kept."""
+    case = make_ffn(257, 16, 40, [0.0, 0.05, 0.1], torch.float32, DEVICE, seed=5, biases=True)
+    with torch.no_grad():
+        case["gate_weight"][5] = 0.0
+        case["gate_bias"][5] = 2.0
+    per = max(-(-257 // backward.SPLITS), backward.MIN_PAIRS)
+    assert per < 257  # neuron 5's pairs span several programs
+    case["x"] = case["x"].reshape(257, 1, 16)
+    leaves = _check_grads(case, True, torch.float32, width=8)
+    assert leaves["x"].grad.shape == (257, 1, 16)
+
+
+def test_record_holds_the_kept_entries():
+    """Rows within the width list their kept neurons in order with the dtype-rounded gate and up
+    values; counts are the true counts, also past the width."""
+    case = make_ffn(13, 24, 70, DENSITIES, torch.float16, DEVICE, seed=3)
+    with torch.no_grad():
+        _, ids, gate, up, counts = _train_op(case, True)
+    pre = F.linear(case["x"], case["gate_weight"])
+    kept = ~(pre <= 0)
+    assert torch.equal(counts.long(), kept.sum(1))
+    u = F.linear(case["x"], case["up_weight"])
+    for m in range(13):
+        c = int(counts[m])
+        if c <= 16:
+            cols = kept[m].nonzero().flatten()
+            assert torch.equal(ids[m, :c].long(), cols)
+            assert torch.equal(gate[m, :c], pre[m, cols])
+            assert rel_err(up[m, :c], u[m, cols]) <= 1e-3
+
+
+def test_compile_fullgraph_and_checkpoint():
+    """torch.compile traces forward and backward with no graph break; activation checkpointing
+    recomputes the forward; both give the eager gradients."""
+    case = make_ffn(6, 16, 40, [0.0, 0.2, 1.0], torch.float32, DEVICE, biases=True)
+
+    def loss(leaves):
+        return _train_op(leaves, True, width=8)[0].square().sum()
+
+    eager = _leaves(case)
+    loss(eager).backward()
+    compiled = _leaves(case)
+    torch.compile(loss, fullgraph=True, backend="aot_eager")(compiled).backward()
+    ckpt = _leaves(case)
+    checkpoint(loss, ckpt, use_reentrant=False).backward()
+    for name, leaf in eager.items():
+        assert torch.allclose(compiled[name].grad, leaf.grad, rtol=1e-5, atol=1e-6), name
+        assert torch.allclose(ckpt[name].grad, leaf.grad, rtol=1e-5, atol=1e-6), name
+
+
+def test_routing_needs_cuda_grad_and_the_kernel_layout():
+    case = make_ffn(4, 16, 40, [0.2], torch.float32, biases=True)
+    args = (case["gate_weight"], case["up_weight"], case["down_weight"], (None, None, None))
+    x = case["x"].requires_grad_()
+    assert not twell.kernels.ops.sparse_training(x, *args)  # CPU: the dense reference's autograd
+    assert not twell.kernels.ops.sparse_training(case["x"].detach(), *args)  # no grad needed
+    assert policy.train_width(5632) == 256 and policy.train_width(14336) == 512 and policy.train_width(40) == 64
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        ({"width": 0}, ValueError, "width must be >= 1, got 0"),
+        ({"up_weight": None}, ValueError, "up_bias needs up_weight"),
+        ({"x": torch.randn(3, 15)}, ValueError, r"x must have shape \[\.\.\., 16\]"),
+    ],
+    ids=["width", "up-bias-alone", "x-width"],
+)
+def test_bad_input_names_what_is_wrong(change, error, match):
+    args = {"x": torch.randn(3, 16), "up_weight": torch.randn(40, 16), "width": 8}
+    args.update(change)
+    with pytest.raises(error, match=match):
+        torch.ops.twell.ffn_train(
+            args["x"], torch.randn(40, 16), args["up_weight"], torch.randn(16, 40), None, torch.randn(40), None,
+            0.0, False, False, args["width"],
+        )  # fmt: skip
+
+
+def test_kernel_rejects_strided_weight_rows():
+    x = torch.randn(3, 16)
+    w = torch.randn(16, 40).t()
+    with pytest.raises(ValueError, match="gate_weight must have unit stride along K"):
+        backward.train_forward(
+            x, w, None, None, None, torch.randn(40, 16), None, threshold=0.0, drelu=False, square=False, width=8
+        )
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU: real shapes, bf16, the user's path (sparsify), torch.compile and CUDA graphs
+
+
+def _layer(k, n, m, density, seed=0):
+    """A ReLU-gated FFN module (down weight as sparsify stores it) firing at about `density`."""
+    from benchmarks.ffn import make_inputs
+
+    x, block = make_inputs(m, k, n, density, "skewed", seed=seed)
+    block = twell.sparsify(block.train())
+    return x, block
+
+
+@pytest.mark.gpu
+def test_gpu_real_shape_bf16_matches_dense_autograd():
+    k, n, m = 2048, 5632, 4096
+    x, block = _layer(k, n, m, 0.01)
+    mlp = block.mlp
+    params = [mlp.gate_proj.weight, mlp.gate_proj.bias, mlp.up_proj.weight, mlp.down_proj.weight]
+    wg, bg, wu, wd = params
+    xs = x.clone().requires_grad_()
+    assert twell.kernels.ops.sparse_training(xs, wg, wu, wd, (bg, None, None))  # the sparse path runs
+    y = block(xs)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    ref_leaves = [x.double().requires_grad_()] + [p.detach().double().requires_grad_() for p in params]
+    xr, rwg, rbg, rwu, rwd = ref_leaves
+    ref = twell.kernels.reference.gated_ffn(xr, rwg, rwu, rwd, rbg)
+    ref.backward(dy.double())
+    assert rel_err(y, ref) <= 1e-2
+    for got, want in zip([xs.grad] + [p.grad for p in params], ref_leaves, strict=True):
+        assert rel_err(got, want.grad) <= 2e-2
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_training_step_and_cuda_graph():
+    k, n, m = 512, 1408, 8192
+    x, block = _layer(k, n, m, 0.01, seed=1)
+    params = list(block.parameters())
+
+    def loss_fn(x):
+        return block(x).float().square().mean()
+
+    def step(x, loss_fn):
+        return torch.autograd.grad(loss_fn(x), [x, *params])
+
+    xs = x.clone().requires_grad_()
+    eager = step(xs, loss_fn)
+    compiled = step(xs, torch.compile(loss_fn, fullgraph=True))
+    for a, b in zip(compiled, eager, strict=True):
+        assert rel_err(a, b) <= 1e-2
+    # forward + backward captured in one CUDA graph: no host synchronisation inside the step
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step(xs, loss_fn)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_grads = step(xs, loss_fn)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(static_grads, eager, strict=True):
+        assert rel_err(a, b) <= 1e-2
