@@ -10,7 +10,7 @@ from torch.utils.checkpoint import checkpoint
 
 import twell
 import twell.ops
-from twell.kernels import backward, policy
+from twell.kernels import backward, policy, reference
 
 # empty rows, sparse rows, rows past the record width (0.3 of 70 > 16 slots) and fully dense rows
 DENSITIES = [0.0, 0.1, 1.0, 0.05, 0.3, 0.02]
@@ -103,13 +103,16 @@ def test_neuron_active_in_every_token_is_split():
 
 def test_record_holds_the_kept_entries():
     """Rows within the width list their kept neurons in order with the dtype-rounded gate and up
-    values; counts are the true counts, also past the width."""
+    values; counts are the true counts, also past the width; sum |h| and the nonzeros of h."""
     case = make_ffn(13, 24, 70, DENSITIES, torch.float16, DEVICE, seed=3)
     with torch.no_grad():
-        _, ids, gate, up, counts = _train_op(case, True)
+        _, ids, gate, up, counts, l1, nonzero = _train_op(case, True)
     pre = F.linear(case["x"], case["gate_weight"])
     kept = ~(pre <= 0)
     assert torch.equal(counts.long(), kept.sum(1))
+    h = reference.hidden(case["x"], case["gate_weight"], case["up_weight"])
+    assert rel_err(l1, h.abs().double().sum()) <= 1e-3
+    assert nonzero.item() == torch.count_nonzero(h).item()
     u = F.linear(case["x"], case["up_weight"])
     for m in range(13):
         c = int(counts[m])
@@ -118,6 +121,30 @@ def test_record_holds_the_kept_entries():
             assert torch.equal(ids[m, :c].long(), cols)
             assert torch.equal(gate[m, :c], pre[m, cols])
             assert rel_err(up[m, :c], u[m, cols]) <= 1e-3
+
+
+@pytest.mark.parametrize("gated,biases,drelu,squared", [(True, True, True, False), (False, False, False, True)])
+def test_l1_penalty_gradient(gated, biases, drelu, squared):
+    """loss = <y, dy> + lam * sum |h|: the L1 term's gradient flows through the record (and through the
+    recomputed dense-backup rows) as dense autograd's through |h|."""
+    case = make_ffn(13, 24, 70, DENSITIES, torch.float32, DEVICE, seed=4, biases=biases, gated=gated)
+    leaves = _leaves(case)
+    y, *_, l1, _ = _train_op(leaves, gated, drelu=drelu, squared=squared)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(2))
+    lam = 3.0  # large, so the L1 term's share of every gradient is far above the tolerance
+    ((y * dy).sum() + lam * l1).backward()
+    ref_leaves = _leaves(case, torch.float64)
+    x, wd, bd = ref_leaves["x"], ref_leaves["down_weight"], ref_leaves["down_bias"]
+    wu, bu = ref_leaves["up_weight"], ref_leaves["up_bias"]
+    wg, bg = (ref_leaves["gate_weight"], ref_leaves["gate_bias"]) if gated else (wu, bu)
+    if not gated:  # the plain FFN's only projection plays the gate's part
+        wu, bu = None, None
+    h = reference.hidden(x, wg, wu, bg, bu, 0.0, drelu, squared)
+    ((F.linear(h, wd, bd) * dy.double()).sum() + lam * h.abs().sum()).backward()
+    assert rel_err(l1, h.abs().sum()) <= 1e-5
+    for name, leaf in leaves.items():
+        if leaf is not None:
+            assert rel_err(leaf.grad, ref_leaves[name].grad) <= 1e-4, name
 
 
 def test_compile_fullgraph_and_checkpoint():

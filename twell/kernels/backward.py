@@ -69,6 +69,12 @@ def _hidden(g, u, HAS_UP: tl.constexpr, DRELU: tl.constexpr, SQUARE: tl.constexp
 
 
 @triton.jit
+def _sign(h):
+    """d|h|/dh as torch.abs's backward gives it (0 at 0)."""
+    return tl.where(h > 0.0, 1.0, tl.where(h < 0.0, -1.0, 0.0))
+
+
+@triton.jit
 def _hidden_grads(dh, g, u, HAS_UP: tl.constexpr, DRELU: tl.constexpr, SQUARE: tl.constexpr):
     """(dg, du) of kept entries from dh = dL/dh."""
     if HAS_UP:
@@ -113,11 +119,12 @@ def _compact(pre_row, c0, N, threshold, ids_row, gate_row, before, LIMIT, SCAN: 
 
 @triton.jit
 def _forward_entries(
-    y, xv, ids_row, gate_row, up_row, count, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un, stride_dn,
+    y, l1, nonzero, xv, ids_row, gate_row, up_row, count, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un, stride_dn,
     STORE_UP: tl.constexpr, HAS_UP: tl.constexpr, HAS_UP_BIAS: tl.constexpr, DRELU: tl.constexpr,
     SQUARE: tl.constexpr, DTYPE: tl.constexpr,
 ):  # fmt: skip
-    """y + sum over the first `count` record entries of h W_d^T[n]; their u into up_row with STORE_UP."""
+    """y + sum over the first `count` record entries of h W_d^T[n], with sum |h| and the number of
+    nonzero h added to l1 and nonzero; their u into up_row with STORE_UP."""
     for e in range(0, count):
         neuron = tl.load(ids_row + e).to(tl.int64)
         g = tl.load(gate_row + e).to(tl.float32)
@@ -127,19 +134,23 @@ def _forward_entries(
             if STORE_UP:
                 tl.store(up_row + e, u)
         wd = tl.load(wd_ptr + neuron * stride_dn + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        y += _hidden(g, u, HAS_UP, DRELU, SQUARE, DTYPE) * wd
-    return y
+        h = _hidden(g, u, HAS_UP, DRELU, SQUARE, DTYPE)
+        y += h * wd
+        l1 += tl.abs(h)
+        nonzero += (h != 0.0).to(tl.int32)
+    return y, l1, nonzero
 
 
 @triton.jit
 def _train_forward_kernel(
-    pre_ptr, x_ptr, wu_ptr, bu_ptr, wd_ptr, bd_ptr, y_ptr, ids_ptr, gate_ptr, up_ptr, cnt_ptr,
+    pre_ptr, x_ptr, wu_ptr, bu_ptr, wd_ptr, bd_ptr, y_ptr, ids_ptr, gate_ptr, up_ptr, cnt_ptr, l1_ptr, nz_ptr,
     N, K, threshold, stride_pm, stride_xm, stride_un, stride_dn, stride_ym,
     HAS_UP: tl.constexpr, HAS_UP_BIAS: tl.constexpr, HAS_DOWN_BIAS: tl.constexpr, DRELU: tl.constexpr,
     SQUARE: tl.constexpr, WIDTH: tl.constexpr, SCAN: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """Row m: compact the dense gate row into the record, then y_m = sum h W_d^T[n] (+ b_d). A row past
-    WIDTH walks its gate row again, SCAN columns (<= WIDTH) at a time through its record slots."""
+    """Row m: compact the dense gate row into the record, then y_m = sum h W_d^T[n] (+ b_d), and the
+    row's sum |h| and nonzero count for the L1 penalty. A row past WIDTH walks its gate row again, SCAN
+    columns (<= WIDTH) at a time through its record slots."""
     m = tl.program_id(0).to(tl.int64)
     pre_row = pre_ptr + m * stride_pm
     ids_row = ids_ptr + m * WIDTH
@@ -155,28 +166,32 @@ def _train_forward_kernel(
     k_ok = offs_k < K
     xv = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_ok, other=0.0).to(tl.float32)
     y = tl.zeros([BLOCK_K], dtype=tl.float32)
+    l1 = tl.zeros([], dtype=tl.float32)
+    nonzero = tl.zeros([], dtype=tl.int32)
     if total <= WIDTH:
-        y = _forward_entries(
-            y, xv, ids_row, gate_row, up_row, total, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un, stride_dn,
-            True, HAS_UP, HAS_UP_BIAS, DRELU, SQUARE, dtype,
+        y, l1, nonzero = _forward_entries(
+            y, l1, nonzero, xv, ids_row, gate_row, up_row, total, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un,
+            stride_dn, True, HAS_UP, HAS_UP_BIAS, DRELU, SQUARE, dtype,
         )  # fmt: skip
     else:
         for c0 in range(0, N, SCAN):
             count = _compact(pre_row, c0, N, threshold, ids_row, gate_row, 0, WIDTH, SCAN)
             tl.debug_barrier()
-            y = _forward_entries(
-                y, xv, ids_row, gate_row, up_row, count, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un,
-                stride_dn, False, HAS_UP, HAS_UP_BIAS, DRELU, SQUARE, dtype,
+            y, l1, nonzero = _forward_entries(
+                y, l1, nonzero, xv, ids_row, gate_row, up_row, count, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr,
+                stride_un, stride_dn, False, HAS_UP, HAS_UP_BIAS, DRELU, SQUARE, dtype,
             )  # fmt: skip
             tl.debug_barrier()  # the next chunk overwrites the slots
     if HAS_DOWN_BIAS:
         y += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + m * stride_ym + offs_k, y.to(dtype), mask=k_ok)
+    tl.store(l1_ptr + m, l1)
+    tl.store(nz_ptr + m, nonzero)
 
 
 @triton.jit
 def _backup_row(
-    dx, xv, dyv, offs_k, k_ok, N, K, threshold, wg_ptr, bg_ptr, wu_ptr, bu_ptr, wd_ptr, stride_gn, stride_un,
+    dx, xv, dyv, dl1, offs_k, k_ok, N, K, threshold, wg_ptr, bg_ptr, wu_ptr, bu_ptr, wd_ptr, stride_gn, stride_un,
     stride_dn, dwg_ptr, dwu_ptr, dwd_ptr, dbg_ptr, dbu_ptr,
     HAS_UP: tl.constexpr, HAS_GATE_BIAS: tl.constexpr, HAS_UP_BIAS: tl.constexpr, DRELU: tl.constexpr,
     SQUARE: tl.constexpr, DTYPE: tl.constexpr, ROWS: tl.constexpr,
@@ -206,10 +221,10 @@ def _backup_row(
             if HAS_UP_BIAS:
                 u += tl.load(bu_ptr + rows, mask=ok, other=0.0).to(tl.float32)
             u = _round(u, DTYPE)
-        dg, du = _hidden_grads(dh, g, u, HAS_UP, DRELU, SQUARE)
+        h = tl.where(kept, _hidden(g, u, HAS_UP, DRELU, SQUARE, DTYPE), 0.0)
+        dg, du = _hidden_grads(dh + dl1 * _sign(h), g, u, HAS_UP, DRELU, SQUARE)
         dg = tl.where(kept, dg, 0.0)
         du = tl.where(kept, du, 0.0)
-        h = tl.where(kept, _hidden(g, u, HAS_UP, DRELU, SQUARE, DTYPE), 0.0)
         dx += tl.sum(dg[:, None] * wg, axis=0)
         out = rows64[:, None] * K + offs_k[None, :]
         tl.atomic_add(dwg_ptr + out, dg[:, None] * xv[None, :], mask=kept_tile)
@@ -226,14 +241,16 @@ def _backup_row(
 
 @triton.jit
 def _train_dx_kernel(
-    dy_ptr, x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, wd_ptr, ids_ptr, gate_ptr, up_ptr, cnt_ptr, dg_ptr, du_ptr,
-    dx_ptr, dwg_ptr, dwu_ptr, dwd_ptr, dbg_ptr, dbu_ptr,
+    dy_ptr, dl1_ptr, x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, wd_ptr, ids_ptr, gate_ptr, up_ptr, cnt_ptr, dg_ptr,
+    du_ptr, dx_ptr, dwg_ptr, dwu_ptr, dwd_ptr, dbg_ptr, dbu_ptr,
     N, K, threshold, stride_dym, stride_xm, stride_gn, stride_un, stride_dn, stride_dxm,
     HAS_UP: tl.constexpr, HAS_GATE_BIAS: tl.constexpr, HAS_UP_BIAS: tl.constexpr, DRELU: tl.constexpr,
     SQUARE: tl.constexpr, WIDTH: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """Row m: dx_m and the record's dg (and du) of its entries; a dense-backup row by _backup_row."""
+    """Row m: dx_m and the record's dg (and du) of its entries; a dense-backup row by _backup_row.
+    dl1: the gradient of sum |h| (the L1 penalty's), added to dh as dl1 * sign(h)."""
     m = tl.program_id(0).to(tl.int64)
+    dl1 = tl.load(dl1_ptr)
     count = tl.load(cnt_ptr + m)
     offs_k = tl.arange(0, BLOCK_K)
     k_ok = offs_k < K
@@ -249,7 +266,7 @@ def _train_dx_kernel(
             if HAS_UP:
                 u = tl.load(up_ptr + slot + e).to(tl.float32)
             wd = tl.load(wd_ptr + neuron * stride_dn + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            dh = tl.sum(dyv * wd, axis=0)
+            dh = tl.sum(dyv * wd, axis=0) + dl1 * _sign(_hidden(g, u, HAS_UP, DRELU, SQUARE, dtype))
             dg, du = _hidden_grads(dh, g, u, HAS_UP, DRELU, SQUARE)
             wg = tl.load(wg_ptr + neuron * stride_gn + offs_k, mask=k_ok, other=0.0).to(tl.float32)
             dx += dg * wg
@@ -261,7 +278,7 @@ def _train_dx_kernel(
     else:
         xv = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         dx = _backup_row(
-            dx, xv, dyv, offs_k, k_ok, N, K, threshold, wg_ptr, bg_ptr, wu_ptr, bu_ptr, wd_ptr, stride_gn,
+            dx, xv, dyv, dl1, offs_k, k_ok, N, K, threshold, wg_ptr, bg_ptr, wu_ptr, bu_ptr, wd_ptr, stride_gn,
             stride_un, stride_dn, dwg_ptr, dwu_ptr, dwd_ptr, dbg_ptr, dbu_ptr, HAS_UP, HAS_GATE_BIAS,
             HAS_UP_BIAS, DRELU, SQUARE, dtype, ROWS,
         )  # fmt: skip
@@ -376,7 +393,8 @@ def train_forward(
     square: bool,
     width: int,
 ) -> tuple[torch.Tensor, ...]:
-    """(y, ids, gate, up, counts): y [M, K] of the FFN and its record (module docstring).
+    """(y, ids, gate, up, counts, l1, nonzero): y [M, K] of the FFN, its record (module docstring),
+    sum |h| over the hidden activation h [M, N] (fp32) and the number of its nonzeros (int64).
 
     x: [M, K] with unit stride on K; gate_weight, up_weight (None: plain FFN, h = relu_t(gate) or its
     square), down_weight_t: [N, K] with unit stride on K (down_weight_t = down_weight.t()).
@@ -389,17 +407,18 @@ def train_forward(
     gate = _alloc((m, width), x.dtype, x.device)
     up = _alloc((m, width if up_weight is not None else 0), x.dtype, x.device)
     counts = _alloc((m,), torch.int32, x.device)
-    if m == 0:
-        return y, ids, gate, up, counts
-    _train_forward_kernel[(m,)](
-        pre, x, up_weight if up_weight is not None else x, up_bias if up_bias is not None else x, down_weight_t,
-        down_bias if down_bias is not None else x, y, ids, gate, up, counts, n, k, threshold_in(threshold, x.dtype),
-        pre.stride(0), x.stride(0), up_weight.stride(0) if up_weight is not None else 0, down_weight_t.stride(0),
-        y.stride(0), HAS_UP=up_weight is not None, HAS_UP_BIAS=up_bias is not None,
-        HAS_DOWN_BIAS=down_bias is not None, DRELU=drelu, SQUARE=square, WIDTH=width, SCAN=_scan(width),
-        BLOCK_K=triton.next_power_of_2(k),
-    )  # fmt: skip
-    return y, ids, gate, up, counts
+    row_l1 = _alloc((m,), torch.float32, x.device)
+    row_nonzero = _alloc((m,), torch.int32, x.device)
+    if m > 0:
+        _train_forward_kernel[(m,)](
+            pre, x, up_weight if up_weight is not None else x, up_bias if up_bias is not None else x,
+            down_weight_t, down_bias if down_bias is not None else x, y, ids, gate, up, counts, row_l1, row_nonzero,
+            n, k, threshold_in(threshold, x.dtype), pre.stride(0), x.stride(0),
+            up_weight.stride(0) if up_weight is not None else 0, down_weight_t.stride(0), y.stride(0),
+            HAS_UP=up_weight is not None, HAS_UP_BIAS=up_bias is not None, HAS_DOWN_BIAS=down_bias is not None,
+            DRELU=drelu, SQUARE=square, WIDTH=width, SCAN=_scan(width), BLOCK_K=triton.next_power_of_2(k),
+        )  # fmt: skip
+    return y, ids, gate, up, counts, row_l1.sum(), row_nonzero.sum(dtype=torch.int64)
 
 
 def _neuron_segments(ids: torch.Tensor, counts: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -418,6 +437,7 @@ def _neuron_segments(ids: torch.Tensor, counts: torch.Tensor, n: int) -> tuple[t
 
 def train_backward(
     dy: torch.Tensor,
+    l1_grad: torch.Tensor,
     x: torch.Tensor,
     gate_weight: torch.Tensor,
     gate_bias: torch.Tensor | None,
@@ -436,7 +456,8 @@ def train_backward(
 ) -> tuple[torch.Tensor, ...]:
     """(dx, d gate_weight, d up_weight, d down_weight_t, d gate_bias, d up_bias, d down_bias) from the
     record (ids, gate, up, counts) of train_forward with the same weights, biases and flags; dy, x:
-    [M, K] with unit stride on K. Gradients of absent tensors are empty."""
+    [M, K] with unit stride on K; l1_grad: the gradient of train_forward's l1 (a one-element fp32
+    tensor). Gradients of absent tensors are empty."""
     m, n = _check_weights(x, gate_weight, up_weight, down_weight_t, ids.shape[1])
     k = x.shape[1]
     if dy.shape != x.shape or dy.dtype != x.dtype or dy.stride(1) != 1:
@@ -463,8 +484,9 @@ def train_backward(
         block_k = triton.next_power_of_2(k)
         wu = up_weight if up_weight is not None else x
         _train_dx_kernel[(m,)](
-            dy, x, gate_weight, gate_bias if gate_bias is not None else x, wu, up_bias if up_bias is not None else x,
-            down_weight_t, ids, gate, up, counts, dg, du, dx, dwg, dwu, dwd, dbg, dbu, n, k,
+            dy, l1_grad, x, gate_weight, gate_bias if gate_bias is not None else x, wu,
+            up_bias if up_bias is not None else x, down_weight_t, ids, gate, up, counts, dg, du, dx, dwg, dwu, dwd,
+            dbg, dbu, n, k,
             threshold_in(threshold, x.dtype), dy.stride(0), x.stride(0), gate_weight.stride(0), wu.stride(0),
             down_weight_t.stride(0), dx.stride(0), ROWS=max(1, min(16, 4096 // block_k)), BLOCK_K=block_k, **flags,
         )  # fmt: skip

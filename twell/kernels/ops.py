@@ -191,10 +191,11 @@ def ffn_train(
     drelu: bool,
     squared: bool,
     width: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, ids, gate, up, counts): the FFN (gated with up_weight, else plain: gate_weight is its up
-    projection, squared its relu²) and the record backward reads (twell.kernels.backward). Triton
-    kernels: CUDA, or CPU under TRITON_INTERPRET=1."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, ids, gate, up, counts, l1, nonzero): the FFN (gated with up_weight, else plain: gate_weight
+    is its up projection, squared its relu²), the record backward reads (twell.kernels.backward), and
+    sum |h| (fp32, differentiable: the L1 penalty's) and the count of nonzero h (int64) over its hidden
+    activation h. Triton kernels: CUDA, or CPU under TRITON_INTERPRET=1."""
     from twell.kernels import backward
 
     _check_train(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, width)
@@ -212,12 +213,15 @@ def _(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, thr
     m = x.numel() // x.shape[-1]
     ids = x.new_empty(m, width, dtype=torch.int32)
     up = x.new_empty(m, width if up_weight is not None else 0)
-    return x.new_empty(x.shape), ids, x.new_empty(m, width), up, x.new_empty(m, dtype=torch.int32)
+    counts = x.new_empty(m, dtype=torch.int32)
+    l1, nonzero = x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.int64)
+    return x.new_empty(x.shape), ids, x.new_empty(m, width), up, counts, l1, nonzero
 
 
 @torch.library.custom_op("twell::ffn_train_backward", mutates_args=())
 def ffn_train_backward(
     dy: torch.Tensor,
+    l1_grad: torch.Tensor,
     x: torch.Tensor,
     gate_weight: torch.Tensor,
     up_weight: Optional[torch.Tensor],
@@ -234,21 +238,22 @@ def ffn_train_backward(
     squared: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, d gate_weight, d up_weight, d down_weight, d gate_bias, d up_bias, d down_bias) of ffn_train
-    from its record; gradients of absent tensors are empty. d down_weight has down_weight's layout."""
+    from its record; l1_grad: the gradient of ffn_train's l1 (one-element fp32). Gradients of absent
+    tensors are empty; d down_weight has down_weight's layout."""
     from twell.kernels import backward
 
     k = x.shape[-1]
     x2 = x.reshape(-1, k).contiguous()
     dy2 = dy.reshape(-1, k).contiguous()
     dx, dwg, dwu, dwd_t, dbg, dbu, dbd = backward.train_backward(
-        dy2, x2, gate_weight, _unit(gate_bias), up_weight, _unit(up_bias), down_weight.t(), has_down_bias, ids,
+        dy2, l1_grad, x2, gate_weight, _unit(gate_bias), up_weight, _unit(up_bias), down_weight.t(), has_down_bias, ids,
         gate, up, counts, threshold=threshold, drelu=drelu, square=squared,
     )  # fmt: skip
     return dx.reshape(x.shape), dwg, dwu, dwd_t.t(), dbg, dbu, dbd
 
 
 @ffn_train_backward.register_fake
-def _(dy, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, has_down_bias, ids, gate, up, counts, *_):
+def _(dy, l1_grad, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, has_down_bias, *_):
     n, k = gate_weight.shape
     return (
         x.new_empty(x.shape),
@@ -279,17 +284,19 @@ def _check_train(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, dow
 
 def _train_setup(ctx, inputs, output):
     x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu, squared, _ = inputs
-    _, ids, gate, up, counts = output
-    ctx.mark_non_differentiable(ids, gate, up, counts)
+    _, ids, gate, up, counts, _, nonzero = output
+    ctx.mark_non_differentiable(ids, gate, up, counts, nonzero)
     ctx.save_for_backward(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, ids, gate, up, counts)
     ctx.flags = (down_bias is not None, threshold, drelu, squared)
 
 
-def _train_backward(ctx, dy, *_):
+def _train_backward(ctx, dy, _ids, _gate, _up, _counts, l1_grad, _nonzero):
     x, gate_weight, up_weight, down_weight, gate_bias, up_bias, ids, gate, up, counts = ctx.saved_tensors
     has_down_bias, threshold, drelu, squared = ctx.flags
+    dy = torch.zeros_like(x) if dy is None else dy
+    l1_grad = x.new_zeros((), dtype=torch.float32) if l1_grad is None else l1_grad.float()
     grads = torch.ops.twell.ffn_train_backward(
-        dy, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, has_down_bias, ids, gate, up, counts,
+        dy, l1_grad, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, has_down_bias, ids, gate, up, counts,
         threshold, drelu, squared,
     )  # fmt: skip
     present = (True, True, up_weight is not None, True, gate_bias is not None, up_bias is not None, has_down_bias)
