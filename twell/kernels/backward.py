@@ -39,8 +39,12 @@ from twell.kernels.common import threshold_in
 SCAN = 256  # gate columns compacted at a time by the forward
 SPLITS = 16  # most parts a neuron's pairs are split into by the dW kernel
 MIN_PAIRS = 64  # fewest pairs in a part: a neuron with few pairs is one program, one atomic row
-DW_PAIRS = 8  # pairs gathered at a time by the dW kernel
-DW_BLOCK_K = 512  # columns of the dW rows accumulated at a time (registers: 3 rows + 2 [8, 512] tiles)
+# dW: pairs gathered at a time, and columns of the dW rows accumulated at a time. Registers per
+# thread (4 warps, ptxas for sm_90): 78 at 4 x 512, 136 at 8 x 512, 225 at 16 x 256; fewer registers,
+# more resident programs to keep gathers in flight.
+DW_PAIRS = 4
+DW_BLOCK_K = 512
+BACKUP_TILE = 2048  # elements of a [ROWS, BLOCK_K] weight tile of a dense-backup row (three live at once)
 
 
 @triton.jit
@@ -245,19 +249,22 @@ def _train_dx_kernel(
     du_ptr, dx_ptr, dwg_ptr, dwu_ptr, dwd_ptr, dbg_ptr, dbu_ptr,
     N, K, threshold, stride_dym, stride_xm, stride_gn, stride_un, stride_dn, stride_dxm,
     HAS_UP: tl.constexpr, HAS_GATE_BIAS: tl.constexpr, HAS_UP_BIAS: tl.constexpr, DRELU: tl.constexpr,
-    SQUARE: tl.constexpr, WIDTH: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+    SQUARE: tl.constexpr, WIDTH: tl.constexpr, BACKUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """Row m: dx_m and the record's dg (and du) of its entries; a dense-backup row by _backup_row.
-    dl1: the gradient of sum |h| (the L1 penalty's), added to dh as dl1 * sign(h)."""
+    """Row m: dx_m and the record's dg (and du) of its entries; with BACKUP, only dense-backup rows, by
+    _backup_row (a launch of their own: its [ROWS, BLOCK_K] tiles would otherwise set the register
+    budget of every row). dl1: the gradient of sum |h| (the L1 penalty's), added to dh as dl1 * sign(h)."""
     m = tl.program_id(0).to(tl.int64)
-    dl1 = tl.load(dl1_ptr)
     count = tl.load(cnt_ptr + m)
+    if (count > WIDTH) != BACKUP:
+        return
+    dl1 = tl.load(dl1_ptr)
     offs_k = tl.arange(0, BLOCK_K)
     k_ok = offs_k < K
     dyv = tl.load(dy_ptr + m * stride_dym + offs_k, mask=k_ok, other=0.0).to(tl.float32)
     dx = tl.zeros([BLOCK_K], dtype=tl.float32)
     dtype = dx_ptr.dtype.element_ty
-    if count <= WIDTH:
+    if not BACKUP:
         slot = m * WIDTH
         for e in range(0, count):
             neuron = tl.load(ids_ptr + slot + e).to(tl.int64)
@@ -369,6 +376,12 @@ def _check_weights(x2, gate_weight, up_weight, down_weight_t, width) -> tuple[in
     return m, n
 
 
+def _row_warps(block_k: int) -> int:
+    """Warps of the one-row-per-program kernels: whole rows in registers (ptxas, sm_90: the dx kernel
+    takes 96 registers a thread at K=2048 with 4 warps, 138 at K=4096, 103 there with 8)."""
+    return 4 if block_k <= 2048 else 8
+
+
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Buffers the kernels write in full (tests poison them)."""
     return torch.empty(shape, dtype=dtype, device=device)
@@ -417,6 +430,7 @@ def train_forward(
             up_weight.stride(0) if up_weight is not None else 0, down_weight_t.stride(0), y.stride(0),
             HAS_UP=up_weight is not None, HAS_UP_BIAS=up_bias is not None, HAS_DOWN_BIAS=down_bias is not None,
             DRELU=drelu, SQUARE=square, WIDTH=width, SCAN=_scan(width), BLOCK_K=triton.next_power_of_2(k),
+            num_warps=_row_warps(triton.next_power_of_2(k)),
         )  # fmt: skip
     return y, ids, gate, up, counts, row_l1.sum(), row_nonzero.sum(dtype=torch.int64)
 
@@ -483,18 +497,20 @@ def train_backward(
     if m > 0:
         block_k = triton.next_power_of_2(k)
         wu = up_weight if up_weight is not None else x
-        _train_dx_kernel[(m,)](
-            dy, l1_grad, x, gate_weight, gate_bias if gate_bias is not None else x, wu,
-            up_bias if up_bias is not None else x, down_weight_t, ids, gate, up, counts, dg, du, dx, dwg, dwu, dwd,
-            dbg, dbu, n, k,
-            threshold_in(threshold, x.dtype), dy.stride(0), x.stride(0), gate_weight.stride(0), wu.stride(0),
-            down_weight_t.stride(0), dx.stride(0), ROWS=max(1, min(16, 4096 // block_k)), BLOCK_K=block_k, **flags,
-        )  # fmt: skip
+        for backup in (False, True):
+            _train_dx_kernel[(m,)](
+                dy, l1_grad, x, gate_weight, gate_bias if gate_bias is not None else x, wu,
+                up_bias if up_bias is not None else x, down_weight_t, ids, gate, up, counts, dg, du, dx, dwg, dwu,
+                dwd, dbg, dbu, n, k, threshold_in(threshold, x.dtype), dy.stride(0), x.stride(0),
+                gate_weight.stride(0), wu.stride(0), down_weight_t.stride(0), dx.stride(0), BACKUP=backup,
+                ROWS=max(1, min(16, BACKUP_TILE // block_k)), BLOCK_K=block_k,
+                num_warps=8 if backup else _row_warps(block_k), **flags,
+            )  # fmt: skip
         order, starts = _neuron_segments(ids, counts, n)
         _train_dw_kernel[(n, SPLITS)](
             order, starts, x, dy, gate, up, dg, du, dwg, dwu, dwd, dbg, dbu, k, x.stride(0), dy.stride(0),
             SPLITS=SPLITS, MIN_PAIRS=MIN_PAIRS, PAIRS=DW_PAIRS,
-            BLOCK_K=min(DW_BLOCK_K, triton.next_power_of_2(k)), **flags,
+            BLOCK_K=min(DW_BLOCK_K, triton.next_power_of_2(k)), num_warps=4, **flags,
         )  # fmt: skip
     dbd = dy.sum(0, dtype=torch.float32).to(x.dtype) if has_down_bias else dx.new_empty(0)
     return dx, dwg.to(x.dtype), dwu.to(x.dtype), dwd.to(x.dtype), dbg.to(x.dtype), dbu.to(x.dtype), dbd
