@@ -246,6 +246,28 @@ def git_commit() -> str:
         return "unknown"
 
 
+def run_record(**extra) -> dict:
+    """Head of a results JSON: GPU, versions, commit, time, the measured ceilings, `extra`, no points yet."""
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "commit": git_commit(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "ceilings": ceilings(),
+        **extra,
+        "points": [],
+    }
+
+
+def results_path(out: str, name: str) -> Path:
+    """out/<name>-<time>.json, or under $OUT (the device machine's return folder) where set."""
+    out_dir = Path(os.environ["OUT"]) if "OUT" in os.environ else Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return out_dir / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default="2048x5632,4096x14336")
@@ -257,20 +279,9 @@ def main():
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     compiled = torch.compile(dense_ffn, dynamic=True)  # the same FFN as a function: compiled once
-    result = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "commit": git_commit(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "ceilings": ceilings(),
-        "points": [],
-    }
+    result = run_record()
     print(json.dumps(result["ceilings"]))
-    out_dir = Path(os.environ["OUT"]) if "OUT" in os.environ else Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"ffn-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path = results_path(args.out, "ffn")
     columns = "K N M dens pat nnz max dense twell x err dec pre gateC pack fused updn TB/s ovfl memD memT"
     header = " ".join(f"{c:>7}" for c in columns.split())
     lines = [header]

@@ -28,10 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
-import time
-from pathlib import Path
 
 import torch
 
@@ -40,8 +37,7 @@ if SMOKE_WITHOUT_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
 import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
-from ffn import ceilings, git_commit, make_inputs  # noqa: E402  (the benchmarks' directory is on sys.path)
+from ffn import make_inputs, peak_mb, results_path, run_record  # noqa: E402  (the benchmarks' directory is on sys.path)
 from triton.testing import do_bench  # noqa: E402
 
 import twell  # noqa: E402
@@ -92,15 +88,6 @@ def _params(block):
 def rel(a, b) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def peak_mb(fn) -> float:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def stage_times(fn, steps=3) -> dict:
@@ -250,22 +237,9 @@ def main():
         args.shapes, args.ms, args.densities, args.patterns = "256x704", "4096", "0.01", "skewed"
     torch.backends.cuda.matmul.allow_tf32 = False
     compiled = torch.compile(dense_step, dynamic=True)
-    result = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "commit": git_commit(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "lam": LAM,
-        "train_min_m": policy.TRAIN_MIN_M,
-        "ceilings": ceilings(),
-        "points": [],
-    }
+    result = run_record(lam=LAM, train_min_m=policy.TRAIN_MIN_M)
     print(json.dumps(result["ceilings"]), flush=True)
-    out_dir = Path(os.environ["OUT"]) if "OUT" in os.environ else Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"train{'-smoke' if args.smoke else ''}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path = results_path(args.out, "train-smoke" if args.smoke else "train")
     columns = "K N M dens pat nnz max bkup dense twell x memx err gemm fl fwd fl dx fl dW fl sort other"
     header = " ".join(f"{c:>6}" for c in columns.split())
     lines = [header]
