@@ -1,9 +1,15 @@
 """Sparse training path (twell::ffn_train and its backward) against float64 dense autograd of
 twell.kernels.reference (CPU: Triton's interpreter, fp32/fp16; GPU: bf16 at a real shape too)."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 from conftest import DEVICE, rel_err
 from ffn_cases import gated_ref, make_ffn, plain_ref
 from torch.utils.checkpoint import checkpoint
@@ -201,6 +207,57 @@ def test_kernel_rejects_strided_weight_rows():
         backward.train_forward(
             x, w, None, None, None, torch.randn(40, 16), None, threshold=0.0, drelu=False, square=False, width=8
         )
+
+
+SM90_COMPILE = """
+import subprocess, sys
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from twell.kernels import backward
+
+FP32 = ("dl1", "dg", "du", "dwg", "dwu", "dwd", "dbg", "dbu", "l1")
+def arg_type(name):
+    if not name.endswith("_ptr"):
+        return "fp32" if name == "threshold" else "i32"
+    base = name[: -len("_ptr")]
+    return {"ids": "*i32", "cnt": "*i32", "nz": "*i32", "order": "*i64", "starts": "*i64"}.get(
+        base, "*fp32" if base in FP32 else "*bf16")
+
+cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+flags = dict(HAS_UP_BIAS=True, HAS_DOWN_BIAS=True, DRELU=False, SQUARE=False, HAS_GATE_BIAS=True,
+             SCAN=256, SPLITS=16, MIN_PAIRS=64, PAIRS=backward.DW_PAIRS)
+for kernel, block_k, extra in [
+    (backward._train_forward_kernel, 8192, {}),
+    (backward._train_dx_kernel, 8192, dict(BACKUP=False, ROWS=1)),
+    (backward._train_dx_kernel, 4096, dict(BACKUP=True, ROWS=1)),  # spills a little at 8192: _row_warps
+    (backward._train_dw_kernel, backward.DW_BLOCK_K, {}),
+]:
+    for has_up in (True, False):
+        names = [p.name for p in kernel.params if p.is_constexpr]
+        consts = {n: v for n, v in {**flags, **extra, "HAS_UP": has_up, "WIDTH": 512, "BLOCK_K": block_k}.items()
+                  if n in names}
+        signature = {n: "constexpr" if n in consts else arg_type(n) for n in kernel.arg_names}
+        warps = backward._row_warps(block_k, extra.get("BACKUP", False))
+        out = compile(ASTSource(kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
+                      options={"num_warps": warps})
+        Path("k.cubin").write_bytes(out.asm["cubin"])
+        usage = subprocess.run([str(cuobjdump), "-res-usage", "k.cubin"], capture_output=True, text=True).stdout
+        assert "STACK:0 " in usage and "LOCAL:0 " in usage, (kernel.__name__, usage)  # no spills
+        print(kernel.__name__, has_up, [line.split()[0] for line in usage.splitlines() if "REG:" in line])
+"""
+
+
+def test_kernels_compile_for_hopper_without_spills(tmp_path):
+    """Triton's compiler and ptxas build every training kernel for sm_90 (no GPU needed), at the
+    widest rows they take (K = policy.MAX_K = 8192; the dense-backup launch at 4096), with no register
+    spills."""
+    if not (Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump").exists():
+        pytest.skip("this Triton build has no NVIDIA toolchain")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", SM90_COMPILE], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -376,10 +376,12 @@ def _check_weights(x2, gate_weight, up_weight, down_weight_t, width) -> tuple[in
     return m, n
 
 
-def _row_warps(block_k: int) -> int:
+def _row_warps(block_k: int, backup: bool = False) -> int:
     """Warps of the one-row-per-program kernels: whole rows in registers (ptxas, sm_90: the dx kernel
-    takes 96 registers a thread at K=2048 with 4 warps, 138 at K=4096, 103 there with 8)."""
-    return 4 if block_k <= 2048 else 8
+    takes 96 registers a thread at K=2048 with 4 warps, 138 at K=4096, 103 there with 8). The
+    dense-backup launch takes 8: 105 registers at K=2048, 174 at K=4096; at K=8192 it spills 136 bytes
+    (16 warps: 320, the register cap halves), which only that rare path pays."""
+    return 8 if backup or block_k > 2048 else 4
 
 
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -504,7 +506,7 @@ def train_backward(
                 dwd, dbg, dbu, n, k, threshold_in(threshold, x.dtype), dy.stride(0), x.stride(0),
                 gate_weight.stride(0), wu.stride(0), down_weight_t.stride(0), dx.stride(0), BACKUP=backup,
                 ROWS=max(1, min(16, BACKUP_TILE // block_k)), BLOCK_K=block_k,
-                num_warps=8 if backup else _row_warps(block_k), **flags,
+                num_warps=_row_warps(block_k, backup), **flags,
             )  # fmt: skip
         order, starts = _neuron_segments(ids, counts, n)
         _train_dw_kernel[(n, SPLITS)](
