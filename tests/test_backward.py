@@ -324,3 +324,33 @@ def test_gpu_compiled_training_step_and_cuda_graph():
     torch.cuda.synchronize()
     for a, b in zip(static_grads, eager, strict=True):
         assert rel_err(a, b) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("squared", [False, True], ids=["relu", "relu2"])
+def test_gpu_plain_ffn_and_l1_train_sparsely(squared):
+    """twell.ops.ffn with return_l1 at a real shape in bf16: y, the L1 term and every gradient of
+    <y, dy> + l1 against float64 dense autograd."""
+    k, n, m = 2048, 8192, 4096
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(m, k, device="cuda", generator=g)
+    w_up = torch.randn(n, k, device="cuda", generator=g) / k**0.5
+    b_up = torch.full((n,), -2.6, device="cuda")  # pre-activations ~ N(0, 1): about 0.5% fire
+    w_down = (torch.randn(k, n, device="cuda", generator=g) / n**0.5).t().contiguous().t()
+    leaves = [t.to(torch.bfloat16).requires_grad_() for t in (x, w_up, b_up, w_down)]
+    xs, wu, bu, wd = leaves
+    assert twell.kernels.ops.sparse_training(xs, wu, None, wd, (bu, None))
+    y, l1, density = twell.ops.ffn(xs, wu, wd, up_bias=bu, squared=squared, return_l1=True)
+    assert 0.002 < density.item() < 0.01
+    dy = torch.randn_like(y)
+    lam = 0.3 * m * n  # the L1 term's gradient per entry (lam / (M * N)) comparable to dh's
+    ((y.float() * dy.float()).sum() + lam * l1).backward()
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    rx, rwu, rbu, rwd = ref_leaves
+    h = reference.hidden(rx, rwu, None, rbu, None, 0.0, squared=squared)
+    ref_l1 = h.abs().mean()
+    ((F.linear(h, rwd) * dy.double()).sum() + lam * ref_l1).backward()
+    assert rel_err(y, F.linear(h, rwd)) <= 1e-2
+    assert rel_err(l1, ref_l1) <= 1e-2
+    for got, want in zip(leaves, ref_leaves, strict=True):
+        assert rel_err(got.grad, want.grad) <= 2e-2

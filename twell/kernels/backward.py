@@ -1,29 +1,36 @@
 """Sparse training of the twell FFNs: a forward that keeps a compact hybrid record of the hidden layer,
 and the backward computed from that record (the paper's training path; only the gate GEMM is dense).
 
-Record of one call (M token rows, W = width slots per row), written by _train_forward_kernel:
+Record of one call (M token rows, W = width slots per row, policy.train_width: about N/32), written by
+_train_forward_kernel:
     counts [M] int32      true number of kept neurons of the row (kept: not g <= threshold; NaN kept)
     ids    [M, W] int32   the kept neurons, in increasing order
     gate   [M, W] dtype   their gate pre-activation g (the dense gate rounded to the dtype, as torch does)
     up     [M, W] dtype   their up value u = x . W_u[n] + b_u, rounded (gated FFNs; empty for plain ones)
-A row with more than W kept neurons is a dense-backup row: its record is unused; the forward walks the
-dense gate row and the backward recomputes its gate, up and hidden gradients from x and the weights
-(a GEMV over W_g, the active rows of W_u and W_d^T), so gradients are exact at any sparsity without a
-dense [M, N] buffer or a host round trip. The dense [M, N] gate lives only during the forward.
+8 bytes a slot (bf16): at W=256, M=32768 67 MB, against 369 MB for one dense [M, N] bf16 activation at
+N=5632. A row with more than W kept neurons is a dense-backup row: its record is unused; the forward
+walks the dense gate row and the backward recomputes its gate, up and hidden gradients from x and the
+weights (a GEMV over W_g, the active rows of W_u and W_d^T; the recomputed gate can differ from
+cuBLAS's in the last bit, so a gate within rounding of the threshold may be kept differently), so
+gradients are exact at any sparsity without a dense [M, N] buffer or a host round trip. The dense
+[M, N] gate lives only during the forward. The forward also sums |h| and counts nonzero h per row:
+the L1 penalty's term, whose gradient dl1 * sign(h) the backward adds to dh.
 
-Backward, per kept (m, n), with dh = dy_m . W_d^T[n]:
+Backward, per kept (m, n), with dh = dy_m . W_d^T[n] (+ dl1 * sign h):
     gated: dg = dh * a(u) (a: ReLU with dReLU, else identity), du = dh * g * a'(u), h = g * a(u)
     plain: dg = dh (relu) or 2 g dh (relu²), h = g or g²
 - _train_dx_kernel, one program per row: dx_m = sum_n dg W_g[n] + du W_u[n] (three weight rows
   gathered per pair, as the forward's up+down kernel gathers two), storing dg / du into the record's
-  shape; a dense-backup row instead walks all N neurons and adds its dW / dbias terms with fp32 atomics.
-- The pairs grouped by neuron (CSC): a stable argsort of the record's neuron ids (invalid slots keyed
-  N) and segment starts by searchsorted, all on the device.
+  shape. Dense-backup rows take a second launch of it: each walks all N neurons and adds its dW and
+  dbias terms with fp32 atomics.
+- The pairs grouped by neuron (CSC): a stable sort of the record's neuron ids (invalid slots keyed N;
+  int16 keys where N allows, two radix passes) and segment starts by searchsorted, all on the device.
 - _train_dw_kernel, one program per (neuron, part): dW_g[n] += sum_m dg x_m, dW_u[n] += sum_m du x_m,
   dW_d^T[n] += sum_m h dy_m over its part of the neuron's pairs. A neuron active in many tokens is split
   in up to SPLITS parts of at least MIN_PAIRS pairs, so it never serialises one program; parts add into
-  fp32 accumulators with atomics (the dense-backup rows' terms land there too), so the dW sums are not
-  bit-reproducible across runs (order of fp32 additions), but exact to fp32 rounding.
+  fp32 accumulators with atomics (the dense-backup rows' terms land there too): no second pass over
+  partial sums and no per-neuron scratch, at the price of dW sums that are not bit-reproducible across
+  runs (order of fp32 additions), though exact to fp32 rounding.
 W_d is read as rows of down_weight^T ([N, K], unit stride on K), the layout sparsify stores.
 """
 
