@@ -63,11 +63,11 @@ STAGES = {  # profiler kernel-name fragments -> stage
 }
 
 
-def dense_step(x, dy, gate_weight, gate_bias, up_weight, down_weight):
-    """The dense layer's step as one function (torch.compile's side): loss and autograd's grads."""
+def dense_loss(x, dy, gate_weight, gate_bias, up_weight, down_weight):
+    """The dense layer's loss as one function of the weights (torch.compile's side; AOT autograd
+    compiles its backward too)."""
     hidden = F.relu(F.linear(x, gate_weight, gate_bias)) * F.linear(x, up_weight)
-    loss = (F.linear(hidden, down_weight) * dy).float().sum() + LAM * hidden.abs().float().mean()
-    return torch.autograd.grad(loss, [x, gate_weight, gate_bias, up_weight, down_weight])
+    return (F.linear(hidden, down_weight) * dy).float().sum() + LAM * hidden.abs().float().mean()
 
 
 def module_step(block, x, dy):
@@ -137,7 +137,8 @@ def bench_point(k, n, m, density, pattern, compiled, gemm_tflop_s) -> dict:
 
     def dense_compiled():
         x, dy = nxt()
-        return compiled(x.detach().requires_grad_(), dy, *params)
+        x = x.detach().requires_grad_()
+        return torch.autograd.grad(compiled(x, dy, *params), [x, *params])
 
     def user_step():
         return module_step(block, *nxt())
@@ -233,7 +234,7 @@ def main():
     if args.smoke:
         args.shapes, args.ms, args.densities, args.patterns = "256x704", "4096", "0.01", "skewed"
     torch.backends.cuda.matmul.allow_tf32 = False
-    compiled = torch.compile(dense_step, dynamic=True)
+    compiled = torch.compile(dense_loss, dynamic=True)
     result = run_record(lam=LAM, train_min_m=policy.TRAIN_MIN_M)
     print(json.dumps(result["ceilings"]), flush=True)
     path = results_path(args.out, "train-smoke" if args.smoke else "train")
