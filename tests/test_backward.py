@@ -51,11 +51,11 @@ def _train_op(leaves, gated, threshold=0.0, drelu=False, squared=False, width=16
     return torch.ops.twell.ffn_train(leaves["x"], *args, threshold, drelu, squared, width)
 
 
-def _check_grads(case, gated, dtype, threshold=0.0, drelu=False, squared=False, width=16, dy=None):
+def _check_grads(case, gated, dtype, threshold=0.0, drelu=False, squared=False, width=16):
     """Output and every gradient of the training op against float64 dense autograd."""
     leaves = _leaves(case)
     y = _train_op(leaves, gated, threshold, drelu, squared, width)[0]
-    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(dtype) if dy is None else dy
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
     y.backward(dy.to(DEVICE))
     ref_leaves = _leaves(case, torch.float64)
     ref = gated_ref(ref_leaves, threshold, drelu) if gated else plain_ref(ref_leaves, threshold, squared)
@@ -136,7 +136,7 @@ def test_l1_penalty_gradient(gated, biases, drelu, squared):
     case = make_ffn(13, 24, 70, DENSITIES, torch.float32, DEVICE, seed=4, biases=biases, gated=gated)
     leaves = _leaves(case)
     y, *_, l1, _ = _train_op(leaves, gated, drelu=drelu, squared=squared)
-    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(2))
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     lam = 3.0  # large, so the L1 term's share of every gradient is far above the tolerance
     ((y * dy).sum() + lam * l1).backward()
     ref_leaves = _leaves(case, torch.float64)
@@ -170,6 +170,30 @@ def test_compile_fullgraph_and_checkpoint():
     for name, leaf in eager.items():
         assert torch.allclose(compiled[name].grad, leaf.grad, rtol=1e-5, atol=1e-6), name
         assert torch.allclose(ckpt[name].grad, leaf.grad, rtol=1e-5, atol=1e-6), name
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+def test_opcheck_fake_tensors_and_autograd_registration(gated):
+    """torch.library.opcheck: schemas, fake implementations (shapes, strides, dtypes) matching the real
+    outputs, autograd registration, and the ops traced by AOT autograd with dynamic shapes."""
+    case = make_ffn(6, 16, 40, [0.0, 0.2, 1.0], torch.float32, DEVICE, biases=True, gated=gated)
+    leaves = _leaves(case)
+    if gated:
+        weights = (leaves["gate_weight"], leaves["up_weight"], leaves["down_weight"], leaves["gate_bias"])
+        weights += (leaves["up_bias"], leaves["down_bias"])
+    else:
+        weights = (leaves["up_weight"], None, leaves["down_weight"], leaves["up_bias"], None, leaves["down_bias"])
+    args = (leaves["x"], *weights, 0.0, False, not gated, 8)
+    torch.library.opcheck(torch.ops.twell.ffn_train.default, args)
+    with torch.no_grad():
+        _, ids, gate, up, counts, _, _ = torch.ops.twell.ffn_train(*args)
+    gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias = (
+        t.detach() if t is not None else None for t in weights
+    )
+    dy, l1_grad = torch.randn_like(case["x"]), torch.tensor(0.5, device=DEVICE)
+    backward_args = (dy, l1_grad, case["x"], gate_weight, up_weight, down_weight, gate_bias, up_bias)
+    backward_args += (down_bias is not None, ids, gate, up, counts, 0.0, False, not gated)
+    torch.library.opcheck(torch.ops.twell.ffn_train_backward.default, backward_args)
 
 
 def test_routing_needs_cuda_grad_and_the_kernel_layout():

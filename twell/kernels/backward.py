@@ -4,7 +4,7 @@ and the backward computed from that record (the paper's training path; only the 
 Record of one call (M token rows, W = width slots per row, policy.train_width: about N/32), written by
 _train_forward_kernel:
     counts [M] int32      true number of kept neurons of the row (kept: not g <= threshold; NaN kept)
-    ids    [M, W] int32   the kept neurons, in increasing order
+    ids    [M, W] int32   the kept neurons, in increasing order (slots past the count: zeros)
     gate   [M, W] dtype   their gate pre-activation g (the dense gate rounded to the dtype, as torch does)
     up     [M, W] dtype   their up value u = x . W_u[n] + b_u, rounded (gated FFNs; empty for plain ones)
 8 bytes a slot (bf16): at W=256, M=32768 67 MB, against 369 MB for one dense [M, N] bf16 activation at
@@ -172,6 +172,16 @@ def _train_forward_kernel(
     for c0 in range(0, N, SCAN):
         total += _compact(pre_row, c0, N, threshold, ids_row, gate_row, total, WIDTH, SCAN)
     tl.store(cnt_ptr + m, total)
+    # slots past the count hold zeros (a dense-backup row's up slots too): a fully defined record
+    up_count = tl.where(total > WIDTH, 0, total)
+    for c0 in range(0, WIDTH, SCAN):
+        slots = c0 + tl.arange(0, SCAN)
+        pad = (slots >= total) & (slots < WIDTH)
+        tl.store(ids_row + slots, tl.zeros([SCAN], dtype=tl.int32), mask=pad)
+        tl.store(gate_row + slots, tl.zeros([SCAN], dtype=gate_ptr.dtype.element_ty), mask=pad)
+        if HAS_UP:
+            up_pad = (slots >= up_count) & (slots < WIDTH)
+            tl.store(up_row + slots, tl.zeros([SCAN], dtype=up_ptr.dtype.element_ty), mask=up_pad)
     tl.debug_barrier()  # the entry loops read record slots other threads of this program wrote
     offs_k = tl.arange(0, BLOCK_K)
     k_ok = offs_k < K

@@ -258,7 +258,7 @@ def _(dy, l1_grad, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, h
     return (
         x.new_empty(x.shape),
         x.new_empty(n, k),
-        x.new_empty(n if up_weight is not None else 0, k if up_weight is not None else 0),
+        x.new_empty((n, k) if up_weight is not None else (0,)),
         x.new_empty(n, k).t(),
         x.new_empty(n if gate_bias is not None else 0),
         x.new_empty(n if up_bias is not None else 0),
