@@ -47,6 +47,7 @@ from twell.kernels import policy, reference  # noqa: E402
 
 LAM = 2e-5  # the paper's L1 coefficient
 INPUT_SETS = 3
+REP_MS = 300  # do_bench's repetition time: at least 5 steps at the largest shape (~60 ms a dense step)
 L2_TB_S = 8.0  # gathered rows of an L2-resident matrix (PAPER: 8.2-9.4 TB/s measured)
 HBM_TB_S = 4.0  # device copy (4.26 TB/s measured)
 STAGES = {  # profiler kernel-name fragments -> stage
@@ -146,7 +147,7 @@ def bench_point(k, n, m, density, pattern, compiled, gemm_tflop_s) -> dict:
     def measure(step):
         """(median ms, peak MB, grads on the first input set) of a tracked module's step."""
         step()  # compiles and autotunes outside the timing
-        ms = do_bench(step, return_mode="median")
+        ms = do_bench(step, warmup=50, rep=REP_MS, return_mode="median")
         block.zero_grad(set_to_none=True)
         peak = peak_mb(lambda: module_step(block, x0, dys[0]))
         return ms, peak, module_step(block, x0, dys[0])
@@ -155,7 +156,7 @@ def bench_point(k, n, m, density, pattern, compiled, gemm_tflop_s) -> dict:
     dense_ms, dense_peak, (dense_dx, dense_grads) = measure(user_step)
     tracker.remove()
     dense_compiled()
-    compiled_ms = do_bench(dense_compiled, return_mode="median")
+    compiled_ms = do_bench(dense_compiled, warmup=50, rep=REP_MS, return_mode="median")
 
     twell.sparsify(block)
     tracker = twell.train.track_l1(block)
