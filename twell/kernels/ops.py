@@ -314,10 +314,12 @@ def sparse_training(x, gate_weight, up_weight, down_weight, biases: tuple) -> bo
     tensors = (x, gate_weight, up_weight, down_weight, *biases)
     if not (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)):
         return False
-    weights = [w for w in (gate_weight, up_weight, down_weight.t() if isinstance(down_weight, torch.Tensor) else None)]
     if not (isinstance(x, torch.Tensor) and x.is_cuda and x.dtype in FLOAT_DTYPES and x.dim() >= 1):
         return False
-    if not all(isinstance(w, torch.Tensor) and w.dim() == 2 and w.stride(1) == 1 for w in weights if w is not None):
+    if not (isinstance(down_weight, torch.Tensor) and down_weight.dim() == 2):
+        return False
+    rows = (gate_weight, down_weight.t()) if up_weight is None else (gate_weight, up_weight, down_weight.t())
+    if not all(isinstance(w, torch.Tensor) and w.dim() == 2 and w.stride(1) == 1 for w in rows):
         return False
     k = x.shape[-1]
     return 0 < k <= policy.MAX_K and x.numel() // k >= policy.TRAIN_MIN_M
