@@ -251,7 +251,7 @@ def arg_type(name):
 
 cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
 flags = dict(HAS_UP_BIAS=True, HAS_DOWN_BIAS=True, DRELU=False, SQUARE=False, HAS_GATE_BIAS=True,
-             SCAN=256, SPLITS=16, MIN_PAIRS=64, PAIRS=backward.DW_PAIRS)
+             SCAN=backward.SCAN, CHUNK=256, SPLITS=16, MIN_PAIRS=64, PAIRS=backward.DW_PAIRS)
 for kernel, block_k, extra in [
     (backward._train_forward_kernel, 8192, {}),
     (backward._train_dx_kernel, 8192, dict(BACKUP=False, ROWS=1)),

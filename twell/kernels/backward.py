@@ -43,7 +43,10 @@ import triton.language as tl
 from twell.kernels import policy
 from twell.kernels.common import threshold_in
 
-SCAN = 256  # gate columns compacted at a time by the forward
+# Gate columns the forward compacts at a time: each step is a prefix sum across the program's threads
+# (shuffles and a barrier), so 1024 columns (8 a thread at 4 warps) take a quarter of the steps of 256.
+# A dense-backup row's chunks go through its record slots: at most the width (_chunk).
+SCAN = 1024
 SPLITS = 16  # most parts a neuron's pairs are split into by the dW kernel
 MIN_PAIRS = 64  # fewest pairs in a part: a neuron with few pairs is one program, one atomic row
 # dW: pairs gathered at a time, and columns of the dW rows accumulated at a time. Registers per
@@ -157,10 +160,10 @@ def _train_forward_kernel(
     pre_ptr, x_ptr, wu_ptr, bu_ptr, wd_ptr, bd_ptr, y_ptr, ids_ptr, gate_ptr, up_ptr, cnt_ptr, l1_ptr, nz_ptr,
     N, K, threshold, stride_pm, stride_xm, stride_un, stride_dn, stride_ym,
     HAS_UP: tl.constexpr, HAS_UP_BIAS: tl.constexpr, HAS_DOWN_BIAS: tl.constexpr, DRELU: tl.constexpr,
-    SQUARE: tl.constexpr, WIDTH: tl.constexpr, SCAN: tl.constexpr, BLOCK_K: tl.constexpr,
+    SQUARE: tl.constexpr, WIDTH: tl.constexpr, SCAN: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Row m: compact the dense gate row into the record, then y_m = sum h W_d^T[n] (+ b_d), and the
-    row's sum |h| and nonzero count for the L1 penalty. A row past WIDTH walks its gate row again, SCAN
+    row's sum |h| and nonzero count for the L1 penalty. A row past WIDTH walks its gate row again, CHUNK
     columns (<= WIDTH) at a time through its record slots."""
     m = tl.program_id(0).to(tl.int64)
     pre_row = pre_ptr + m * stride_pm
@@ -174,14 +177,14 @@ def _train_forward_kernel(
     tl.store(cnt_ptr + m, total)
     # slots past the count hold zeros (a dense-backup row's up slots too): a fully defined record
     up_count = tl.where(total > WIDTH, 0, total)
-    for c0 in range(0, WIDTH, SCAN):
-        slots = c0 + tl.arange(0, SCAN)
+    for c0 in range(0, WIDTH, CHUNK):
+        slots = c0 + tl.arange(0, CHUNK)
         pad = (slots >= total) & (slots < WIDTH)
-        tl.store(ids_row + slots, tl.zeros([SCAN], dtype=tl.int32), mask=pad)
-        tl.store(gate_row + slots, tl.zeros([SCAN], dtype=gate_ptr.dtype.element_ty), mask=pad)
+        tl.store(ids_row + slots, tl.zeros([CHUNK], dtype=tl.int32), mask=pad)
+        tl.store(gate_row + slots, tl.zeros([CHUNK], dtype=gate_ptr.dtype.element_ty), mask=pad)
         if HAS_UP:
             up_pad = (slots >= up_count) & (slots < WIDTH)
-            tl.store(up_row + slots, tl.zeros([SCAN], dtype=up_ptr.dtype.element_ty), mask=up_pad)
+            tl.store(up_row + slots, tl.zeros([CHUNK], dtype=up_ptr.dtype.element_ty), mask=up_pad)
     tl.debug_barrier()  # the entry loops read record slots other threads of this program wrote
     offs_k = tl.arange(0, BLOCK_K)
     k_ok = offs_k < K
@@ -195,8 +198,8 @@ def _train_forward_kernel(
             stride_dn, True, HAS_UP, HAS_UP_BIAS, DRELU, SQUARE, dtype,
         )  # fmt: skip
     else:
-        for c0 in range(0, N, SCAN):
-            count = _compact(pre_row, c0, N, threshold, ids_row, gate_row, 0, WIDTH, SCAN)
+        for c0 in range(0, N, CHUNK):
+            count = _compact(pre_row, c0, N, threshold, ids_row, gate_row, 0, WIDTH, CHUNK)
             tl.debug_barrier()
             y, l1, nonzero = _forward_entries(
                 y, l1, nonzero, xv, ids_row, gate_row, up_row, count, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr,
@@ -406,8 +409,8 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _scan(width: int) -> int:
-    """Gate columns per compaction step: at most the width, so a dense-backup row's chunk fits its slots."""
+def _chunk(width: int) -> int:
+    """Gate columns per step of a dense-backup row: at most the width, so a chunk fits its slots."""
     return min(SCAN, 1 << (width.bit_length() - 1))
 
 
@@ -448,7 +451,7 @@ def train_forward(
             n, k, threshold_in(threshold, x.dtype), pre.stride(0), x.stride(0),
             up_weight.stride(0) if up_weight is not None else 0, down_weight_t.stride(0), y.stride(0),
             HAS_UP=up_weight is not None, HAS_UP_BIAS=up_bias is not None, HAS_DOWN_BIAS=down_bias is not None,
-            DRELU=drelu, SQUARE=square, WIDTH=width, SCAN=_scan(width), BLOCK_K=triton.next_power_of_2(k),
+            DRELU=drelu, SQUARE=square, WIDTH=width, SCAN=SCAN, CHUNK=_chunk(width), BLOCK_K=triton.next_power_of_2(k),
             num_warps=_row_warps(triton.next_power_of_2(k)),
         )  # fmt: skip
     return y, ids, gate, up, counts, row_l1.sum(), row_nonzero.sum(dtype=torch.int64)
