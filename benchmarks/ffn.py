@@ -80,12 +80,12 @@ def skewed_rates(n, density, generator):
     return (rates * density * n / rates.sum()).clamp(max=0.5)
 
 
-def make_inputs(m, k, n, density, pattern, seed=0, dtype=torch.bfloat16):
+def make_inputs(m, k, n, density, pattern, seed=0, dtype=torch.bfloat16, device="cuda"):
     """x [M, K] and a Block whose FFN fires at `density` with the given pattern (module docstring)."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(m, k, device="cuda", generator=g)
-    w_gate = torch.randn(n, k, device="cuda", generator=g) / math.sqrt(k)
-    shift = torch.zeros(n, device="cuda")
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(m, k, device=device, generator=g)
+    w_gate = torch.randn(n, k, device=device, generator=g) / math.sqrt(k)
+    shift = torch.zeros(n, device=device)
     if pattern == "exact":  # every row exactly round(density * N) active: the last input feature is
         # a per-row offset (its gate weights are one) halfway between the r-th and (r+1)-th pre-activations
         r = max(1, round(density * n))
@@ -94,19 +94,19 @@ def make_inputs(m, k, n, density, pattern, seed=0, dtype=torch.bfloat16):
         top = torch.topk(x @ w_gate.T, r + 1, dim=1).values
         x[:, -1] = -(top[:, r - 1] + top[:, r]) / 2
     else:
-        x *= torch.exp(0.12 * torch.randn(m, 1, device="cuda", generator=g))
-        rates = torch.full((n,), density, device="cuda") if pattern == "uniform" else skewed_rates(n, density, g)
+        x *= torch.exp(0.12 * torch.randn(m, 1, device=device, generator=g))
+        rates = torch.full((n,), density, device=device) if pattern == "uniform" else skewed_rates(n, density, g)
         normal = torch.distributions.Normal(0.0, 1.0)
         sigma = w_gate.norm(dim=1)
         shift = -sigma * normal.icdf((1 - rates).clamp(1e-7, 1 - 1e-7))
         shift[rates == 0] = -50.0 * sigma[rates == 0]
-    block = Block(k, n).to("cuda")
+    block = Block(k, n).to(device)
     with torch.no_grad():
         mlp = block.mlp
         mlp.gate_proj.weight.copy_(w_gate)
         mlp.gate_proj.bias.copy_(shift)
-        mlp.up_proj.weight.copy_(torch.randn(n, k, device="cuda", generator=g) / math.sqrt(k))
-        mlp.down_proj.weight.copy_(torch.randn(k, n, device="cuda", generator=g) / math.sqrt(n))
+        mlp.up_proj.weight.copy_(torch.randn(n, k, device=device, generator=g) / math.sqrt(k))
+        mlp.down_proj.weight.copy_(torch.randn(k, n, device=device, generator=g) / math.sqrt(n))
     return x.to(dtype), block.to(dtype).eval()
 
 

@@ -128,6 +128,47 @@ def test_tracking_a_sparsified_model_survives_restore():
         torch.testing.assert_close(twell.train.l1_penalty(model), expected, rtol=1e-5, atol=0)
 
 
+class _SquaredPlain(nn.Module):
+    """A plain FFN with relu²: h = relu(fc1(x))², the op's squared form."""
+
+    def __init__(self, k=16, n=40):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(k, n), nn.Linear(n, k)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)) ** 2)
+
+
+def test_sparsified_penalty_of_a_relu_squared_ffn():
+    """The sparsified FFN's op gives the penalty of h = relu(.)², as the eager down projection sees it."""
+    x = torch.randn(2, 5, 16)
+    penalties = []
+    for sparsified in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(_SquaredPlain())
+        if sparsified:
+            twell.sparsify(model)
+            assert twell.report(model).summary()["rewritten"] == 1
+        with twell.train.track_l1(model), torch.no_grad():
+            model(x)
+            penalties.append(twell.train.l1_penalty(model))
+    torch.testing.assert_close(penalties[1], penalties[0], rtol=1e-5, atol=0)
+
+
+def test_sparsified_call_that_runs_the_original_forward_recomputes_h():
+    """Under autocast a SparseFFN runs its original forward; the penalty is then recomputed from x."""
+    ids = token_ids()
+    penalties = []
+    for sparsified in (False, True):
+        model = build("llama")
+        if sparsified:
+            twell.sparsify(model)
+        with twell.train.track_l1(model), torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            model(ids)
+            penalties.append(twell.train.l1_penalty(model).float())
+    torch.testing.assert_close(penalties[1], penalties[0], rtol=1e-2, atol=0)
+
+
 def test_penalty_works_under_torch_compile():
     """Dynamo inlines the hooks: the compiled forward records the eager penalty, with the same gradient."""
     model = build("llama").train()

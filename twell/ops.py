@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from twell.kernels import ops as _ops
+from twell.kernels import policy, reference
 
 
 def gated_ffn(
@@ -22,16 +23,23 @@ def gated_ffn(
     down_bias: torch.Tensor | None = None,
     threshold: float = 0.0,
     drelu: bool = False,
-) -> torch.Tensor:
+    return_l1: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """y = down(relu_t(gate(x)) * up(x)) for x [..., K].
 
     gate_weight, up_weight: [N, K]; down_weight: [K, N] (nn.Linear layouts; down_weight is read
     fastest when down_weight.t() is contiguous). relu_t keeps values > threshold (0: ReLU).
     drelu: ReLU on up(x) too (dReLU). Returns [..., K] in the dtype of x.
+
+    Under autograd on CUDA with that layout (and K <= 8192, at least policy.TRAIN_MIN_M tokens), the
+    forward keeps a compact record of the hidden activation h and the backward is sparse too
+    (twell.kernels.backward); otherwise backward recomputes through the dense reference.
+    return_l1: return (y, l1, density) instead: l1 the mean |h| over h [..., N] (fp32, differentiable:
+    twell.train's penalty term), density the fraction of nonzero h (a tensor, no grad). Training
+    sparsely they come from the forward at no extra cost; otherwise h is recomputed (two more products).
     """
-    return torch.ops.twell.gated_ffn(
-        x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, float(threshold), bool(drelu)
-    )
+    args = (x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, float(threshold))
+    return _run(args, bool(drelu), False, return_l1)
 
 
 def ffn(
@@ -43,12 +51,36 @@ def ffn(
     down_bias: torch.Tensor | None = None,
     threshold: float = 0.0,
     squared: bool = False,
-) -> torch.Tensor:
+    return_l1: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """y = down(relu_t(up(x))) for x [..., K] (OPT, ReLU-Falcon); squared: relu² (Nemotron).
 
-    up_weight: [N, K]; down_weight: [K, N]. Returns [..., K] in the dtype of x.
+    up_weight: [N, K]; down_weight: [K, N]. Returns [..., K] in the dtype of x. Training and
+    return_l1 as for gated_ffn.
     """
-    return torch.ops.twell.ffn(x, up_weight, down_weight, up_bias, down_bias, float(threshold), bool(squared))
+    args = (x, up_weight, None, down_weight, up_bias, None, down_bias, float(threshold))
+    return _run(args, False, bool(squared), return_l1)
+
+
+def _run(args: tuple, drelu: bool, squared: bool, return_l1: bool):
+    """The sparse training op where it applies, else the op of the FFN's kind; with its L1 terms."""
+    x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold = args
+    if _ops.sparse_training(x, gate_weight, up_weight, down_weight, (gate_bias, up_bias, down_bias)):
+        width = policy.train_width(gate_weight.shape[0])
+        y, *_, l1_sum, nonzero = torch.ops.twell.ffn_train(*args, drelu, squared, width)
+        if not return_l1:
+            return y
+    else:
+        if up_weight is None:
+            y = torch.ops.twell.ffn(x, gate_weight, down_weight, gate_bias, down_bias, threshold, squared)
+        else:
+            y = torch.ops.twell.gated_ffn(*args, drelu)
+        if not return_l1:
+            return y
+        h = reference.hidden(x, gate_weight, up_weight, gate_bias, up_bias, threshold, drelu, squared)
+        l1_sum, nonzero = h.abs().sum(dtype=torch.float32), torch.count_nonzero(h)
+    numel = x.numel() // max(x.shape[-1], 1) * gate_weight.shape[0]
+    return y, l1_sum / numel, nonzero / numel
 
 
 __all__ = ["gated_ffn", "ffn", "_ops"]

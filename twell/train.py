@@ -46,7 +46,9 @@ class _Probe:
     """Records one FFN's mean |h| (differentiable) and density (detached) into its tracker.
 
     spec: None when hooked on the down projection or its inline stand-in (h is its input); else the
-    FFNSpec of the SparseFFN whose input x it receives, from which h is recomputed."""
+    FFNSpec of the SparseFFN whose input x it receives. A SparseFFN (reports_l1) takes the probe for
+    its call and records what its op computed (from the sparse training forward's record, at no extra
+    cost), or has it recompute h; after restore, the original module's call recomputes h here."""
 
     def __init__(self, tracker: L1Tracker, path: str, spec=None):
         self.tracker = tracker
@@ -55,11 +57,20 @@ class _Probe:
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.spec is None:
-            hidden = args[0] if args else kwargs["input"]
+            self.tracker._record(self.path, args[0] if args else kwargs["input"])
+        elif getattr(type(module), "reports_l1", False):
+            module.__dict__["l1_probe"] = self
         else:
-            x = args[0] if args else kwargs[self.spec.input_name]
-            hidden = _recompute_hidden(self.spec, module, x)
-        self.tracker._record(self.path, hidden)
+            self.recompute(module, args, kwargs)
+
+    def recompute(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        x = args[0] if args else kwargs[self.spec.input_name]
+        self.tracker._record(self.path, _recompute_hidden(self.spec, module, x))
+
+    def record(self, l1: torch.Tensor, density: torch.Tensor) -> None:
+        """The FFN's mean |h| (differentiable) and nonzero fraction (a tensor), as its op computed them."""
+        self.tracker.l1[self.path] = l1
+        self.tracker._density[self.path] = density.detach()
 
 
 def _linear_rows(linear: nn.Module, rows: slice | None, x: torch.Tensor) -> torch.Tensor:
@@ -95,7 +106,7 @@ class L1Tracker:
 
         self.model = model
         self.l1: dict[str, torch.Tensor] = {}
-        self._nonzero: dict[str, tuple[torch.Tensor, int]] = {}
+        self._density: dict[str, torch.Tensor] = {}
         self._handles = []
         candidates, _ = scan(model)
         untrackable = [c for c in candidates if c.spec is None]
@@ -127,7 +138,7 @@ class L1Tracker:
     def _record(self, path: str, hidden: torch.Tensor) -> None:
         self.l1[path] = hidden.abs().mean()
         with torch.no_grad():  # kept on the device: density() synchronises, a training step need not
-            self._nonzero[path] = (torch.count_nonzero(hidden), hidden.numel())
+            self._density[path] = torch.count_nonzero(hidden) / max(hidden.numel(), 1)
 
     def penalty(self) -> torch.Tensor:
         """Mean over FFN layers of the layer's mean |h| in the last forward (differentiable)."""
@@ -138,7 +149,7 @@ class L1Tracker:
 
     def density(self) -> dict[str, float]:
         """FFN path -> fraction of h that was nonzero in its last call (synchronises with the device)."""
-        return {path: count.item() / numel for path, (count, numel) in self._nonzero.items()}
+        return {path: density.item() for path, density in self._density.items()}
 
     def remove(self) -> None:
         """Detach the hooks and forget the records; l1_penalty(model) then raises."""
@@ -146,7 +157,7 @@ class L1Tracker:
             handle.remove()
         self._handles.clear()
         self.l1.clear()
-        self._nonzero.clear()
+        self._density.clear()
         if self.model.__dict__.get(_TRACKER) is self:
             del self.model.__dict__[_TRACKER]
 

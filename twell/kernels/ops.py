@@ -3,7 +3,14 @@
 Each op has a fake implementation (torch.compile traces it with no graph break), a default
 implementation in plain PyTorch (CPU and any device without Triton kernels) and a CUDA implementation
 that dispatches to Triton (twell.kernels.dispatch, imported on first CUDA call, so importing twell
-compiles nothing). Autograd recomputes through the dense reference: exact gradients, not yet sparse.
+compiles nothing).
+
+Training: twell::ffn_train (a forward that also returns the compact record of the hidden layer) and
+twell::ffn_train_backward (every gradient from that record) are the sparse training path
+(twell.kernels.backward); ffn_train's autograd calls ffn_train_backward, so torch.compile traces both
+and activation checkpointing recomputes the forward. twell.ops routes a call there when
+`sparse_training` says so (CUDA, gradients needed, the kernels' layout); otherwise autograd of
+gated_ffn / ffn recomputes through the dense reference: exact, but no faster than dense.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from twell.kernels import reference
+from twell.kernels import policy, reference
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -169,3 +176,150 @@ _setup, _backward = _dense_backward(reference.gated_ffn, 7)
 gated_ffn.register_autograd(_backward, setup_context=_setup)
 _setup, _backward = _dense_backward(reference.ffn, 5)
 ffn.register_autograd(_backward, setup_context=_setup)
+
+
+@torch.library.custom_op("twell::ffn_train", mutates_args=())
+def ffn_train(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    up_weight: Optional[torch.Tensor],
+    down_weight: torch.Tensor,
+    gate_bias: Optional[torch.Tensor],
+    up_bias: Optional[torch.Tensor],
+    down_bias: Optional[torch.Tensor],
+    threshold: float,
+    drelu: bool,
+    squared: bool,
+    width: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, ids, gate, up, counts, l1, nonzero): the FFN (gated with up_weight, else plain: gate_weight
+    is its up projection, squared its relu²), the record backward reads (twell.kernels.backward), and
+    sum |h| (fp32, differentiable: the L1 penalty's) and the count of nonzero h (int64) over its hidden
+    activation h. Triton kernels: CUDA, or CPU under TRITON_INTERPRET=1."""
+    from twell.kernels import backward
+
+    _check_train(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, width)
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    y, *record = backward.train_forward(
+        x2, gate_weight, _unit(gate_bias), up_weight, _unit(up_bias), down_weight.t(), _unit(down_bias),
+        threshold=threshold, drelu=drelu, square=squared, width=width,
+    )  # fmt: skip
+    return (y.reshape(x.shape), *record)
+
+
+@ffn_train.register_fake
+def _(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu, squared, width):
+    _check_train(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, width)
+    m = x.numel() // x.shape[-1]
+    ids = x.new_empty(m, width, dtype=torch.int32)
+    up = x.new_empty(m, width if up_weight is not None else 0)
+    counts = x.new_empty(m, dtype=torch.int32)
+    l1, nonzero = x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.int64)
+    return x.new_empty(x.shape), ids, x.new_empty(m, width), up, counts, l1, nonzero
+
+
+@torch.library.custom_op("twell::ffn_train_backward", mutates_args=())
+def ffn_train_backward(
+    dy: torch.Tensor,
+    l1_grad: torch.Tensor,
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    up_weight: Optional[torch.Tensor],
+    down_weight: torch.Tensor,
+    gate_bias: Optional[torch.Tensor],
+    up_bias: Optional[torch.Tensor],
+    has_down_bias: bool,
+    ids: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    counts: torch.Tensor,
+    threshold: float,
+    drelu: bool,
+    squared: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, d gate_weight, d up_weight, d down_weight, d gate_bias, d up_bias, d down_bias) of ffn_train
+    from its record; l1_grad: the gradient of ffn_train's l1 (one-element fp32). Gradients of absent
+    tensors are empty; d down_weight has down_weight's layout."""
+    from twell.kernels import backward
+
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k).contiguous()
+    dy2 = dy.reshape(-1, k).contiguous()
+    dx, dwg, dwu, dwd_t, dbg, dbu, dbd = backward.train_backward(
+        dy2, l1_grad, x2, gate_weight, _unit(gate_bias), up_weight, _unit(up_bias), down_weight.t(), has_down_bias, ids,
+        gate, up, counts, threshold=threshold, drelu=drelu, square=squared,
+    )  # fmt: skip
+    return dx.reshape(x.shape), dwg, dwu, dwd_t.t(), dbg, dbu, dbd
+
+
+@ffn_train_backward.register_fake
+def _(dy, l1_grad, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, has_down_bias, *_):
+    n, k = gate_weight.shape
+    return (
+        x.new_empty(x.shape),
+        x.new_empty(n, k),
+        x.new_empty((n, k) if up_weight is not None else (0,)),
+        x.new_empty(n, k).t(),
+        x.new_empty(n if gate_bias is not None else 0),
+        x.new_empty(n if up_bias is not None else 0),
+        x.new_empty(k if has_down_bias else 0),
+    )
+
+
+def _unit(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The kernels read biases with unit stride."""
+    return bias.contiguous() if bias is not None else None
+
+
+def _check_train(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, width) -> None:
+    if up_weight is None:
+        if up_bias is not None:
+            raise ValueError("up_bias needs up_weight (a plain FFN has its bias as gate_bias)")
+        check_plain(x, gate_weight, down_weight, gate_bias, down_bias, threshold)
+    else:
+        check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold)
+    if width < 1:
+        raise ValueError(f"width must be >= 1, got {width}")
+
+
+def _train_setup(ctx, inputs, output):
+    x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu, squared, _ = inputs
+    _, ids, gate, up, counts, _, nonzero = output
+    ctx.mark_non_differentiable(ids, gate, up, counts, nonzero)
+    ctx.save_for_backward(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, ids, gate, up, counts)
+    ctx.flags = (down_bias is not None, threshold, drelu, squared)
+
+
+def _train_backward(ctx, dy, _ids, _gate, _up, _counts, l1_grad, _nonzero):
+    x, gate_weight, up_weight, down_weight, gate_bias, up_bias, ids, gate, up, counts = ctx.saved_tensors
+    has_down_bias, threshold, drelu, squared = ctx.flags
+    dy = torch.zeros_like(x) if dy is None else dy
+    l1_grad = x.new_zeros((), dtype=torch.float32) if l1_grad is None else l1_grad.float()
+    grads = torch.ops.twell.ffn_train_backward(
+        dy, l1_grad, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, has_down_bias, ids, gate, up, counts,
+        threshold, drelu, squared,
+    )  # fmt: skip
+    present = (True, True, up_weight is not None, True, gate_bias is not None, up_bias is not None, has_down_bias)
+    return (*(g if p else None for g, p in zip(grads, present, strict=True)), None, None, None, None)
+
+
+ffn_train.register_autograd(_train_backward, setup_context=_train_setup)
+
+
+def sparse_training(x, gate_weight, up_weight, down_weight, biases: tuple) -> bool:
+    """Whether a call takes the sparse training path: autograd records it, on CUDA, in a dtype the
+    kernels take, with weight rows contiguous along K and down_weight stored as sparsify stores it
+    (down_weight.t() rows contiguous: a copy per call would cost more than the sparse backward saves),
+    K <= policy.MAX_K, and at least policy.TRAIN_MIN_M tokens. Malformed inputs go the checked way."""
+    tensors = (x, gate_weight, up_weight, down_weight, *biases)
+    if not (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)):
+        return False
+    if not (isinstance(x, torch.Tensor) and x.is_cuda and x.dtype in FLOAT_DTYPES and x.dim() >= 1):
+        return False
+    if not (isinstance(down_weight, torch.Tensor) and down_weight.dim() == 2):
+        return False
+    rows = (gate_weight, down_weight.t()) if up_weight is None else (gate_weight, up_weight, down_weight.t())
+    if not all(isinstance(w, torch.Tensor) and w.dim() == 2 and w.stride(1) == 1 for w in rows):
+        return False
+    k = x.shape[-1]
+    return 0 < k <= policy.MAX_K and x.numel() // k >= policy.TRAIN_MIN_M

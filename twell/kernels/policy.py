@@ -27,6 +27,9 @@ MAX_K = 8192  # wider models run dense: the up+down kernel keeps whole x and y r
 # Mean density above which a layer's prefill runs dense: 1.28x at 0.5%, 0.99-1.00x at 1% (NOTES.md v5/v6).
 DENSE_ABOVE = 0.008
 DENSE_RETRY = 64  # dense calls before such a layer is probed again
+# Training calls (autograd recording) of at least this many tokens take the sparse training path
+# (twell.kernels.backward); benchmarks/train.py measures it from 16384 tokens.
+TRAIN_MIN_M = 4096
 
 
 def route(m: int, k: int, density: float | None = None) -> str:
@@ -39,3 +42,11 @@ def route(m: int, k: int, density: float | None = None) -> str:
     if PREFILL_MIN_M is not None and m >= PREFILL_MIN_M:
         return "prefill"
     return "dense"
+
+
+def train_width(n: int) -> int:
+    """Record slots per token row of the sparse training path for N hidden neurons: a power of two
+    >= N/32 (>= 3% density, several times the 0.5-1% a trained sparse model keeps, so only unusually
+    dense rows take the dense backup; the record costs 8 bytes a slot), at least 64, at most N rounded
+    up to a power of two."""
+    return min(1 << max(n - 1, 0).bit_length(), max(64, 1 << (-(-n // 32) - 1).bit_length()))

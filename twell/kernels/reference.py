@@ -29,6 +29,25 @@ def _thresholded_relu_(v: torch.Tensor, threshold: float) -> torch.Tensor:
     return v.masked_fill_(v <= threshold, 0.0)
 
 
+def hidden(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    up_weight: torch.Tensor | None,
+    gate_bias: torch.Tensor | None = None,
+    up_bias: torch.Tensor | None = None,
+    threshold: float = 0.0,
+    drelu: bool = False,
+    squared: bool = False,
+) -> torch.Tensor:
+    """h [..., N], the down projection's input: act(gate(x)) * up(x) (drelu: ReLU on up(x) too) with
+    up_weight; without, act(gate(x)), squared for relu² (gate_weight is then the FFN's up projection)."""
+    h = thresholded_relu(F.linear(x, gate_weight, gate_bias), threshold)
+    if up_weight is None:
+        return h * h if squared else h
+    up = F.linear(x, up_weight, up_bias)
+    return h * (torch.relu(up) if drelu else up)
+
+
 def gated_ffn(
     x: torch.Tensor,
     gate_weight: torch.Tensor,
@@ -42,19 +61,16 @@ def gated_ffn(
 ) -> torch.Tensor:
     """y = down(act(gate(x)) * up(x)); with drelu, ReLU on up(x) too. nn.Linear weight layouts."""
     if _records_grad(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias):
-        hidden = thresholded_relu(F.linear(x, gate_weight, gate_bias), threshold)
-        up = F.linear(x, up_weight, up_bias)
-        if drelu:
-            up = torch.relu(up)
-        return F.linear(hidden * up, down_weight, down_bias)
+        h = hidden(x, gate_weight, up_weight, gate_bias, up_bias, threshold, drelu)
+        return F.linear(h, down_weight, down_bias)
     # no autograd graph: in place, so at most two [M, N] buffers live at once (eager dense holds three)
-    hidden = _thresholded_relu_(F.linear(x, gate_weight, gate_bias), threshold)
+    h = _thresholded_relu_(F.linear(x, gate_weight, gate_bias), threshold)
     up = F.linear(x, up_weight, up_bias)
     if drelu:
         up.relu_()
-    hidden.mul_(up)
+    h.mul_(up)
     del up
-    return F.linear(hidden, down_weight, down_bias)
+    return F.linear(h, down_weight, down_bias)
 
 
 def ffn(
@@ -68,11 +84,9 @@ def ffn(
 ) -> torch.Tensor:
     """y = down(act(up(x))); with squared, act is relu² (Primer / Nemotron)."""
     if _records_grad(x, up_weight, down_weight, up_bias, down_bias):
-        hidden = thresholded_relu(F.linear(x, up_weight, up_bias), threshold)
-        if squared:
-            hidden = hidden * hidden
-        return F.linear(hidden, down_weight, down_bias)
-    hidden = _thresholded_relu_(F.linear(x, up_weight, up_bias), threshold)
+        h = hidden(x, up_weight, None, up_bias, None, threshold, squared=squared)
+        return F.linear(h, down_weight, down_bias)
+    h = _thresholded_relu_(F.linear(x, up_weight, up_bias), threshold)
     if squared:
-        hidden.mul_(hidden)
-    return F.linear(hidden, down_weight, down_bias)
+        h.mul_(h)
+    return F.linear(h, down_weight, down_bias)

@@ -81,9 +81,9 @@ def _rows(linear: nn.Module, rows: slice | None) -> tuple[torch.Tensor, torch.Te
     return weight[rows], None if bias is None else bias[rows]
 
 
-def run_ffn(spec: FFNSpec, gate: nn.Module, up: nn.Module | None, down: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def run_ffn(spec: FFNSpec, gate: nn.Module, up: nn.Module | None, down: nn.Module, x: torch.Tensor, return_l1=False):
     """The FFN of `spec` on x [..., K] through twell.ops; gate/up/down are projections (nn.Linear, or
-    Conv1D passed as transposed views) with bias."""
+    Conv1D passed as transposed views) with bias. return_l1: (y, l1, density) as twell.ops returns."""
     gate_weight, gate_bias = _rows(gate, spec.gate_rows)
     if spec.kind == "plain":
         return ops.ffn(
@@ -94,6 +94,7 @@ def run_ffn(spec: FFNSpec, gate: nn.Module, up: nn.Module | None, down: nn.Modul
             down_bias=down.bias,
             threshold=spec.threshold,
             squared=spec.squared,
+            return_l1=return_l1,
         )
     up_weight, up_bias = _rows(up, spec.up_rows)
     return ops.gated_ffn(
@@ -106,6 +107,7 @@ def run_ffn(spec: FFNSpec, gate: nn.Module, up: nn.Module | None, down: nn.Modul
         down_bias=down.bias,
         threshold=spec.threshold,
         drelu=spec.drelu,
+        return_l1=return_l1,
     )
 
 
@@ -172,8 +174,12 @@ class SparseFFN(_StandIn):
     """Replaces a module whose forward is exactly an FFN; y = twell.ops.(gated_)ffn(x), x [..., K].
 
     The original's forward hooks stay attached (the hook dicts are shared): they see the same inputs
-    and outputs as before.
+    and outputs as before. twell.train's L1 probe, a forward pre-hook, hands itself to the call
+    (reports_l1): the op's run then gives it the L1 term from the sparse forward's record (recomputing
+    h only where the op runs dense), and a call that runs the original forward has the probe recompute.
     """
+
+    reports_l1 = True
 
     def __init__(self, original: nn.Module, spec: FFNSpec):
         super().__init__(original, children=True)
@@ -189,6 +195,7 @@ class SparseFFN(_StandIn):
             x = kwargs[spec.input_name]
         else:
             x = None
+        probe = self.__dict__.pop("l1_probe", None)  # set by twell.train's pre-hook for this call
         gate, down = getattr(self, spec.gate), getattr(self, spec.down)
         up = getattr(self, spec.up) if spec.up is not None else None
         # Calls the ops cannot express run the original forward: extra arguments (another code path
@@ -198,11 +205,18 @@ class SparseFFN(_StandIn):
         # by tensor parallelism run the op on this rank's neurons, their hooks around it.
         parallel = distributed.tensor_parallel(spec, gate, up, down)
         exact = parallel or all(_plain_linear(m) for m in (gate, up, down) if m is not None)
-        if x is None or (spec.dropout and self.training) or not exact or not _op_dtype(x, gate):
+        op = not (x is None or (spec.dropout and self.training) or not exact or not _op_dtype(x, gate))
+        if probe is not None and (not op or parallel):
+            probe.recompute(self, args, kwargs)
+        if not op:
             return self.sync_original().forward(*args, **kwargs)
         if parallel:
             return distributed.run_tensor_parallel(spec, gate, up, down, x)
-        return run_ffn(spec, gate, up, down, x)
+        if probe is None:
+            return run_ffn(spec, gate, up, down, x)
+        y, l1, density = run_ffn(spec, gate, up, down, x, return_l1=True)
+        probe.record(l1, density)
+        return y
 
     def extra_repr(self) -> str:
         return f"twell {self.spec.kind}, threshold={self.spec.threshold}, drelu={self.spec.drelu}"

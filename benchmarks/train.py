@@ -1,0 +1,275 @@
+"""Training benchmark: one FFN layer's forward + backward with the L1 activation penalty, dense autograd
+(eager and torch.compile, the faster counts) against twell's sparse training path.
+
+Run on a GPU:  PYTHONPATH=. python benchmarks/train.py [--shapes 2048x5632,4096x14336] [--ms 16384,32768]
+               PYTHONPATH=. python benchmarks/train.py --smoke      # tiny shapes, a minute with compiles
+Without CUDA, --smoke checks the sparse training op's gradients through Triton's interpreter on the CPU
+(TRITON_INTERPRET=1, fp32) and times nothing; a full run needs CUDA.
+
+A step: y = layer(x); loss = <y, dy> + lam * l1_penalty (twell.train: mean |h| over the layer's
+[M, N] hidden activation); backward to x and every parameter (grads set to None before each step, as
+an optimizer's zero_grad does). Both sides run what users run: the Llama-style ReLU-gated FFN of
+benchmarks/ffn.py with twell.train.track_l1 on it, dense; and the same module after twell.sparsify
+(its weight layouts, its modules), tracked the same way. The compiled dense side is the same step as
+one function of the weights, compiled once (dynamic shapes). Inputs: benchmarks/ffn.py's make_inputs
+(uniform and skewed firing rates).
+
+Per point: medians of triton.testing.do_bench over 3 input sets, peak memory of a step above what
+was allocated before it, the gradient error of twell against dense eager (dx on a row sample, every
+weight gradient whole, ‖a−b‖/‖b‖), and per-product kernel times of twell's step from the profiler:
+gate GEMM (cuBLAS), sparse forward, dx, dW, the neuron sort, and the rest (zeroing, casts, L1). The
+closing table gives each product's time against its floor: gathered weight rows at ~8 TB/s through
+L2 (fwd: W_u, W_d rows per pair; dx: W_g, W_u, W_d), x and dy rows gathered per pair at ~4 TB/s from
+HBM (dW: they exceed L2), and the GEMM at the measured cuBLAS rate. JSON to benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+SMOKE_WITHOUT_CUDA = not torch.cuda.is_available() and "--smoke" in sys.argv
+if SMOKE_WITHOUT_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+import torch.nn.functional as F  # noqa: E402
+from ffn import ceilings, environment, make_inputs, peak_mb, result_path  # noqa: E402  (the benchmarks' directory is on sys.path)
+from triton.testing import do_bench  # noqa: E402
+
+import twell  # noqa: E402
+import twell.ops  # noqa: E402, F401  (registers torch.ops.twell.*)
+import twell.train  # noqa: E402
+from twell.kernels import policy, reference  # noqa: E402
+
+LAM = 2e-5  # the paper's L1 coefficient
+INPUT_SETS = 3
+REP_MS = 300  # do_bench's repetition time: at least 5 steps at the largest shape (~60 ms a dense step)
+L2_TB_S = 8.0  # gathered rows of an L2-resident matrix (PAPER: 8.2-9.4 TB/s measured)
+HBM_TB_S = 4.0  # device copy (4.26 TB/s measured)
+STAGES = {  # profiler kernel-name fragments -> stage
+    "_train_forward_kernel": "fwd_sparse",
+    "_train_dx_kernel": "dx",
+    "_train_dw_kernel": "dw",
+    "RadixSort": "sort",
+    "radix": "sort",
+    "searchsorted": "sort",
+    "gemm": "gemm",
+    "nvjet": "gemm",
+    "cutlass": "gemm",
+    "sm90_": "gemm",
+}
+
+
+def dense_loss(x, dy, gate_weight, gate_bias, up_weight, down_weight):
+    """The dense layer's loss as one function of the weights (torch.compile's side; AOT autograd
+    compiles its backward too)."""
+    hidden = F.relu(F.linear(x, gate_weight, gate_bias)) * F.linear(x, up_weight)
+    return (F.linear(hidden, down_weight) * dy).float().sum() + LAM * hidden.abs().float().mean()
+
+
+def module_step(block, x, dy):
+    """The user's step on a (dense or sparsified) tracked module; returns (dx, grads by parameter name)."""
+    block.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    y = block(x)
+    loss = (y * dy).float().sum() + LAM * twell.train.l1_penalty(block)
+    loss.backward()
+    return x.grad, {name: p.grad for name, p in block.named_parameters()}
+
+
+def _params(block):
+    mlp = block.mlp
+    return mlp.gate_proj.weight, mlp.gate_proj.bias, mlp.up_proj.weight, mlp.down_proj.weight
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def stage_times(fn, steps=3) -> dict:
+    """Kernel time per stage of fn (ms per call), from the profiler's device times."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    times = {stage: 0.0 for stage in set(STAGES.values()) | {"other"}}
+    for event in prof.key_averages():
+        total = getattr(event, "device_time_total", None)
+        total = event.cuda_time_total if total is None else total
+        if total <= 0:
+            continue
+        stage = next((s for frag, s in STAGES.items() if frag in event.key), "other")
+        times[stage] += total / 1e3 / steps
+    return {f"{stage}_ms": t for stage, t in times.items()}
+
+
+def floors(k, n, m, pairs, gemm_tflop_s) -> dict:
+    """Each product's floor (ms) on the measured ceilings; bytes/flops in the module docstring."""
+    row = 2 * k  # bytes of one bf16 row
+    return {
+        "gemm_floor_ms": 2 * m * k * n / gemm_tflop_s / 1e9,
+        "fwd_sparse_floor_ms": (pairs * 2 * row / L2_TB_S + (m * n * 2 + 2 * m * row) / HBM_TB_S) / 1e9,
+        "dx_floor_ms": (pairs * 3 * row / L2_TB_S + 2 * m * row / HBM_TB_S) / 1e9,
+        "dw_floor_ms": (pairs * 2 * row + 3 * n * k * 4 * 2) / HBM_TB_S / 1e9,
+    }
+
+
+def bench_point(k, n, m, density, pattern, compiled, gemm_tflop_s) -> dict:
+    x0, block = make_inputs(m, k, n, density, pattern, seed=m + n)
+    block.train()
+    # more input sets for the same layer: x does not depend on the weights (make_inputs), only its seed
+    xs = [x0] + [make_inputs(m, k, 8, density, pattern, seed=m + n + i)[0] for i in range(1, INPUT_SETS)]
+    dys = [torch.randn_like(x) for x in xs]
+    params = [p.requires_grad_() for p in _params(block)]
+    i = iter(range(1 << 30))
+
+    def nxt():
+        j = next(i) % INPUT_SETS
+        return xs[j], dys[j]
+
+    def dense_compiled():
+        x, dy = nxt()
+        x = x.detach().requires_grad_()
+        return torch.autograd.grad(compiled(x, dy, *params), [x, *params])
+
+    def user_step():
+        return module_step(block, *nxt())
+
+    def measure(step):
+        """(median ms, peak MB, grads on the first input set) of a tracked module's step."""
+        step()  # compiles and autotunes outside the timing
+        ms = do_bench(step, warmup=50, rep=REP_MS, return_mode="median")
+        block.zero_grad(set_to_none=True)
+        peak = peak_mb(lambda: module_step(block, x0, dys[0]))
+        return ms, peak, module_step(block, x0, dys[0])
+
+    tracker = twell.train.track_l1(block)
+    dense_ms, dense_peak, (dense_dx, dense_grads) = measure(user_step)
+    tracker.remove()
+    dense_compiled()
+    compiled_ms = do_bench(dense_compiled, warmup=50, rep=REP_MS, return_mode="median")
+
+    twell.sparsify(block)
+    tracker = twell.train.track_l1(block)
+    twell_ms, twell_peak, (twell_dx, twell_grads) = measure(user_step)
+    stages = stage_times(lambda: module_step(block, x0, dys[0]))
+    tracker.remove()
+    with torch.no_grad():
+        pre = F.linear(x0, params[0], params[1])
+        nnz = (pre > 0).sum(1)
+        del pre
+    sample = torch.linspace(0, m - 1, min(m, 1024), device=x0.device).long()
+    width = policy.train_width(n)
+    row = {
+        "K": k,
+        "N": n,
+        "M": m,
+        "density": density,
+        "pattern": pattern,
+        "width": width,
+        "nnz_mean": nnz.float().mean().item(),
+        "nnz_max": nnz.max().item(),
+        "backup_rows": (nnz > width).sum().item(),
+        "dense_eager_ms": dense_ms,
+        "dense_compiled_ms": compiled_ms,
+        "twell_ms": twell_ms,
+        "speedup": min(dense_ms, compiled_ms) / twell_ms,
+        "dense_peak_mb": dense_peak,
+        "twell_peak_mb": twell_peak,
+        "memory_ratio": twell_peak / dense_peak,
+        "dx_err": rel(twell_dx[sample], dense_dx[sample]),
+        **{f"{name}_err": rel(twell_grads[name], g) for name, g in dense_grads.items()},
+        **stages,
+        **floors(k, n, m, nnz.sum().item(), gemm_tflop_s),
+    }
+    twell.restore(block)
+    return row
+
+
+def smoke_without_cuda() -> None:
+    """The sparse training op's gradients against float64 dense autograd, through the interpreter."""
+    print("no CUDA device: --smoke checks the sparse training op through Triton's interpreter (fp32, CPU)")
+    x, block = make_inputs(40, 32, 96, 0.05, "skewed", dtype=torch.float32, device="cpu")
+    wg, bg, wu, wd = (p.detach() for p in _params(twell.sparsify(block)))
+    leaves = [t.clone().requires_grad_() for t in (x, wg, bg, wu, wd)]
+    y = torch.ops.twell.ffn_train(
+        leaves[0], leaves[1], leaves[3], leaves[4], leaves[2], None, None, 0.0, False, False, 16
+    )[0]  # fmt: skip
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    ref_leaves = [t.double().requires_grad_() for t in (x, wg, bg, wu, wd)]
+    xr, wgr, bgr, wur, wdr = ref_leaves
+    reference.gated_ffn(xr, wgr, wur, wdr, bgr).backward(dy.double())
+    errors = {
+        name: rel(a.grad, b.grad) for name, a, b in zip(("x", "wg", "bg", "wu", "wd"), leaves, ref_leaves, strict=True)
+    }
+    print(json.dumps(errors))
+    if max(errors.values()) > 1e-4:
+        raise SystemExit(f"gradient error above 1e-4: {errors}")
+    print("ok: gradients within 1e-4 of float64 dense autograd; a timed run needs CUDA")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default="2048x5632,4096x14336")
+    parser.add_argument("--ms", default="16384,32768")
+    parser.add_argument("--densities", default="0.005,0.01")
+    parser.add_argument("--patterns", default="uniform,skewed")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: interpreter check only)")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    if SMOKE_WITHOUT_CUDA:
+        smoke_without_cuda()
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/train.py times on a CUDA GPU; without one, run it with --smoke")
+    if args.smoke:
+        args.shapes, args.ms, args.densities, args.patterns = "256x704", "4096", "0.01", "skewed"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    compiled = torch.compile(dense_loss, dynamic=True)
+    result = {**environment(), "ceilings": ceilings(), "lam": LAM, "train_min_m": policy.TRAIN_MIN_M, "points": []}
+    print(json.dumps(result["ceilings"]), flush=True)
+    path = result_path(args.out, "train-smoke" if args.smoke else "train")
+    columns = "K N M dens pat nnz max bkup dense twell x memx err gemm fl fwd fl dx fl dW fl sort other"
+    header = " ".join(f"{c:>6}" for c in columns.split())
+    lines = [header]
+    print(header, flush=True)
+    for shape in args.shapes.split(","):
+        k, n = map(int, shape.split("x"))
+        for m in map(int, args.ms.split(",")):
+            for pattern in args.patterns.split(","):
+                for density in map(float, args.densities.split(",")):
+                    row = bench_point(k, n, m, density, pattern, compiled, result["ceilings"]["gemm_tflop_s"])
+                    torch.cuda.empty_cache()
+                    result["points"].append(row)
+                    path.write_text(json.dumps(result, indent=1))  # kept if a later point fails
+                    err = max(v for name, v in row.items() if name.endswith("_err"))
+                    line = (
+                        f"{k:>6} {n:>6} {m:>6} {density:>6.3f} {pattern:>6} {row['nnz_mean']:>6.1f} "
+                        f"{row['nnz_max']:>6} {row['backup_rows']:>6} "
+                        f"{min(row['dense_eager_ms'], row['dense_compiled_ms']):>6.2f} {row['twell_ms']:>6.2f} "
+                        f"{row['speedup']:>6.2f} {row['memory_ratio']:>6.2f} {err:>6.0e} "
+                        + " ".join(
+                            f"{row[f'{s}_ms']:>6.2f} {row[f'{s}_floor_ms']:>6.2f}"
+                            for s in ("gemm", "fwd_sparse", "dx", "dw")
+                        )
+                        + f" {row['sort_ms']:>6.2f} {row['other_ms']:>6.2f}"
+                    )
+                    lines.append(line)
+                    print(line, flush=True)
+    path.write_text(json.dumps(result, indent=1))
+    print("\n".join(lines))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

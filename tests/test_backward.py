@@ -1,0 +1,380 @@
+"""Sparse training path (twell::ffn_train and its backward) against float64 dense autograd of
+twell.kernels.reference (CPU: Triton's interpreter, fp32/fp16; GPU: bf16 at a real shape too)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import triton
+from conftest import DEVICE, rel_err
+from ffn_cases import gated_ref, make_ffn, plain_ref
+from torch.utils.checkpoint import checkpoint
+
+import twell
+import twell.ops
+from twell.kernels import backward, policy, reference
+
+# empty rows, sparse rows, rows past the record width (0.3 of 70 > 16 slots) and fully dense rows
+DENSITIES = [0.0, 0.1, 1.0, 0.05, 0.3, 0.02]
+GRAD_TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(autouse=True)
+def poisoned_buffers(monkeypatch):
+    """Every buffer the kernels allocate starts as NaN / -1, so an element they fail to write shows."""
+    alloc = backward._alloc
+
+    def poisoned(shape, dtype, device):
+        t = alloc(shape, dtype, device)
+        return t.fill_(float("nan") if t.is_floating_point() else -1)
+
+    monkeypatch.setattr(backward, "_alloc", poisoned)
+
+
+def _leaves(case, dtype=None):
+    return {
+        name: (t.to(dtype) if dtype else t).clone().requires_grad_() if t is not None else None
+        for name, t in case.items()
+    }
+
+
+def _train_op(leaves, gated, threshold=0.0, drelu=False, squared=False, width=16):
+    if gated:
+        args = (leaves["gate_weight"], leaves["up_weight"], leaves["down_weight"], leaves["gate_bias"])
+        args += (leaves["up_bias"], leaves["down_bias"])
+    else:
+        args = (leaves["up_weight"], None, leaves["down_weight"], leaves["up_bias"], None, leaves["down_bias"])
+    return torch.ops.twell.ffn_train(leaves["x"], *args, threshold, drelu, squared, width)
+
+
+def _check_grads(case, gated, dtype, threshold=0.0, drelu=False, squared=False, width=16):
+    """Output and every gradient of the training op against float64 dense autograd."""
+    leaves = _leaves(case)
+    y = _train_op(leaves, gated, threshold, drelu, squared, width)[0]
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    y.backward(dy.to(DEVICE))
+    ref_leaves = _leaves(case, torch.float64)
+    ref = gated_ref(ref_leaves, threshold, drelu) if gated else plain_ref(ref_leaves, threshold, squared)
+    ref.backward(dy.double().to(DEVICE))
+    tol = GRAD_TOL[dtype]
+    assert rel_err(y, ref) <= tol, "y"
+    for name, leaf in leaves.items():
+        if leaf is not None:
+            assert rel_err(leaf.grad, ref_leaves[name].grad) <= tol, name
+    return leaves
+
+
+VARIANTS = {
+    # id: (gated, biases, threshold, drelu, squared)
+    "gated-relu-bias": (True, True, 0.0, False, False),
+    "gated-relu": (True, False, 0.0, False, False),
+    "gated-fatrelu-bias": (True, True, 0.05, False, False),
+    "gated-drelu": (True, False, 0.0, True, False),
+    "plain-relu-bias": (False, True, 0.0, False, False),
+    "plain-relu2": (False, False, 0.0, False, True),
+    "plain-fatrelu-relu2-bias": (False, True, 0.05, False, True),
+}
+CASES = [(v, torch.float32) for v in VARIANTS] + [("gated-relu-bias", torch.float16), ("plain-relu2", torch.float16)]
+
+
+@pytest.mark.parametrize("variant,dtype", CASES, ids=[f"{v}-{str(d)[6:]}" for v, d in CASES])
+def test_every_gradient_matches_dense_autograd(variant, dtype):
+    """M=13, K=24, N=70 (no multiple of any block), width 16: empty, sparse, past-width and dense rows."""
+    gated, biases, threshold, drelu, squared = VARIANTS[variant]
+    case = make_ffn(13, 24, 70, DENSITIES, dtype, DEVICE, seed=3, biases=biases, gated=gated)
+    _check_grads(case, gated, dtype, threshold, drelu, squared)
+
+
+def test_single_token_and_width_past_n():
+    case = make_ffn(1, 24, 70, [0.2], torch.float32, DEVICE, biases=True)
+    _check_grads(case, True, torch.float32, width=128)
+
+
+def test_neuron_active_in_every_token_is_split():
+    """257 tokens share neuron 5 (its pairs split into parts summed atomically); leading dims kept."""
+    case = make_ffn(257, 16, 40, [0.0, 0.05, 0.1], torch.float32, DEVICE, seed=5, biases=True)
+    with torch.no_grad():
+        case["gate_weight"][5] = 0.0
+        case["gate_bias"][5] = 2.0
+    per = max(-(-257 // backward.SPLITS), backward.MIN_PAIRS)
+    assert per < 257  # neuron 5's pairs span several programs
+    case["x"] = case["x"].reshape(257, 1, 16)
+    leaves = _check_grads(case, True, torch.float32, width=8)
+    assert leaves["x"].grad.shape == (257, 1, 16)
+
+
+def test_record_holds_the_kept_entries():
+    """Rows within the width list their kept neurons in order with the dtype-rounded gate and up
+    values; counts are the true counts, also past the width; sum |h| and the nonzeros of h."""
+    case = make_ffn(13, 24, 70, DENSITIES, torch.float16, DEVICE, seed=3)
+    with torch.no_grad():
+        _, ids, gate, up, counts, l1, nonzero = _train_op(case, True)
+    pre = F.linear(case["x"], case["gate_weight"])
+    kept = ~(pre <= 0)
+    assert torch.equal(counts.long(), kept.sum(1))
+    h = reference.hidden(case["x"], case["gate_weight"], case["up_weight"])
+    assert rel_err(l1, h.abs().double().sum()) <= 1e-3
+    assert nonzero.item() == torch.count_nonzero(h).item()
+    u = F.linear(case["x"], case["up_weight"])
+    for m in range(13):
+        c = int(counts[m])
+        if c <= 16:
+            cols = kept[m].nonzero().flatten()
+            assert torch.equal(ids[m, :c].long(), cols)
+            assert torch.equal(gate[m, :c], pre[m, cols])
+            assert rel_err(up[m, :c], u[m, cols]) <= 1e-3
+
+
+@pytest.mark.parametrize("gated,biases,drelu,squared", [(True, True, True, False), (False, False, False, True)])
+def test_l1_penalty_gradient(gated, biases, drelu, squared):
+    """loss = <y, dy> + lam * sum |h|: the L1 term's gradient flows through the record (and through the
+    recomputed dense-backup rows) as dense autograd's through |h|."""
+    case = make_ffn(13, 24, 70, DENSITIES, torch.float32, DEVICE, seed=4, biases=biases, gated=gated)
+    leaves = _leaves(case)
+    y, *_, l1, _ = _train_op(leaves, gated, drelu=drelu, squared=squared)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    lam = 3.0  # large, so the L1 term's share of every gradient is far above the tolerance
+    ((y * dy).sum() + lam * l1).backward()
+    ref_leaves = _leaves(case, torch.float64)
+    x, wd, bd = ref_leaves["x"], ref_leaves["down_weight"], ref_leaves["down_bias"]
+    wu, bu = ref_leaves["up_weight"], ref_leaves["up_bias"]
+    wg, bg = (ref_leaves["gate_weight"], ref_leaves["gate_bias"]) if gated else (wu, bu)
+    if not gated:  # the plain FFN's only projection plays the gate's part
+        wu, bu = None, None
+    h = reference.hidden(x, wg, wu, bg, bu, 0.0, drelu, squared)
+    ((F.linear(h, wd, bd) * dy.double()).sum() + lam * h.abs().sum()).backward()
+    assert rel_err(l1, h.abs().sum()) <= 1e-5
+    for name, leaf in leaves.items():
+        if leaf is not None:
+            assert rel_err(leaf.grad, ref_leaves[name].grad) <= 1e-4, name
+
+
+def test_compile_fullgraph_and_checkpoint():
+    """torch.compile traces forward and backward with no graph break; activation checkpointing
+    recomputes the forward; both give the eager gradients."""
+    case = make_ffn(6, 16, 40, [0.0, 0.2, 1.0], torch.float32, DEVICE, biases=True)
+
+    def loss(leaves):
+        return _train_op(leaves, True, width=8)[0].square().sum()
+
+    eager = _leaves(case)
+    loss(eager).backward()
+    compiled = _leaves(case)
+    torch.compile(loss, fullgraph=True, backend="aot_eager")(compiled).backward()
+    ckpt = _leaves(case)
+    checkpoint(loss, ckpt, use_reentrant=False).backward()
+    for name, leaf in eager.items():
+        assert torch.allclose(compiled[name].grad, leaf.grad, rtol=1e-5, atol=1e-6), name
+        assert torch.allclose(ckpt[name].grad, leaf.grad, rtol=1e-5, atol=1e-6), name
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+def test_opcheck_fake_tensors_and_autograd_registration(gated):
+    """torch.library.opcheck: schemas, fake implementations (shapes, strides, dtypes) matching the real
+    outputs, autograd registration, and the ops traced by AOT autograd with dynamic shapes."""
+    case = make_ffn(6, 16, 40, [0.0, 0.2, 1.0], torch.float32, DEVICE, biases=True, gated=gated)
+    leaves = _leaves(case)
+    if gated:
+        weights = (leaves["gate_weight"], leaves["up_weight"], leaves["down_weight"], leaves["gate_bias"])
+        weights += (leaves["up_bias"], leaves["down_bias"])
+    else:
+        weights = (leaves["up_weight"], None, leaves["down_weight"], leaves["up_bias"], None, leaves["down_bias"])
+    args = (leaves["x"], *weights, 0.0, False, not gated, 8)
+    torch.library.opcheck(torch.ops.twell.ffn_train.default, args)
+    with torch.no_grad():
+        _, ids, gate, up, counts, _, _ = torch.ops.twell.ffn_train(*args)
+    gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias = (
+        t.detach() if t is not None else None for t in weights
+    )
+    dy, l1_grad = torch.randn_like(case["x"]), torch.tensor(0.5, device=DEVICE)
+    backward_args = (dy, l1_grad, case["x"], gate_weight, up_weight, down_weight, gate_bias, up_bias)
+    backward_args += (down_bias is not None, ids, gate, up, counts, 0.0, False, not gated)
+    torch.library.opcheck(torch.ops.twell.ffn_train_backward.default, backward_args)
+
+
+def test_routing_needs_cuda_grad_and_the_kernel_layout():
+    case = make_ffn(4, 16, 40, [0.2], torch.float32, biases=True)
+    args = (case["gate_weight"], case["up_weight"], case["down_weight"], (None, None, None))
+    x = case["x"].requires_grad_()
+    assert not twell.kernels.ops.sparse_training(x, *args)  # CPU: the dense reference's autograd
+    assert not twell.kernels.ops.sparse_training(case["x"].detach(), *args)  # no grad needed
+    assert policy.train_width(5632) == 256 and policy.train_width(14336) == 512 and policy.train_width(40) == 64
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        ({"width": 0}, ValueError, "width must be >= 1, got 0"),
+        ({"up_weight": None}, ValueError, "up_bias needs up_weight"),
+        ({"x": torch.randn(3, 15)}, ValueError, r"x must have shape \[\.\.\., 16\]"),
+    ],
+    ids=["width", "up-bias-alone", "x-width"],
+)
+def test_bad_input_names_what_is_wrong(change, error, match):
+    args = {"x": torch.randn(3, 16), "up_weight": torch.randn(40, 16), "width": 8}
+    args.update(change)
+    with pytest.raises(error, match=match):
+        torch.ops.twell.ffn_train(
+            args["x"], torch.randn(40, 16), args["up_weight"], torch.randn(16, 40), None, torch.randn(40), None,
+            0.0, False, False, args["width"],
+        )  # fmt: skip
+
+
+def test_kernel_rejects_strided_weight_rows():
+    x = torch.randn(3, 16)
+    w = torch.randn(16, 40).t()
+    with pytest.raises(ValueError, match="gate_weight must have unit stride along K"):
+        backward.train_forward(
+            x, w, None, None, None, torch.randn(40, 16), None, threshold=0.0, drelu=False, square=False, width=8
+        )
+
+
+SM90_COMPILE = """
+import subprocess, sys
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from twell.kernels import backward
+
+FP32 = ("dl1", "dg", "du", "dwg", "dwu", "dwd", "dbg", "dbu", "l1")
+def arg_type(name):
+    if not name.endswith("_ptr"):
+        return "fp32" if name == "threshold" else "i32"
+    base = name[: -len("_ptr")]
+    return {"ids": "*i32", "cnt": "*i32", "nz": "*i32", "order": "*i64", "starts": "*i64"}.get(
+        base, "*fp32" if base in FP32 else "*bf16")
+
+cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+flags = dict(HAS_UP_BIAS=True, HAS_DOWN_BIAS=True, DRELU=False, SQUARE=False, HAS_GATE_BIAS=True,
+             SCAN=backward.SCAN, CHUNK=256, SPLITS=16, MIN_PAIRS=64, PAIRS=backward.DW_PAIRS)
+for kernel, block_k, extra in [
+    (backward._train_forward_kernel, 8192, {}),
+    (backward._train_dx_kernel, 8192, dict(BACKUP=False, ROWS=1)),
+    (backward._train_dx_kernel, 4096, dict(BACKUP=True, ROWS=1)),  # spills a little at 8192: _row_warps
+    (backward._train_dw_kernel, backward.DW_BLOCK_K, {}),
+]:
+    for has_up in (True, False):
+        names = [p.name for p in kernel.params if p.is_constexpr]
+        consts = {n: v for n, v in {**flags, **extra, "HAS_UP": has_up, "WIDTH": 512, "BLOCK_K": block_k}.items()
+                  if n in names}
+        signature = {n: "constexpr" if n in consts else arg_type(n) for n in kernel.arg_names}
+        warps = backward._row_warps(block_k, extra.get("BACKUP", False))
+        out = compile(ASTSource(kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
+                      options={"num_warps": warps})
+        Path("k.cubin").write_bytes(out.asm["cubin"])
+        usage = subprocess.run([str(cuobjdump), "-res-usage", "k.cubin"], capture_output=True, text=True).stdout
+        assert "STACK:0 " in usage and "LOCAL:0 " in usage, (kernel.__name__, usage)  # no spills
+        print(kernel.__name__, has_up, [line.split()[0] for line in usage.splitlines() if "REG:" in line])
+"""
+
+
+def test_kernels_compile_for_hopper_without_spills(tmp_path):
+    """Triton's compiler and ptxas build every training kernel for sm_90 (no GPU needed), at the
+    widest rows they take (K = policy.MAX_K = 8192; the dense-backup launch at 4096), with no register
+    spills."""
+    if not (Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump").exists():
+        pytest.skip("this Triton build has no NVIDIA toolchain")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", SM90_COMPILE], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU: real shapes, bf16, the user's path (sparsify), torch.compile and CUDA graphs
+
+
+def _layer(k, n, m, density, seed=0):
+    """A ReLU-gated FFN module (down weight as sparsify stores it) firing at about `density`."""
+    from benchmarks.ffn import make_inputs
+
+    x, block = make_inputs(m, k, n, density, "skewed", seed=seed)
+    block = twell.sparsify(block.train())
+    return x, block
+
+
+@pytest.mark.gpu
+def test_gpu_real_shape_bf16_matches_dense_autograd():
+    k, n, m = 2048, 5632, 4096
+    x, block = _layer(k, n, m, 0.01)
+    mlp = block.mlp
+    params = [mlp.gate_proj.weight, mlp.gate_proj.bias, mlp.up_proj.weight, mlp.down_proj.weight]
+    wg, bg, wu, wd = params
+    xs = x.clone().requires_grad_()
+    assert twell.kernels.ops.sparse_training(xs, wg, wu, wd, (bg, None, None))  # the sparse path runs
+    y = block(xs)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    ref_leaves = [x.double().requires_grad_()] + [p.detach().double().requires_grad_() for p in params]
+    xr, rwg, rbg, rwu, rwd = ref_leaves
+    ref = twell.kernels.reference.gated_ffn(xr, rwg, rwu, rwd, rbg)
+    ref.backward(dy.double())
+    assert rel_err(y, ref) <= 1e-2
+    for got, want in zip([xs.grad] + [p.grad for p in params], ref_leaves, strict=True):
+        assert rel_err(got, want.grad) <= 2e-2
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_training_step_and_cuda_graph():
+    k, n, m = 512, 1408, 8192
+    x, block = _layer(k, n, m, 0.01, seed=1)
+    params = list(block.parameters())
+
+    def loss_fn(x):
+        return block(x).float().square().mean()
+
+    def step(x, loss_fn):
+        return torch.autograd.grad(loss_fn(x), [x, *params])
+
+    xs = x.clone().requires_grad_()
+    eager = step(xs, loss_fn)
+    compiled = step(xs, torch.compile(loss_fn, fullgraph=True))
+    for a, b in zip(compiled, eager, strict=True):
+        assert rel_err(a, b) <= 1e-2
+    # forward + backward captured in one CUDA graph: no host synchronisation inside the step
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step(xs, loss_fn)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_grads = step(xs, loss_fn)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(static_grads, eager, strict=True):
+        assert rel_err(a, b) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("squared", [False, True], ids=["relu", "relu2"])
+def test_gpu_plain_ffn_and_l1_train_sparsely(squared):
+    """twell.ops.ffn with return_l1 at a real shape in bf16: y, the L1 term and every gradient of
+    <y, dy> + l1 against float64 dense autograd."""
+    k, n, m = 2048, 8192, 4096
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(m, k, device="cuda", generator=g)
+    w_up = torch.randn(n, k, device="cuda", generator=g) / k**0.5
+    b_up = torch.full((n,), -2.6, device="cuda")  # pre-activations ~ N(0, 1): about 0.5% fire
+    w_down = (torch.randn(k, n, device="cuda", generator=g) / n**0.5).t().contiguous().t()
+    leaves = [t.to(torch.bfloat16).requires_grad_() for t in (x, w_up, b_up, w_down)]
+    xs, wu, bu, wd = leaves
+    assert twell.kernels.ops.sparse_training(xs, wu, None, wd, (bu, None))
+    y, l1, density = twell.ops.ffn(xs, wu, wd, up_bias=bu, squared=squared, return_l1=True)
+    assert 0.002 < density.item() < 0.01
+    dy = torch.randn_like(y)
+    lam = 0.3 * m * n  # the L1 term's gradient per entry (lam / (M * N)) comparable to dh's
+    ((y.float() * dy.float()).sum() + lam * l1).backward()
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    rx, rwu, rbu, rwd = ref_leaves
+    h = reference.hidden(rx, rwu, None, rbu, None, 0.0, squared=squared)
+    ref_l1 = h.abs().mean()
+    ((F.linear(h, rwd) * dy.double()).sum() + lam * ref_l1).backward()
+    assert rel_err(y, F.linear(h, rwd)) <= 1e-2
+    assert rel_err(l1, ref_l1) <= 1e-2
+    for got, want in zip(leaves, ref_leaves, strict=True):
+        assert rel_err(got.grad, want.grad) <= 2e-2

@@ -1,0 +1,538 @@
+"""Sparse training of the twell FFNs: a forward that keeps a compact hybrid record of the hidden layer,
+and the backward computed from that record (the paper's training path; only the gate GEMM is dense).
+
+Record of one call (M token rows, W = width slots per row, policy.train_width: about N/32), written by
+_train_forward_kernel:
+    counts [M] int32      true number of kept neurons of the row (kept: not g <= threshold; NaN kept)
+    ids    [M, W] int32   the kept neurons, in increasing order (slots past the count: zeros)
+    gate   [M, W] dtype   their gate pre-activation g (the dense gate rounded to the dtype, as torch does)
+    up     [M, W] dtype   their up value u = x . W_u[n] + b_u, rounded (gated FFNs; empty for plain ones)
+8 bytes a slot (bf16): at W=256, M=32768 67 MB, against 369 MB for one dense [M, N] bf16 activation at
+N=5632. A row with more than W kept neurons is a dense-backup row: its record is unused; the forward
+walks the dense gate row and the backward recomputes its gate, up and hidden gradients from x and the
+weights (a GEMV over W_g, the active rows of W_u and W_d^T; the recomputed gate can differ from
+cuBLAS's in the last bit, so a gate within rounding of the threshold may be kept differently), so
+gradients are exact at any sparsity without a dense [M, N] buffer or a host round trip. The dense
+[M, N] gate lives only during the forward. The forward also sums |h| and counts nonzero h per row:
+the L1 penalty's term, whose gradient dl1 * sign(h) the backward adds to dh.
+
+Backward, per kept (m, n), with dh = dy_m . W_d^T[n] (+ dl1 * sign h):
+    gated: dg = dh * a(u) (a: ReLU with dReLU, else identity), du = dh * g * a'(u), h = g * a(u)
+    plain: dg = dh (relu) or 2 g dh (relu²), h = g or g²
+- _train_dx_kernel, one program per row: dx_m = sum_n dg W_g[n] + du W_u[n] (three weight rows
+  gathered per pair, as the forward's up+down kernel gathers two), storing dg / du into the record's
+  shape. Dense-backup rows take a second launch of it: each walks all N neurons and adds its dW and
+  dbias terms with fp32 atomics.
+- The pairs grouped by neuron (CSC): a stable sort of the record's neuron ids (invalid slots keyed N;
+  int16 keys where N allows, two radix passes) and segment starts by searchsorted, all on the device.
+- _train_dw_kernel, one program per (neuron, part): dW_g[n] += sum_m dg x_m, dW_u[n] += sum_m du x_m,
+  dW_d^T[n] += sum_m h dy_m over its part of the neuron's pairs. A neuron active in many tokens is split
+  in up to SPLITS parts of at least MIN_PAIRS pairs, so it never serialises one program; parts add into
+  fp32 accumulators with atomics (the dense-backup rows' terms land there too): no second pass over
+  partial sums and no per-neuron scratch, at the price of dW sums that are not bit-reproducible across
+  runs (order of fp32 additions), though exact to fp32 rounding.
+W_d is read as rows of down_weight^T ([N, K], unit stride on K), the layout sparsify stores.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from twell.kernels import policy
+from twell.kernels.common import threshold_in
+
+# Gate columns the forward compacts at a time: each step is a prefix sum across the program's threads
+# (shuffles and a barrier), so 1024 columns (8 a thread at 4 warps) take a quarter of the steps of 256.
+# A dense-backup row's chunks go through its record slots: at most the width (_chunk).
+SCAN = 1024
+SPLITS = 16  # most parts a neuron's pairs are split into by the dW kernel
+MIN_PAIRS = 64  # fewest pairs in a part: a neuron with few pairs is one program, one atomic row
+# dW: pairs gathered at a time, and columns of the dW rows accumulated at a time. Registers per
+# thread (4 warps, ptxas for sm_90): 78 at 4 x 512, 136 at 8 x 512, 225 at 16 x 256; fewer registers,
+# more resident programs to keep gathers in flight.
+DW_PAIRS = 4
+DW_BLOCK_K = 512
+BACKUP_TILE = 2048  # elements of a [ROWS, BLOCK_K] weight tile of a dense-backup row (three live at once)
+
+
+@triton.jit
+def _round(v, DTYPE: tl.constexpr):
+    """v rounded to the activation dtype (what torch stores between ops), back in fp32."""
+    return v.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _kept(g, threshold):
+    return (g > threshold) | (g != g)  # not (g <= t): NaN kept, as by relu
+
+
+@triton.jit
+def _hidden(g, u, HAS_UP: tl.constexpr, DRELU: tl.constexpr, SQUARE: tl.constexpr, DTYPE: tl.constexpr):
+    """h of kept entries: g * a(u) for gated FFNs, g or g² for plain ones, rounded as torch rounds it."""
+    if HAS_UP:
+        if DRELU:
+            u = tl.where(u <= 0.0, 0.0, u)
+        h = g * u
+    elif SQUARE:
+        h = g * g
+    else:
+        h = g
+    return _round(h, DTYPE)
+
+
+@triton.jit
+def _sign(h):
+    """d|h|/dh as torch.abs's backward gives it (0 at 0)."""
+    return tl.where(h > 0.0, 1.0, tl.where(h < 0.0, -1.0, 0.0))
+
+
+@triton.jit
+def _hidden_grads(dh, g, u, HAS_UP: tl.constexpr, DRELU: tl.constexpr, SQUARE: tl.constexpr):
+    """(dg, du) of kept entries from dh = dL/dh."""
+    if HAS_UP:
+        if DRELU:
+            dg = dh * tl.where(u <= 0.0, 0.0, u)
+            du = tl.where(u > 0.0, dh * g, 0.0)
+        else:
+            dg = dh * u
+            du = dh * g
+    elif SQUARE:
+        dg = 2.0 * g * dh
+        du = dg
+    else:
+        dg = dh
+        du = dg
+    return dg, du
+
+
+@triton.jit
+def _up_value(xv, neuron, offs_k, k_ok, wu_ptr, bu_ptr, stride_un, HAS_UP_BIAS: tl.constexpr, DTYPE: tl.constexpr):
+    """u = x . W_u[neuron] (+ b_u), rounded to the dtype."""
+    wu = tl.load(wu_ptr + neuron * stride_un + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+    u = tl.sum(wu * xv, axis=0)
+    if HAS_UP_BIAS:
+        u += tl.load(bu_ptr + neuron).to(tl.float32)
+    return _round(u, DTYPE)
+
+
+@triton.jit
+def _compact(pre_row, c0, N, threshold, ids_row, gate_row, before, LIMIT, SCAN: tl.constexpr):
+    """Append the kept entries of gate columns [c0, c0 + SCAN) behind `before` entries (only slots below
+    LIMIT are written); returns how many the chunk holds."""
+    cols = c0 + tl.arange(0, SCAN)
+    v = tl.load(pre_row + cols, mask=cols < N, other=0.0)
+    keep = _kept(v.to(tl.float32), threshold) & (cols < N)
+    pos = before + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    stored = keep & (pos < LIMIT)
+    tl.store(ids_row + pos, cols, mask=stored)
+    tl.store(gate_row + pos, v, mask=stored)
+    return tl.sum(keep.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _forward_entries(
+    y, l1, nonzero, xv, ids_row, gate_row, up_row, count, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un, stride_dn,
+    STORE_UP: tl.constexpr, HAS_UP: tl.constexpr, HAS_UP_BIAS: tl.constexpr, DRELU: tl.constexpr,
+    SQUARE: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    """y + sum over the first `count` record entries of h W_d^T[n], with sum |h| and the number of
+    nonzero h added to l1 and nonzero; their u into up_row with STORE_UP."""
+    for e in range(0, count):
+        neuron = tl.load(ids_row + e).to(tl.int64)
+        g = tl.load(gate_row + e).to(tl.float32)
+        u = g
+        if HAS_UP:
+            u = _up_value(xv, neuron, offs_k, k_ok, wu_ptr, bu_ptr, stride_un, HAS_UP_BIAS, DTYPE)
+            if STORE_UP:
+                tl.store(up_row + e, u)
+        wd = tl.load(wd_ptr + neuron * stride_dn + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        h = _hidden(g, u, HAS_UP, DRELU, SQUARE, DTYPE)
+        y += h * wd
+        l1 += tl.abs(h)
+        nonzero += (h != 0.0).to(tl.int32)
+    return y, l1, nonzero
+
+
+@triton.jit
+def _train_forward_kernel(
+    pre_ptr, x_ptr, wu_ptr, bu_ptr, wd_ptr, bd_ptr, y_ptr, ids_ptr, gate_ptr, up_ptr, cnt_ptr, l1_ptr, nz_ptr,
+    N, K, threshold, stride_pm, stride_xm, stride_un, stride_dn, stride_ym,
+    HAS_UP: tl.constexpr, HAS_UP_BIAS: tl.constexpr, HAS_DOWN_BIAS: tl.constexpr, DRELU: tl.constexpr,
+    SQUARE: tl.constexpr, WIDTH: tl.constexpr, SCAN: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Row m: compact the dense gate row into the record, then y_m = sum h W_d^T[n] (+ b_d), and the
+    row's sum |h| and nonzero count for the L1 penalty. A row past WIDTH walks its gate row again, CHUNK
+    columns (<= WIDTH) at a time through its record slots."""
+    m = tl.program_id(0).to(tl.int64)
+    pre_row = pre_ptr + m * stride_pm
+    ids_row = ids_ptr + m * WIDTH
+    gate_row = gate_ptr + m * WIDTH
+    up_row = up_ptr + m * WIDTH
+    dtype = y_ptr.dtype.element_ty
+    total = tl.zeros([], dtype=tl.int32)
+    for c0 in range(0, N, SCAN):
+        total += _compact(pre_row, c0, N, threshold, ids_row, gate_row, total, WIDTH, SCAN)
+    tl.store(cnt_ptr + m, total)
+    # slots past the count hold zeros (a dense-backup row's up slots too): a fully defined record
+    up_count = tl.where(total > WIDTH, 0, total)
+    for c0 in range(0, WIDTH, CHUNK):
+        slots = c0 + tl.arange(0, CHUNK)
+        pad = (slots >= total) & (slots < WIDTH)
+        tl.store(ids_row + slots, tl.zeros([CHUNK], dtype=tl.int32), mask=pad)
+        tl.store(gate_row + slots, tl.zeros([CHUNK], dtype=gate_ptr.dtype.element_ty), mask=pad)
+        if HAS_UP:
+            up_pad = (slots >= up_count) & (slots < WIDTH)
+            tl.store(up_row + slots, tl.zeros([CHUNK], dtype=up_ptr.dtype.element_ty), mask=up_pad)
+    tl.debug_barrier()  # the entry loops read record slots other threads of this program wrote
+    offs_k = tl.arange(0, BLOCK_K)
+    k_ok = offs_k < K
+    xv = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+    y = tl.zeros([BLOCK_K], dtype=tl.float32)
+    l1 = tl.zeros([], dtype=tl.float32)
+    nonzero = tl.zeros([], dtype=tl.int32)
+    if total <= WIDTH:
+        y, l1, nonzero = _forward_entries(
+            y, l1, nonzero, xv, ids_row, gate_row, up_row, total, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un,
+            stride_dn, True, HAS_UP, HAS_UP_BIAS, DRELU, SQUARE, dtype,
+        )  # fmt: skip
+    else:
+        for c0 in range(0, N, CHUNK):
+            count = _compact(pre_row, c0, N, threshold, ids_row, gate_row, 0, WIDTH, CHUNK)
+            tl.debug_barrier()
+            y, l1, nonzero = _forward_entries(
+                y, l1, nonzero, xv, ids_row, gate_row, up_row, count, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr,
+                stride_un, stride_dn, False, HAS_UP, HAS_UP_BIAS, DRELU, SQUARE, dtype,
+            )  # fmt: skip
+            tl.debug_barrier()  # the next chunk overwrites the slots
+    if HAS_DOWN_BIAS:
+        y += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + offs_k, y.to(dtype), mask=k_ok)
+    tl.store(l1_ptr + m, l1)
+    tl.store(nz_ptr + m, nonzero)
+
+
+@triton.jit
+def _backup_row(
+    dx, xv, dyv, dl1, offs_k, k_ok, N, K, threshold, wg_ptr, bg_ptr, wu_ptr, bu_ptr, wd_ptr, stride_gn, stride_un,
+    stride_dn, dwg_ptr, dwu_ptr, dwd_ptr, dbg_ptr, dbu_ptr,
+    HAS_UP: tl.constexpr, HAS_GATE_BIAS: tl.constexpr, HAS_UP_BIAS: tl.constexpr, DRELU: tl.constexpr,
+    SQUARE: tl.constexpr, DTYPE: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    """dx of a dense-backup row over all N neurons, ROWS at a time: its gate recomputed from W_g (only
+    active neurons' rows of W_u and W_d^T are loaded), its dW and dbias terms added with fp32 atomics."""
+    offs_r = tl.arange(0, ROWS)
+    for n0 in range(0, N, ROWS):
+        rows = n0 + offs_r
+        ok = rows < N
+        rows64 = rows.to(tl.int64)
+        tile_ok = ok[:, None] & k_ok[None, :]
+        wg = tl.load(wg_ptr + rows64[:, None] * stride_gn + offs_k[None, :], mask=tile_ok, other=0.0).to(tl.float32)
+        g = tl.sum(wg * xv[None, :], axis=1)
+        if HAS_GATE_BIAS:
+            g += tl.load(bg_ptr + rows, mask=ok, other=0.0).to(tl.float32)
+        g = _round(g, DTYPE)
+        kept = _kept(g, threshold) & ok
+        kept_tile = kept[:, None] & k_ok[None, :]
+        wd = tl.load(wd_ptr + rows64[:, None] * stride_dn + offs_k[None, :], mask=kept_tile, other=0.0)
+        dh = tl.sum(wd.to(tl.float32) * dyv[None, :], axis=1)
+        u = g
+        if HAS_UP:
+            wu = tl.load(wu_ptr + rows64[:, None] * stride_un + offs_k[None, :], mask=kept_tile, other=0.0)
+            wu = wu.to(tl.float32)
+            u = tl.sum(wu * xv[None, :], axis=1)
+            if HAS_UP_BIAS:
+                u += tl.load(bu_ptr + rows, mask=ok, other=0.0).to(tl.float32)
+            u = _round(u, DTYPE)
+        h = tl.where(kept, _hidden(g, u, HAS_UP, DRELU, SQUARE, DTYPE), 0.0)
+        dg, du = _hidden_grads(dh + dl1 * _sign(h), g, u, HAS_UP, DRELU, SQUARE)
+        dg = tl.where(kept, dg, 0.0)
+        du = tl.where(kept, du, 0.0)
+        dx += tl.sum(dg[:, None] * wg, axis=0)
+        out = rows64[:, None] * K + offs_k[None, :]
+        tl.atomic_add(dwg_ptr + out, dg[:, None] * xv[None, :], mask=kept_tile)
+        tl.atomic_add(dwd_ptr + out, h[:, None] * dyv[None, :], mask=kept_tile)
+        if HAS_GATE_BIAS:
+            tl.atomic_add(dbg_ptr + rows, dg, mask=kept)
+        if HAS_UP:
+            dx += tl.sum(du[:, None] * wu, axis=0)
+            tl.atomic_add(dwu_ptr + out, du[:, None] * xv[None, :], mask=kept_tile)
+            if HAS_UP_BIAS:
+                tl.atomic_add(dbu_ptr + rows, du, mask=kept)
+    return dx
+
+
+@triton.jit
+def _train_dx_kernel(
+    dy_ptr, dl1_ptr, x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, wd_ptr, ids_ptr, gate_ptr, up_ptr, cnt_ptr, dg_ptr,
+    du_ptr, dx_ptr, dwg_ptr, dwu_ptr, dwd_ptr, dbg_ptr, dbu_ptr,
+    N, K, threshold, stride_dym, stride_xm, stride_gn, stride_un, stride_dn, stride_dxm,
+    HAS_UP: tl.constexpr, HAS_GATE_BIAS: tl.constexpr, HAS_UP_BIAS: tl.constexpr, DRELU: tl.constexpr,
+    SQUARE: tl.constexpr, WIDTH: tl.constexpr, BACKUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Row m: dx_m and the record's dg (and du) of its entries; with BACKUP, only dense-backup rows, by
+    _backup_row (a launch of their own: its [ROWS, BLOCK_K] tiles would otherwise set the register
+    budget of every row). dl1: the gradient of sum |h| (the L1 penalty's), added to dh as dl1 * sign(h)."""
+    m = tl.program_id(0).to(tl.int64)
+    count = tl.load(cnt_ptr + m)
+    if (count > WIDTH) != BACKUP:
+        return
+    dl1 = tl.load(dl1_ptr)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_ok = offs_k < K
+    dyv = tl.load(dy_ptr + m * stride_dym + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+    dx = tl.zeros([BLOCK_K], dtype=tl.float32)
+    dtype = dx_ptr.dtype.element_ty
+    if not BACKUP:
+        slot = m * WIDTH
+        for e in range(0, count):
+            neuron = tl.load(ids_ptr + slot + e).to(tl.int64)
+            g = tl.load(gate_ptr + slot + e).to(tl.float32)
+            u = g
+            if HAS_UP:
+                u = tl.load(up_ptr + slot + e).to(tl.float32)
+            wd = tl.load(wd_ptr + neuron * stride_dn + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            dh = tl.sum(dyv * wd, axis=0) + dl1 * _sign(_hidden(g, u, HAS_UP, DRELU, SQUARE, dtype))
+            dg, du = _hidden_grads(dh, g, u, HAS_UP, DRELU, SQUARE)
+            wg = tl.load(wg_ptr + neuron * stride_gn + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            dx += dg * wg
+            tl.store(dg_ptr + slot + e, dg)
+            if HAS_UP:
+                wu = tl.load(wu_ptr + neuron * stride_un + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+                dx += du * wu
+                tl.store(du_ptr + slot + e, du)
+    else:
+        xv = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        dx = _backup_row(
+            dx, xv, dyv, dl1, offs_k, k_ok, N, K, threshold, wg_ptr, bg_ptr, wu_ptr, bu_ptr, wd_ptr, stride_gn,
+            stride_un, stride_dn, dwg_ptr, dwu_ptr, dwd_ptr, dbg_ptr, dbu_ptr, HAS_UP, HAS_GATE_BIAS,
+            HAS_UP_BIAS, DRELU, SQUARE, dtype, ROWS,
+        )  # fmt: skip
+    tl.store(dx_ptr + m * stride_dxm + offs_k, dx.to(dtype), mask=k_ok)
+
+
+@triton.jit
+def _train_dw_kernel(
+    order_ptr, starts_ptr, x_ptr, dy_ptr, gate_ptr, up_ptr, dg_ptr, du_ptr, dwg_ptr, dwu_ptr, dwd_ptr,
+    dbg_ptr, dbu_ptr, K, stride_xm, stride_dym,
+    HAS_UP: tl.constexpr, HAS_GATE_BIAS: tl.constexpr, HAS_UP_BIAS: tl.constexpr, DRELU: tl.constexpr,
+    SQUARE: tl.constexpr, WIDTH: tl.constexpr, SPLITS: tl.constexpr, MIN_PAIRS: tl.constexpr,
+    PAIRS: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Neuron n = program_id(0), part program_id(1) of its pairs (record slots order[starts[n]:
+    starts[n + 1]], slot = m * WIDTH + j): fp32 partial dW rows over the part, added atomically."""
+    neuron = tl.program_id(0).to(tl.int64)
+    start = tl.load(starts_ptr + neuron)
+    end = tl.load(starts_ptr + neuron + 1)
+    per = tl.maximum(tl.cdiv(end - start, SPLITS), MIN_PAIRS)
+    lo = start + tl.program_id(1) * per
+    hi = tl.minimum(end, lo + per)
+    if lo < hi:
+        offs_p = tl.arange(0, PAIRS)
+        if HAS_GATE_BIAS | HAS_UP_BIAS:
+            dbg = tl.zeros([PAIRS], dtype=tl.float32)
+            dbu = tl.zeros([PAIRS], dtype=tl.float32)
+            for p0 in range(lo, hi, PAIRS):
+                ok = p0 + offs_p < hi
+                slot = tl.load(order_ptr + p0 + offs_p, mask=ok, other=0)
+                dbg += tl.load(dg_ptr + slot, mask=ok, other=0.0)
+                if HAS_UP:
+                    dbu += tl.load(du_ptr + slot, mask=ok, other=0.0)
+            if HAS_GATE_BIAS:
+                tl.atomic_add(dbg_ptr + neuron, tl.sum(dbg, axis=0))
+            if HAS_UP_BIAS:
+                tl.atomic_add(dbu_ptr + neuron, tl.sum(dbu, axis=0))
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            acc_g = tl.zeros([BLOCK_K], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_K], dtype=tl.float32)
+            acc_d = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for p0 in range(lo, hi, PAIRS):
+                ok = p0 + offs_p < hi
+                slot = tl.load(order_ptr + p0 + offs_p, mask=ok, other=0)
+                m = slot // WIDTH
+                tile_ok = ok[:, None] & k_ok[None, :]
+                xt = tl.load(x_ptr + m[:, None] * stride_xm + offs_k[None, :], mask=tile_ok, other=0.0)
+                xt = xt.to(tl.float32)
+                dg = tl.load(dg_ptr + slot, mask=ok, other=0.0)
+                acc_g += tl.sum(dg[:, None] * xt, axis=0)
+                g = tl.load(gate_ptr + slot, mask=ok, other=0.0).to(tl.float32)
+                u = g
+                if HAS_UP:
+                    u = tl.load(up_ptr + slot, mask=ok, other=0.0).to(tl.float32)
+                    du = tl.load(du_ptr + slot, mask=ok, other=0.0)
+                    acc_u += tl.sum(du[:, None] * xt, axis=0)
+                h = tl.where(ok, _hidden(g, u, HAS_UP, DRELU, SQUARE, gate_ptr.dtype.element_ty), 0.0)
+                dyt = tl.load(dy_ptr + m[:, None] * stride_dym + offs_k[None, :], mask=tile_ok, other=0.0)
+                acc_d += tl.sum(h[:, None] * dyt.to(tl.float32), axis=0)
+            row = neuron * K + offs_k
+            tl.atomic_add(dwg_ptr + row, acc_g, mask=k_ok)
+            tl.atomic_add(dwd_ptr + row, acc_d, mask=k_ok)
+            if HAS_UP:
+                tl.atomic_add(dwu_ptr + row, acc_u, mask=k_ok)
+
+
+def _check_rows(name: str, t: torch.Tensor, n: int, k: int, x: torch.Tensor) -> None:
+    if tuple(t.shape) != (n, k) or t.dtype != x.dtype or t.device != x.device:
+        raise ValueError(
+            f"{name} must be [{n}, {k}] {x.dtype} on {x.device}, got {list(t.shape)} {t.dtype} on {t.device}"
+        )
+    if t.stride(1) != 1:
+        raise ValueError(f"{name} must have unit stride along K (rows gathered whole), got strides {t.stride()}")
+
+
+def _check_weights(x2, gate_weight, up_weight, down_weight_t, width) -> tuple[int, int]:
+    m, k = x2.shape
+    if k > policy.MAX_K:
+        raise ValueError(f"the training kernels need K <= {policy.MAX_K} (rows live in registers), got K={k}")
+    if width < 1:
+        raise ValueError(f"width must be >= 1, got {width}")
+    n = gate_weight.shape[0]
+    for name, t in (("gate_weight", gate_weight), ("up_weight", up_weight), ("down_weight_t", down_weight_t)):
+        if t is not None:
+            _check_rows(name, t, n, k, x2)
+    return m, n
+
+
+def _row_warps(block_k: int, backup: bool = False) -> int:
+    """Warps of the one-row-per-program kernels: whole rows in registers (ptxas, sm_90: the dx kernel
+    takes 96 registers a thread at K=2048 with 4 warps, 138 at K=4096, 103 there with 8). The
+    dense-backup launch takes 8: 105 registers at K=2048, 174 at K=4096; at K=8192 it spills 136 bytes
+    (16 warps: 320, the register cap halves), which only that rare path pays."""
+    return 8 if backup or block_k > 2048 else 4
+
+
+def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Buffers the kernels write in full (tests poison them)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _chunk(width: int) -> int:
+    """Gate columns per step of a dense-backup row: at most the width, so a chunk fits its slots."""
+    return min(SCAN, 1 << (width.bit_length() - 1))
+
+
+def train_forward(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    gate_bias: torch.Tensor | None,
+    up_weight: torch.Tensor | None,
+    up_bias: torch.Tensor | None,
+    down_weight_t: torch.Tensor,
+    down_bias: torch.Tensor | None,
+    *,
+    threshold: float,
+    drelu: bool,
+    square: bool,
+    width: int,
+) -> tuple[torch.Tensor, ...]:
+    """(y, ids, gate, up, counts, l1, nonzero): y [M, K] of the FFN, its record (module docstring),
+    sum |h| over the hidden activation h [M, N] (fp32) and the number of its nonzeros (int64).
+
+    x: [M, K] with unit stride on K; gate_weight, up_weight (None: plain FFN, h = relu_t(gate) or its
+    square), down_weight_t: [N, K] with unit stride on K (down_weight_t = down_weight.t()).
+    """
+    m, n = _check_weights(x, gate_weight, up_weight, down_weight_t, width)
+    k = x.shape[1]
+    pre = torch.nn.functional.linear(x, gate_weight, gate_bias)  # dense: the gate GEMM (cuBLAS)
+    y = _alloc((m, k), x.dtype, x.device)
+    ids = _alloc((m, width), torch.int32, x.device)
+    gate = _alloc((m, width), x.dtype, x.device)
+    up = _alloc((m, width if up_weight is not None else 0), x.dtype, x.device)
+    counts = _alloc((m,), torch.int32, x.device)
+    row_l1 = _alloc((m,), torch.float32, x.device)
+    row_nonzero = _alloc((m,), torch.int32, x.device)
+    if m > 0:
+        _train_forward_kernel[(m,)](
+            pre, x, up_weight if up_weight is not None else x, up_bias if up_bias is not None else x,
+            down_weight_t, down_bias if down_bias is not None else x, y, ids, gate, up, counts, row_l1, row_nonzero,
+            n, k, threshold_in(threshold, x.dtype), pre.stride(0), x.stride(0),
+            up_weight.stride(0) if up_weight is not None else 0, down_weight_t.stride(0), y.stride(0),
+            HAS_UP=up_weight is not None, HAS_UP_BIAS=up_bias is not None, HAS_DOWN_BIAS=down_bias is not None,
+            DRELU=drelu, SQUARE=square, WIDTH=width, SCAN=SCAN, CHUNK=_chunk(width), BLOCK_K=triton.next_power_of_2(k),
+            num_warps=_row_warps(triton.next_power_of_2(k)),
+        )  # fmt: skip
+    return y, ids, gate, up, counts, row_l1.sum(), row_nonzero.sum(dtype=torch.int64)
+
+
+def _neuron_segments(ids: torch.Tensor, counts: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The record's (m, n) pairs grouped by neuron, on the device: (order, starts) with
+    order[starts[n]:starts[n + 1]] the record slots (m * W + j) of neuron n, rows increasing. Slots past
+    a row's count and all slots of dense-backup rows are keyed N and sort last."""
+    width = ids.shape[1]
+    slot = torch.arange(width, device=ids.device, dtype=torch.int32)
+    valid = (slot[None, :] < counts[:, None]) & (counts[:, None] <= width)
+    key_dtype = torch.int16 if n < torch.iinfo(torch.int16).max else torch.int32  # int16: half the radix passes
+    keys = torch.where(valid, ids, n).to(key_dtype).reshape(-1)
+    sorted_keys, order = torch.sort(keys, stable=True)
+    starts = torch.searchsorted(sorted_keys, torch.arange(n + 1, device=ids.device, dtype=key_dtype))
+    return order, starts
+
+
+def train_backward(
+    dy: torch.Tensor,
+    l1_grad: torch.Tensor,
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    gate_bias: torch.Tensor | None,
+    up_weight: torch.Tensor | None,
+    up_bias: torch.Tensor | None,
+    down_weight_t: torch.Tensor,
+    has_down_bias: bool,
+    ids: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    counts: torch.Tensor,
+    *,
+    threshold: float,
+    drelu: bool,
+    square: bool,
+) -> tuple[torch.Tensor, ...]:
+    """(dx, d gate_weight, d up_weight, d down_weight_t, d gate_bias, d up_bias, d down_bias) from the
+    record (ids, gate, up, counts) of train_forward with the same weights, biases and flags; dy, x:
+    [M, K] with unit stride on K; l1_grad: the gradient of train_forward's l1 (a one-element fp32
+    tensor). Gradients of absent tensors are empty."""
+    m, n = _check_weights(x, gate_weight, up_weight, down_weight_t, ids.shape[1])
+    k = x.shape[1]
+    if dy.shape != x.shape or dy.dtype != x.dtype or dy.stride(1) != 1:
+        raise ValueError(f"dy must be {list(x.shape)} {x.dtype} with unit stride on K, got {list(dy.shape)} {dy.dtype}")
+    width = ids.shape[1]
+    f32 = {"dtype": torch.float32, "device": x.device}
+    dx = _alloc((m, k), x.dtype, x.device)
+    dwg = torch.zeros(n, k, **f32)
+    dwu = torch.zeros(n, k, **f32) if up_weight is not None else dwg.new_empty(0)
+    dwd = torch.zeros(n, k, **f32)
+    dbg = torch.zeros(n if gate_bias is not None else 0, **f32)
+    dbu = torch.zeros(n if up_bias is not None else 0, **f32)
+    dg = _alloc((m, width), torch.float32, x.device)
+    du = _alloc((m, width), torch.float32, x.device) if up_weight is not None else dg
+    flags = {
+        "HAS_UP": up_weight is not None,
+        "HAS_GATE_BIAS": gate_bias is not None,
+        "HAS_UP_BIAS": up_bias is not None,
+        "DRELU": drelu,
+        "SQUARE": square,
+        "WIDTH": width,
+    }
+    if m > 0:
+        block_k = triton.next_power_of_2(k)
+        wu = up_weight if up_weight is not None else x
+        for backup in (False, True):
+            _train_dx_kernel[(m,)](
+                dy, l1_grad, x, gate_weight, gate_bias if gate_bias is not None else x, wu,
+                up_bias if up_bias is not None else x, down_weight_t, ids, gate, up, counts, dg, du, dx, dwg, dwu,
+                dwd, dbg, dbu, n, k, threshold_in(threshold, x.dtype), dy.stride(0), x.stride(0),
+                gate_weight.stride(0), wu.stride(0), down_weight_t.stride(0), dx.stride(0), BACKUP=backup,
+                ROWS=max(1, min(16, BACKUP_TILE // block_k)), BLOCK_K=block_k,
+                num_warps=_row_warps(block_k, backup), **flags,
+            )  # fmt: skip
+        order, starts = _neuron_segments(ids, counts, n)
+        _train_dw_kernel[(n, SPLITS)](
+            order, starts, x, dy, gate, up, dg, du, dwg, dwu, dwd, dbg, dbu, k, x.stride(0), dy.stride(0),
+            SPLITS=SPLITS, MIN_PAIRS=MIN_PAIRS, PAIRS=DW_PAIRS,
+            BLOCK_K=min(DW_BLOCK_K, triton.next_power_of_2(k)), num_warps=4, **flags,
+        )  # fmt: skip
+    dbd = dy.sum(0, dtype=torch.float32).to(x.dtype) if has_down_bias else dx.new_empty(0)
+    return dx, dwg.to(x.dtype), dwu.to(x.dtype), dwd.to(x.dtype), dbg.to(x.dtype), dbu.to(x.dtype), dbd
