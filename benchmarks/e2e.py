@@ -77,6 +77,7 @@ from generation import GreedyDecoder  # noqa: E402
 
 import twell  # noqa: E402
 from twell.kernels import dispatch  # noqa: E402
+from twell.passes.backend import twell_backend  # noqa: E402
 
 SHAPES = {
     "2b": dict(
@@ -413,7 +414,9 @@ def run_model(name, shape, args, meter, demo, cuda, save) -> dict:
         if row_name not in compiled:  # biases change in place: one compilation serves every profile
             torch._dynamo.reset()
             compiled[row_name] = (
-                torch.compile(model, backend="twell") if row_name == "twell-compiled" else torch.compile(model)
+                # the "twell" backend by object: the same as backend="twell" where the package is installed
+                # (its entry point registers the name), and it runs from an uninstalled tree too
+                torch.compile(model, backend=twell_backend) if row_name == "twell-compiled" else torch.compile(model)
             )
         # captured per profile: a graph keeps the paths the layers' measured densities chose at capture
         decoders = make_decoders(model, work, cuda, compiled[row_name])

@@ -31,7 +31,8 @@ def gated_ffn(
     fastest when down_weight.t() is contiguous). relu_t keeps values > threshold (0: ReLU).
     drelu: ReLU on up(x) too (dReLU). Returns [..., K] in the dtype of x.
 
-    Under autograd on CUDA with that layout (and K <= 8192, at least policy.TRAIN_MIN_M tokens), the
+    Under autograd on CUDA with that layout (and K <= 8192, at least policy.TRAIN_MIN_M tokens: opt-in,
+    None by default), the
     forward keeps a compact record of the hidden activation h and the backward is sparse too
     (twell.kernels.backward); otherwise backward recomputes through the dense reference.
     return_l1: return (y, l1, density) instead: l1 the mean |h| over h [..., N] (fp32, differentiable:

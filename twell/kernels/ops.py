@@ -310,7 +310,8 @@ def sparse_training(x, gate_weight, up_weight, down_weight, biases: tuple) -> bo
     """Whether a call takes the sparse training path: autograd records it, on CUDA, in a dtype the
     kernels take, with weight rows contiguous along K and down_weight stored as sparsify stores it
     (down_weight.t() rows contiguous: a copy per call would cost more than the sparse backward saves),
-    K <= policy.MAX_K, and at least policy.TRAIN_MIN_M tokens. Malformed inputs go the checked way."""
+    K <= policy.MAX_K, and at least policy.TRAIN_MIN_M tokens (None, the default: never). Malformed
+    inputs go the checked way."""
     tensors = (x, gate_weight, up_weight, down_weight, *biases)
     if not (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)):
         return False
@@ -322,4 +323,4 @@ def sparse_training(x, gate_weight, up_weight, down_weight, biases: tuple) -> bo
     if not all(isinstance(w, torch.Tensor) and w.dim() == 2 and w.stride(1) == 1 for w in rows):
         return False
     k = x.shape[-1]
-    return 0 < k <= policy.MAX_K and x.numel() // k >= policy.TRAIN_MIN_M
+    return policy.TRAIN_MIN_M is not None and 0 < k <= policy.MAX_K and x.numel() // k >= policy.TRAIN_MIN_M

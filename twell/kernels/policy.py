@@ -6,8 +6,11 @@ decode wins at every density up to 5% for 1-8 tokens (1.03-1.85x at K=2048, 1.22
 gpu_check-decode-20261130-165108.json) and loses at 16 tokens and 5% (0.85x), so it serves up to 8,
 and up to 16 on layers whose prefill calls measured them at most 1% dense.
 Prefill wins from 16384 tokens at 0.5% (1.20-1.40x at K=2048 by pattern, ffn-20261130-184434.json;
-1.01-1.32x at K=4096, ffn-20261130-184835.json) and, since the up+down autotuning is keyed by token
-bucket, at 8192 (1.07-1.21x, ffn-20261130-231225.json; before, 0.89-1.33x across runs).
+1.01-1.32x at K=4096, ffn-20261130-184835.json). At 8192 its GPU time wins (CUDA-graph replays
+0.63-0.79 ms against dense 0.86 ms) but an eager call spends 0.8-1.1 ms on the host (Triton's launch
+path for four kernels with ~40 arguments each, and the dispatcher's small torch ops), so eager timings
+swing between 1.21x and 0.65x from run to run (ffn-20261130-231225.json, ffn-20261130-234316.json):
+those calls stay dense.
 Tests and benchmarks set these module attributes to route calls to the kernels.
 """
 
@@ -19,7 +22,7 @@ DECODE_MAX_M = 8
 # 9-16 tokens: decode where the layer is known sparse (1.19-1.37x at <= 1%; 1.06-1.17x at 2%, 0.85x at 5%)
 DECODE_SPARSE_MAX_M = 16
 DECODE_SPARSE_DENSITY = 0.01
-PREFILL_MIN_M: int | None = 8192
+PREFILL_MIN_M: int | None = 16384
 # Gate of the prefill path: the persistent TMA GEMM with the packing epilogue (True) or cuBLAS + the
 # pack pass (False); the faster measured at K=2048/N=5632 and K=4096/N=14336 on an H200.
 FUSED_GATE = False
@@ -28,8 +31,9 @@ MAX_K = 8192  # wider models run dense: the up+down kernel keeps whole x and y r
 DENSE_ABOVE = 0.008
 DENSE_RETRY = 64  # dense calls before such a layer is probed again
 # Training calls (autograd recording) of at least this many tokens take the sparse training path
-# (twell.kernels.backward); benchmarks/train.py measures it from 16384 tokens.
-TRAIN_MIN_M = 4096
+# (twell.kernels.backward); None: none does. Off by default: a training step through it measured
+# 0.16-0.31x of dense at 32768 tokens (dx and dW kernels 6-7x their floors, train-20261130-234135.json).
+TRAIN_MIN_M: int | None = None
 
 
 def route(m: int, k: int, density: float | None = None) -> str:
