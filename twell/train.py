@@ -59,7 +59,7 @@ class _Probe:
         if self.spec is None:
             self.tracker._record(self.path, args[0] if args else kwargs["input"])
         elif getattr(type(module), "reports_l1", False):
-            module.__dict__["l1_probe"] = self
+            module.l1_probe = self
         else:
             self.recompute(module, args, kwargs)
 

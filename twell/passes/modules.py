@@ -180,6 +180,7 @@ class SparseFFN(_StandIn):
     """
 
     reports_l1 = True
+    l1_probe = None  # twell.train's probe for the coming call (SparseFFN takes its L1 term from the op)
 
     def __init__(self, original: nn.Module, spec: FFNSpec):
         super().__init__(original, children=True)
@@ -195,7 +196,11 @@ class SparseFFN(_StandIn):
             x = kwargs[spec.input_name]
         else:
             x = None
-        probe = self.__dict__.pop("l1_probe", None)  # set by twell.train's pre-hook for this call
+        # set by twell.train's pre-hook for this call; plain attribute reads and writes (torch 2.11's
+        # dynamo cannot trace __dict__.pop)
+        probe = self.l1_probe
+        if probe is not None:
+            self.l1_probe = None
         gate, down = getattr(self, spec.gate), getattr(self, spec.down)
         up = getattr(self, spec.up) if spec.up is not None else None
         # Calls the ops cannot express run the original forward: extra arguments (another code path
