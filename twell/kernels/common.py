@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -40,7 +41,9 @@ def check_tile(tile_n: int, slots: int) -> None:
         raise ValueError(f"slots must be <= tile_n, got slots={slots}, tile_n={tile_n}")
 
 
+@functools.lru_cache(maxsize=256)
 def threshold_in(threshold: float, dtype: torch.dtype) -> float:
     """The threshold as torch compares it with a `dtype` tensor: rounded to that dtype (bf16(0.1) is
-    0.10009765625), so kernels keep exactly the entries torch's `v <= threshold` drops."""
+    0.10009765625), so kernels keep exactly the entries torch's `v <= threshold` drops. Cached: every
+    kernel launch asks, and the rounding takes three small CPU tensor ops (host time per call)."""
     return torch.tensor(float(threshold), dtype=torch.float64).to(dtype).item()
