@@ -140,8 +140,8 @@ ROWVEC_CONFIGS = [
 
 @triton.autotune(
     configs=autotune_configs(ROWVEC_CONFIGS, lambda w, s: {}),
-    # per token bucket: one key for every M let a config tuned on a small, noisy call (8192 tokens: ~0.3 ms)
-    # serve every size, and runs picked different configs (benchmarks/NOTES.md v9)
+    # per token bucket: with one key for every M, whichever size ran first chose the config for all sizes
+    # (the 8192-token variance it was suspected of came from host time instead: benchmarks/NOTES.md v9)
     key=["M_BUCKET", "K", "TILE_N", "SLOTS", "HAS_UP", "WIDTH"],
     cache_results=True,
     reset_to_zero=["heavy_ptr"],  # the heavy list starts empty on every benchmarked run
