@@ -25,24 +25,29 @@ import twell
 from twell.kernels import decode, gate, policy, updown
 from twell.kernels.gate import pack_dense
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages, EACH) of the gate+up kernel, (BLOCK_K, GROUP, CHUNK,
-# num_warps) of the down kernel (None: the launcher's choice); keyed by one token (1) or more (2), as
-# decode.GATE_UP_CONFIG / DOWN_CONFIG
-DECODE_GATE_UP_CANDIDATES = {
-    1: [(16, 512, 4, 3, False), (16, 512, 4, 3, True), (16, 256, 4, 3, True), (16, 512, 8, 3, True),
-        (16, 256, 2, 3, True), (8, 512, 4, 3, True), (32, 256, 4, 3, True), (16, 128, 2, 3, True),
-        (32, 512, 8, 3, True), (16, 1024, 8, 3, True)],
-    2: [(64, 128, 4, 4, False), (64, 128, 4, 4, True), (64, 256, 4, 3, False), (128, 128, 8, 3, False)],
-}  # fmt: skip
-DECODE_DOWN_CANDIDATES = {
-    1: [None, (64, 32, 16, 4), (128, 64, 16, 4), (32, 512, 16, 4), (64, 1024, 16, 4)],
-    2: [(128, 8, 16, 4), (64, 8, 16, 4)],
-}  # fmt: skip
+# decode_ffn keyword arguments to compare ({}: the launcher's choice). One token: the one-launch kernel's
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, EACH, GROUP), against the two-kernel path.
+DECODE_ONE_TOKEN_VARIANTS = [{"one_kernel": False}, {}] + [
+    {"one_kernel_config": c}
+    for c in [(16, 512, 4, 3, False, 32), (16, 256, 4, 3, True, 32), (8, 256, 4, 3, True, 32),
+              (8, 512, 4, 3, False, 32), (16, 256, 4, 3, True, 16), (16, 256, 4, 3, True, 64),
+              (4, 256, 4, 3, True, 32), (8, 256, 2, 3, True, 32), (8, 128, 2, 4, True, 32), (16, 512, 8, 3, True, 32)]
+]  # fmt: skip
+# More tokens: (BLOCK_N, BLOCK_K, num_warps, num_stages, EACH) of the gate+up kernel, (BLOCK_K, GROUP,
+# CHUNK, num_warps) of the down kernel
+DECODE_VARIANTS = [{}] + [
+    {"gate_up_config": gu, "down_config": dn}
+    for gu, dn in [((64, 128, 4, 4, True), None), ((32, 128, 4, 4, False), None), ((16, 128, 4, 4, False), None),
+                   ((16, 256, 4, 3, False), None), ((16, 128, 4, 4, False), (128, 32, 16, 4)),
+                   ((32, 128, 4, 4, False), (128, 16, 16, 4)), ((16, 64, 2, 4, False), (128, 32, 16, 4)),
+                   (None, (64, 8, 16, 4)), (None, (128, 16, 16, 4))]
+]  # fmt: skip
 
 
-def decode_point(k, n, m, density, gate_up_configs, down_configs) -> list[dict]:
-    """Each (gate+up, down) config pair of the decode kernels at one point, timed per layer of a graph
-    over LAYERS_PER_GRAPH layers (as benchmarks/ffn.py times decode-sized calls), dense the same way."""
+def decode_point(k, n, m, density, variants) -> list[dict]:
+    """Each variant (decode_ffn keyword arguments: configs; {}: the launcher's choice) of the decode
+    kernels at one point, timed per layer of a graph over LAYERS_PER_GRAPH layers (as benchmarks/ffn.py
+    times decode-sized calls), dense the same way."""
     x, block = make_inputs(m, k, n, density, "uniform", seed=m + n)
     blocks = [block] + [neuron_permuted(block, i) for i in range(1, LAYERS_PER_GRAPH)]
 
@@ -55,31 +60,30 @@ def decode_point(k, n, m, density, gate_up_configs, down_configs) -> list[dict]:
             twell.sparsify(b)  # the layout users get
         ws = {id(b): weights(b) for b in blocks}
         rows = []
-        for gu in gate_up_configs:
-            for dn in down_configs:
+        for variant in variants:
 
-                def run(b, gu=gu, dn=dn):
-                    w = ws[id(b)]
-                    return decode.decode_ffn(
-                        x, w["gate_weight"], w["gate_bias"], w["up_weight"], None, w["down_weight"].t(), None, 0.0,
-                        gate_up_config=gu, down_config=dn,
-                    )  # fmt: skip
-
-                try:
-                    err = rel_err_sample(run(block), x, block)
-                    ms = per_layer(run)
-                except Exception as e:  # a config the compiler refuses (shared memory, registers)
-                    print(f"{gu} {dn}: {type(e).__name__}", flush=True)
-                    continue
-                rows.append(
-                    {"K": k, "N": n, "M": m, "density": density, "gate_up": gu, "down": dn, "dense_ms": dense_ms,
-                     "decode_ms": ms, "speedup": dense_ms / ms, "rel_err": err}
+            def run(b, variant=variant):
+                w = ws[id(b)]
+                return decode.decode_ffn(
+                    x, w["gate_weight"], w["gate_bias"], w["up_weight"], None, w["down_weight"].t(), None, 0.0,
+                    **variant,
                 )  # fmt: skip
-                print(
-                    f"{k:>5} {n:>6} {m:>4} {density:.3f} {str(gu):>18} {str(dn):>16} {dense_ms * 1e3:8.1f}us "
-                    f"{ms * 1e3:8.1f}us {dense_ms / ms:5.2f}x err {err:.1e}",
-                    flush=True,
-                )
+
+            try:
+                err = rel_err_sample(run(block), x, block)
+                ms = per_layer(run)
+            except Exception as e:  # a config the compiler refuses (shared memory, registers)
+                print(f"{variant}: {type(e).__name__}", flush=True)
+                continue
+            rows.append(
+                {"K": k, "N": n, "M": m, "density": density, "variant": variant, "dense_ms": dense_ms,
+                 "decode_ms": ms, "speedup": dense_ms / ms, "rel_err": err}
+            )  # fmt: skip
+            print(
+                f"{k:>5} {n:>6} {m:>4} {density:.3f} {str(variant):>60} {dense_ms * 1e3:8.1f}us "
+                f"{ms * 1e3:8.1f}us {dense_ms / ms:5.2f}x err {err:.1e}",
+                flush=True,
+            )
     return rows
 
 
@@ -207,12 +211,11 @@ def main():
         print(result["first_call_s"], flush=True)
         for shape in args.shapes.split(","):
             k, n = map(int, shape.split("x"))
-            for m in (1, 16):  # each kernel's candidates with the other's shipped choice
-                result["rows"] += decode_point(k, n, m, 0.005, DECODE_GATE_UP_CANDIDATES[min(m, 2)], [None])
-                result["rows"] += decode_point(k, n, m, 0.005, [None], DECODE_DOWN_CANDIDATES[min(m, 2)])
+            result["rows"] += decode_point(k, n, 1, 0.005, DECODE_ONE_TOKEN_VARIANTS)
+            result["rows"] += decode_point(k, n, 16, 0.005, DECODE_VARIANTS)
             for m in (1, 4, 16):
                 for density in (0.01, 0.05):
-                    result["rows"] += decode_point(k, n, m, density, [None], [None])
+                    result["rows"] += decode_point(k, n, m, density, [{}])
             path.write_text(json.dumps(result, indent=1))  # kept if a later shape runs out of time
     elif args.part == "profile":
         for k, n, m, pattern in ((2048, 5632, 1, "exact"), (4096, 14336, 1, "exact"), (2048, 5632, 8192, "uniform")):
