@@ -25,13 +25,12 @@ import twell
 from twell.kernels import decode, gate, policy, updown
 from twell.kernels.gate import pack_dense
 
-# decode_ffn keyword arguments to compare ({}: the launcher's choice). One token: the one-launch kernel's
-# (BLOCK_N, BLOCK_K, num_warps, num_stages, EACH, GROUP), against the two-kernel path.
-DECODE_ONE_TOKEN_VARIANTS = [{"one_kernel": False}, {}] + [
-    {"one_kernel_config": c}
-    for c in [(16, 512, 4, 3, False, 32), (16, 256, 4, 3, True, 32), (8, 256, 4, 3, True, 32),
-              (8, 512, 4, 3, False, 32), (16, 256, 4, 3, True, 16), (16, 256, 4, 3, True, 64),
-              (4, 256, 4, 3, True, 32), (8, 256, 2, 3, True, 32), (8, 128, 2, 4, True, 32), (16, 512, 8, 3, True, 32)]
+# decode_ffn keyword arguments to compare ({}: the launcher's choice). One token: (BLOCK_N, BLOCK_K,
+# num_warps, num_stages, EACH) of the gate+up kernel, (BLOCK_K, GROUP, CHUNK, num_warps) of the down kernel
+DECODE_ONE_TOKEN_VARIANTS = [{}] + [
+    {"gate_up_config": gu, "down_config": dn}
+    for gu, dn in [((16, 512, 4, 3, True), None), ((16, 256, 4, 3, True), None), ((16, 512, 8, 3, True), None),
+                   ((16, 1024, 8, 3, True), None), ((32, 256, 4, 3, True), None), (None, (64, 32, 16, 4))]
 ]  # fmt: skip
 # More tokens: (BLOCK_N, BLOCK_K, num_warps, num_stages, EACH) of the gate+up kernel, (BLOCK_K, GROUP,
 # CHUNK, num_warps) of the down kernel

@@ -260,140 +260,6 @@ def _decode_down_kernel(
             tl.atomic_xchg(sem, 0)  # ready for a rerun of this kernel alone (autotuning, replays)
 
 
-@triton.jit
-def _ordered_sum(src_ptr, rows, has, offs_k, k_ok, K):
-    """Sum of the fp32 rows src[rows[i], offs_k] where has[i], in the order of rows (deterministic);
-    other programs of this launch wrote them (read through L2)."""
-    slot = tl.cumsum(has.to(tl.int32), axis=0) - 1
-    acc = tl.zeros(offs_k.shape, dtype=tl.float32)
-    for j in range(0, tl.sum(has.to(tl.int32), axis=0)):
-        row = tl.sum(tl.where(has & (slot == j), rows, 0), axis=0).to(tl.int64)
-        acc += tl.load(src_ptr + row * K + offs_k, mask=k_ok, other=0.0, cache_modifier=".cg")
-    return acc
-
-
-@triton.jit
-def _decode_one_kernel(
-    x_ptr,
-    wg_ptr,
-    bg_ptr,
-    wu_ptr,
-    bu_ptr,
-    wd_ptr,
-    bd_ptr,
-    y_ptr,
-    part_ptr,
-    group_part_ptr,
-    flag_ptr,
-    group_flag_ptr,
-    sem_ptr,
-    N,
-    K,
-    threshold,
-    stride_xk,
-    stride_gn,
-    stride_gk,
-    stride_un,
-    stride_uk,
-    stride_dn,
-    stride_dk,
-    HAS_UP: tl.constexpr,
-    HAS_GATE_BIAS: tl.constexpr,
-    HAS_UP_BIAS: tl.constexpr,
-    HAS_DOWN_BIAS: tl.constexpr,
-    DRELU: tl.constexpr,
-    SQUARE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EACH: tl.constexpr,
-    UP_K: tl.constexpr,
-    OUT_K: tl.constexpr,
-    GROUP: tl.constexpr,
-    GROUPS_PAD: tl.constexpr,
-):
-    """One token in one launch. Program p: the gate of neurons [p * BLOCK_N, (p + 1) * BLOCK_N), the up
-    values of its active ones and their down contribution, an fp32 partial of y written only where the
-    block has active neurons. The last program of each GROUP of blocks to arrive sums the group's
-    partials in block order; the last group to arrive sums the groups' in group order and writes y.
-    Counters (sem[0]: groups arrived, sem[1 + g]: blocks of group g arrived) start at zero and are reset
-    by their last arriver."""
-    pid = tl.program_id(0)
-    n_blocks = tl.num_programs(0)
-    dtype = y_ptr.dtype.element_ty
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    row = tl.zeros([1], dtype=tl.int64)
-    acc = _rows_times_x(
-        x_ptr, wg_ptr, row, offs_n.to(tl.int64), row == 0, n_ok, K, 0, stride_xk, stride_gn, stride_gk,
-        "ieee", 1, BLOCK_N, BLOCK_K, EACH,
-    )  # fmt: skip
-    g = tl.sum(acc, axis=0)
-    if HAS_GATE_BIAS:
-        g += tl.load(bg_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    g = g.to(dtype).to(tl.float32)  # the dense gate's rounding
-    active = ((g > threshold) | (g != g)) & n_ok  # not (g <= t): NaN kept, as by relu
-    h = tl.where(active, g, 0.0)
-    if SQUARE:
-        h = (h * h).to(dtype).to(tl.float32)
-    n_active = tl.sum(active.to(tl.int32), axis=0)
-    tl.store(flag_ptr + pid, n_active)
-    if n_active > 0:
-        if HAS_UP:
-            u = tl.sum(
-                _active_rows_times_x(x_ptr, wu_ptr, offs_n, active, n_active, K, stride_xk, stride_un, stride_uk, UP_K),
-                axis=0,
-            )
-            if HAS_UP_BIAS:
-                u += tl.load(bu_ptr + offs_n, mask=active, other=0.0).to(tl.float32)
-            u = u.to(dtype).to(tl.float32)
-            if DRELU:
-                u = tl.where(u <= 0.0, 0.0, u)
-            h = tl.where(active, (h * u).to(dtype).to(tl.float32), 0.0)  # rounded as the dense FFN's h
-        slot = tl.cumsum(active.to(tl.int32), axis=0) - 1
-        for k0 in range(0, K, OUT_K):
-            offs_k = k0 + tl.arange(0, OUT_K)
-            k_ok = offs_k < K
-            part = tl.zeros([OUT_K], dtype=tl.float32)
-            for j in range(0, n_active):
-                chosen = active & (slot == j)
-                neuron = tl.sum(tl.where(chosen, offs_n, 0), axis=0).to(tl.int64)
-                wd = tl.load(wd_ptr + neuron * stride_dn + offs_k * stride_dk, mask=k_ok, other=0.0)
-                part += tl.sum(tl.where(chosen, h, 0.0), axis=0) * wd.to(tl.float32)
-            tl.store(part_ptr + pid.to(tl.int64) * K + offs_k, part, mask=k_ok)
-    tl.debug_barrier()  # every thread's stores are issued before the arrival is published
-    group = pid // GROUP
-    first = group * GROUP
-    n_groups = tl.cdiv(n_blocks, GROUP)
-    if tl.atomic_add(sem_ptr + 1 + group, 1, sem="acq_rel") == tl.minimum(GROUP, n_blocks - first) - 1:
-        tl.atomic_xchg(sem_ptr + 1 + group, 0)
-        blocks = first + tl.arange(0, GROUP)
-        has = tl.load(flag_ptr + blocks, mask=blocks < n_blocks, other=0, cache_modifier=".cg") > 0
-        tl.store(group_flag_ptr + group, tl.max(has.to(tl.int32), axis=0))
-        for k0 in range(0, K, OUT_K):
-            offs_k = k0 + tl.arange(0, OUT_K)
-            k_ok = offs_k < K
-            y = _ordered_sum(part_ptr, blocks, has, offs_k, k_ok, K)
-            if n_groups > 1:
-                tl.store(group_part_ptr + group.to(tl.int64) * K + offs_k, y, mask=k_ok)
-            else:
-                if HAS_DOWN_BIAS:
-                    y += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-                tl.store(y_ptr + offs_k, y.to(dtype), mask=k_ok)
-        if n_groups > 1:
-            tl.debug_barrier()
-            if tl.atomic_add(sem_ptr, 1, sem="acq_rel") == n_groups - 1:
-                tl.atomic_xchg(sem_ptr, 0)
-                groups = tl.arange(0, GROUPS_PAD)
-                group_has = tl.load(group_flag_ptr + groups, mask=groups < n_groups, other=0, cache_modifier=".cg") > 0
-                for k0 in range(0, K, OUT_K):
-                    offs_k = k0 + tl.arange(0, OUT_K)
-                    k_ok = offs_k < K
-                    y = _ordered_sum(group_part_ptr, groups, group_has, offs_k, k_ok, K)
-                    if HAS_DOWN_BIAS:
-                        y += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-                    tl.store(y_ptr + offs_k, y.to(dtype), mask=k_ok)
-
-
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, EACH) of the gate + up kernel, (BLOCK_K, GROUP, CHUNK,
 # num_warps) of the down kernel, for one token and for more; the fastest at both of K=2048/N=5632 and
 # K=4096/N=14336 on an H200 (gpu_check-decode-20261130-161902.json, -230248.json, -231118.json).
@@ -409,53 +275,6 @@ DOWN_CONFIG = {1: (64, 32, 16, 4), 2: (128, 8, 16, 4)}
 # The price is at higher density, where one program per K block walks every entry: 5% at K=2048,
 # 28.6 us (1.16x dense) against 19.2 us with 11 groups (gpu_check-decode-20261130-231118.json).
 ONE_GROUP_MAX_BLOCKS = 512
-# One token, one launch (_decode_one_kernel): (BLOCK_N, BLOCK_K, num_warps, num_stages, EACH, GROUP);
-# the gate GEMV configs above, blocks summed GROUP at a time.
-ONE_KERNEL_CONFIG = (16, 512, 4, 3, False, 32)
-ONE_KERNEL_CONFIG_WIDE = (16, 256, 4, 3, True, 32)
-OUT_K = 1024  # columns of y partials per step
-
-# Arrival counters of _decode_one_kernel per (device, stream): zeroed once, reset by the kernel itself,
-# so a call needs no memset. Calls on one stream run one after another; graphs replayed concurrently
-# on different streams must not share one captured from the same stream.
-_counters: dict[tuple, torch.Tensor] = {}
-
-
-def _zeroed_counters(device: torch.device, n: int) -> torch.Tensor:
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    if key not in _counters or _counters[key].numel() < n:
-        _counters[key] = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
-    return _counters[key]
-
-
-def _decode_one(
-    x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold, drelu, square, config
-):
-    """y [1, K] of one token through _decode_one_kernel."""
-    k = x.shape[1]
-    n = gate_weight.shape[0]
-    block_n, block_k, warps, stages, each, group = config
-    n_blocks = triton.cdiv(n, block_n)
-    n_groups = triton.cdiv(n_blocks, group)
-    parts = torch.empty(n_blocks, k, dtype=torch.float32, device=x.device)
-    group_parts = torch.empty(n_groups, k, dtype=torch.float32, device=x.device)
-    flags = torch.empty(n_blocks, dtype=torch.int32, device=x.device)
-    group_flags = torch.empty(n_groups, dtype=torch.int32, device=x.device)
-    y = torch.empty(1, k, dtype=x.dtype, device=x.device)
-    _decode_one_kernel[(n_blocks,)](
-        x, gate_weight, gate_bias if gate_bias is not None else x, up_weight if up_weight is not None else x,
-        up_bias if up_bias is not None else x, down_weight_t, down_bias if down_bias is not None else x, y, parts,
-        group_parts, flags, group_flags, _zeroed_counters(x.device, 1 + n_groups), n, k,
-        threshold_in(threshold, x.dtype), x.stride(1), gate_weight.stride(0), gate_weight.stride(1),
-        *(up_weight.stride() if up_weight is not None else (0, 0)), down_weight_t.stride(0), down_weight_t.stride(1),
-        HAS_UP=up_weight is not None, HAS_GATE_BIAS=gate_bias is not None, HAS_UP_BIAS=up_bias is not None,
-        HAS_DOWN_BIAS=down_bias is not None, DRELU=drelu, SQUARE=square, BLOCK_N=block_n, BLOCK_K=block_k,
-        EACH=each, UP_K=min(triton.next_power_of_2(k), 2048), OUT_K=min(triton.next_power_of_2(k), OUT_K),
-        GROUP=group,
-        GROUPS_PAD=max(triton.next_power_of_2(n_groups), 2), num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-    return y
 
 
 def decode_ffn(
@@ -470,10 +289,8 @@ def decode_ffn(
     *,
     drelu: bool = False,
     square: bool = False,
-    gate_up_config: tuple[int, int, int, int, bool] | None = None,
+    gate_up_config: tuple[int, int, int, int] | None = None,
     down_config: tuple[int, int, int, int] | None = None,
-    one_kernel_config: tuple[int, int, int, int, bool, int] | None = None,
-    one_kernel: bool = True,
 ) -> torch.Tensor:
     """y [M, K] in the dtype of x: down(act(gate(x)) * up(x)), or down(act(gate(x))) without up_weight
     (act² with square).
@@ -487,11 +304,6 @@ def decode_ffn(
     for name, t in (("gate_weight", gate_weight), ("up_weight", up_weight), ("down_weight_t", down_weight_t)):
         if t is not None and tuple(t.shape) != (n, k):
             raise ValueError(f"decode_ffn expects {name} of shape [{n}, {k}], got {list(t.shape)}")
-    if m == 1 and one_kernel:
-        config = one_kernel_config or (ONE_KERNEL_CONFIG_WIDE if k > 2048 else ONE_KERNEL_CONFIG)
-        return _decode_one(
-            x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold, drelu, square, config
-        )
     default = GATE_UP_CONFIG_WIDE if m == 1 and k > 2048 else GATE_UP_CONFIG[min(m, 2)]
     block_n, block_k, warps, stages, each = gate_up_config or default
     n_blocks = triton.cdiv(n, block_n)
