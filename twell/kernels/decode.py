@@ -204,6 +204,7 @@ def _decode_down_kernel(
     BLOCK_K: tl.constexpr,
     GROUP: tl.constexpr,
     CHUNK: tl.constexpr,
+    SUM_UNROLL: tl.constexpr,
 ):
     pid_k = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -252,8 +253,11 @@ def _decode_down_kernel(
         arrived = tl.atomic_add(sem, 1, sem="acq_rel")
         if arrived == n_groups - 1:  # the last group of this tile: sum the partials in group order
             total_acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-            for grp in range(0, n_groups):
-                total_acc += tl.load(part + grp * M * K, mask=out_mask, other=0.0, cache_modifier=".cg")
+            for g0 in range(0, n_groups, SUM_UNROLL):
+                # unrolled: SUM_UNROLL loads in flight at once, added in group order
+                for i in tl.static_range(SUM_UNROLL):
+                    ok = out_mask & ((tl.zeros([BLOCK_M, BLOCK_K], tl.int32) + g0 + i) < n_groups)
+                    total_acc += tl.load(part + (g0 + i) * M * K, mask=ok, other=0.0, cache_modifier=".cg")
             if HAS_DOWN_BIAS:
                 total_acc += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(y_ptrs, total_acc.to(y_ptr.dtype.element_ty), mask=out_mask)
@@ -275,6 +279,10 @@ DOWN_CONFIG = {1: (64, 32, 16, 4), 2: (128, 8, 16, 4)}
 # The price is at higher density, where one program per K block walks every entry: 5% at K=2048,
 # 28.6 us (1.16x dense) against 19.2 us with 11 groups (gpu_check-decode-20261130-231118.json).
 ONE_GROUP_MAX_BLOCKS = 512
+# Partials the last-arriving down program loads at once (at most this many fp32 elements in flight): a
+# loop of one load per group waited a memory latency per group (16 tokens: down 9.1 us of a 26 us call,
+# gpu_check-profile-20261201-024853.json).
+SUM_ELEMENTS = 8192
 
 
 def decode_ffn(
@@ -380,6 +388,7 @@ def decode_ffn(
         BLOCK_K=down_k,
         GROUP=group,
         CHUNK=chunk,
+        SUM_UNROLL=max(1, min(16, SUM_ELEMENTS // (block_m * down_k))),
         num_warps=down_warps,
     )
     return y
