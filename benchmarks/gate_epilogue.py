@@ -1,20 +1,55 @@
-"""Where the fused gate's epilogue time goes (diagnostic, not part of the product): variants of the
-persistent TMA gate GEMM's epilogue at M=131072, K=2048, N=5632 and K=4096, N=14336, M=65536."""
-import json, os, sys, time
-import torch, triton, triton.language as tl
+"""Where the fused gate's epilogue time goes: the persistent TMA gate GEMM of twell.kernels.gate with
+its epilogue swapped for variants (EPILOGUES), at M=131072, K=2048, N=5632 and M=65536, K=4096,
+N=14336, against cuBLAS and cuBLAS + the pack pass. A diagnostic: the variants are not product code.
+
+    cd benchmarks && PYTHONPATH=.. python gate_epilogue.py      (JSON to $OUT or benchmarks/results/)
+"""
+
+import json
+import os
+import time
+
+import torch
 import torch.nn.functional as F
-from triton.tools.tensor_descriptor import TensorDescriptor
+import triton
+import triton.language as tl
+from ffn import git_commit, make_inputs, weights
 from triton.testing import do_bench
-sys.path.insert(0, "benchmarks")
-from ffn import make_inputs, weights, git_commit
-import twell
+from triton.tools.tensor_descriptor import TensorDescriptor
+
 from twell.kernels.gate import pack_dense
+
+EPILOGUES = {
+    0: "shipped scatter (int64 offsets, pad)",
+    1: "relu + TMA store of the dense gate",
+    2: "counts only",
+    3: "scatter, int32 offsets from a tile base, pad",
+    4: "scatter, int32 offsets, no pad",
+    5: "one int32 word per slot, int32 offsets, no pad",
+}
 
 
 @triton.jit
-def _kernel(x_desc, w_desc, out_desc, vals_ptr, idx_ptr, cnt_ptr, word_ptr, M, N, K, n_tiles, threshold,
-            EPI: tl.constexpr, TILE_N: tl.constexpr, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr = 8):
+def _kernel(
+    x_desc,
+    w_desc,
+    out_desc,
+    vals_ptr,
+    idx_ptr,
+    cnt_ptr,
+    word_ptr,
+    M,
+    N,
+    K,
+    n_tiles,
+    threshold,
+    EPI: tl.constexpr,
+    TILE_N: tl.constexpr,
+    SLOTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr = 8,
+):
     grid_m = tl.cdiv(M, BLOCK_M)
     n_out = grid_m * n_tiles
     k_steps = tl.cdiv(K, BLOCK_K)
@@ -57,7 +92,11 @@ def _kernel(x_desc, w_desc, out_desc, vals_ptr, idx_ptr, cnt_ptr, word_ptr, M, N
                         tl.store(word_ptr + base + local, word, mask=stored)
                     else:
                         tl.store(vals_ptr + base + local, acc.to(vals_ptr.dtype.element_ty), mask=stored)
-                        tl.store(idx_ptr + base + local, tl.broadcast_to(offs_c[None, :], acc.shape).to(tl.int16), mask=stored)
+                        tl.store(
+                            idx_ptr + base + local,
+                            tl.broadcast_to(offs_c[None, :], acc.shape).to(tl.int16),
+                            mask=stored,
+                        )
                 if EPI == 0 or EPI == 3:
                     row_ok = offs_m < M
                     offs_s = tl.arange(0, SLOTS)
@@ -82,44 +121,66 @@ def run(x, wg, epi, bm, bk, warps, stages, tile_n=128, slots=16):
     o_desc = TensorDescriptor(out, list(out.shape), list(out.stride()), [bm, tile_n])
     progs = torch.cuda.get_device_properties(0).multi_processor_count if x.is_cuda else 4
     grid = (min(progs, triton.cdiv(m, bm) * n_tiles),)
-    _kernel[grid](x_desc, w_desc, o_desc, vals, idx, cnt, words, m, n, k, n_tiles, 0.0, EPI=epi, TILE_N=tile_n,
-                  SLOTS=slots, BLOCK_M=bm, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    _kernel[grid](
+        x_desc,
+        w_desc,
+        o_desc,
+        vals,
+        idx,
+        cnt,
+        words,
+        m,
+        n,
+        k,
+        n_tiles,
+        0.0,
+        EPI=epi,
+        TILE_N=tile_n,
+        SLOTS=slots,
+        BLOCK_M=bm,
+        BLOCK_K=bk,
+        num_warps=warps,
+        num_stages=stages,
+    )
     return vals, idx, cnt
+
+
+@torch.no_grad()
+def shape_rows(k: int, n: int, m: int) -> list[dict]:
+    """cuBLAS, cuBLAS + pack, and each (config, epilogue) at one shape; counts checked against pack_dense."""
+    x, block = make_inputs(m, k, n, 0.005, "uniform", seed=1)
+    wg = weights(block)["gate_weight"]
+    cublas = do_bench(lambda: F.linear(x, wg), return_mode="median")
+    pre = F.linear(x, wg)
+    ref_counts = pack_dense(pre, 0.0, 128, 16)[2]
+    pack = do_bench(lambda: pack_dense(pre, 0.0, 128, 16), return_mode="median")
+    print(f"K={k} cuBLAS {cublas:.3f} pack {pack:.3f}", flush=True)
+    rows = [{"K": k, "N": n, "M": m, "cublas_ms": cublas, "pack_ms": pack}]
+    for cfg in ((128, 64, 8, 4), (128, 128, 8, 3), (128, 64, 4, 4)):
+        for epi in (1, 2, 0, 3, 4, 5):
+            try:
+                counts = run(x, wg, epi, *cfg)[2]
+                ms = do_bench(lambda e=epi, c=cfg: run(x, wg, e, *c), return_mode="median")
+            except Exception as e:  # a config the compiler refuses
+                print(cfg, epi, type(e).__name__, str(e)[:200], flush=True)
+                continue
+            ok = float((counts == ref_counts).float().mean()) if epi != 1 else None
+            rows.append({"K": k, "config": cfg, "epi": epi, "ms": ms, "counts_agree": ok})
+            print(f"K={k} {cfg} epi {epi}: {ms:.3f} ms ({cublas / ms:.2f}x cuBLAS) counts agree {ok}", flush=True)
+    return rows
 
 
 def main():
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     rows = []
     for k, n, m in ((2048, 5632, 131072), (4096, 14336, 65536)):
-        x, block = make_inputs(m, k, n, 0.005, "uniform", seed=1)
-        wg = weights(block)["gate_weight"]
-        with torch.no_grad():
-            cublas = do_bench(lambda: F.linear(x, wg), return_mode="median")
-            pre = F.linear(x, wg)
-            ref = pack_dense(pre, 0.0, 128, 16)
-            pack = do_bench(lambda: pack_dense(pre, 0.0, 128, 16), return_mode="median")
-            print(f"K={k} cuBLAS {cublas:.3f} pack {pack:.3f}", flush=True)
-            rows.append({"K": k, "N": n, "M": m, "cublas_ms": cublas, "pack_ms": pack})
-            for cfg in ((128, 64, 8, 4), (128, 128, 8, 3), (128, 64, 4, 4)):
-                for epi in (1, 2, 0, 3, 4, 5):
-                    try:
-                        v, i, c = run(x, wg, epi, *cfg)
-                        ms = do_bench(lambda: run(x, wg, epi, *cfg), return_mode="median")
-                    except Exception as e:
-                        print(cfg, epi, type(e).__name__, str(e)[:200], flush=True)
-                        continue
-                    ok = float((c == ref[2]).float().mean()) if epi != 1 else None
-                    rows.append({"K": k, "config": cfg, "epi": epi, "ms": ms, "counts_agree": ok})
-                    print(f"K={k} {cfg} epi {epi}: {ms:.3f} ms ({cublas / ms:.2f}x cuBLAS) counts agree {ok}", flush=True)
-        del x, block, pre, ref
+        rows += shape_rows(k, n, m)
         torch.cuda.empty_cache()
-    out = os.environ.get("OUT", "benchmarks/results")
-    path = f"{out}/gate_diag-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    json.dump({"commit": git_commit(), "gpu": torch.cuda.get_device_name(), "triton": triton.__version__,
-               "epi": {0: "shipped scatter (int64 offsets, pad)", 1: "relu + TMA store of the dense gate",
-                       2: "counts only", 3: "scatter, int32 offsets from a tile base, pad",
-                       4: "scatter, int32 offsets, no pad", 5: "one int32 word per slot, int32 offsets, no pad"},
-               "rows": rows}, open(path, "w"), indent=1)
+    out = os.environ.get("OUT", "results")
+    path = f"{out}/gate_epilogue-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    result = {"commit": git_commit(), "gpu": torch.cuda.get_device_name(), "triton": triton.__version__}
+    with open(path, "w") as f:
+        json.dump({**result, "epilogues": EPILOGUES, "rows": rows}, f, indent=1)
     print("wrote", path)
 
 
