@@ -20,6 +20,7 @@ Floors: gate GEMM alone (cuBLAS), and bytes over the measured copy bandwidth.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -219,43 +220,43 @@ def bench_point(k, n, m, density, pattern, compiled) -> dict:
             "speedup": min(dense_ms, compiled_ms) / twell_ms,
             "rel_err": err,
             "twell_peak_mb": peak_mb(lambda: block(x)),
-            "path": policy.route(m, k),
+            "path": policy.route(m, k, block.mlp.layer_config),
             "dense_after": any(st.dense_calls_left for d in dispatch._layers.values() for st in d.values()),
         }
         twell.restore(block)
         row["dense_peak_mb"] = peak_mb(lambda: block(x))
         twell.sparsify(block)
-        # every path the dispatcher can take, forced, to set its thresholds from data
-        for path, (decode_max, prefill_min) in {"decode": (1 << 30, 1 << 31), "prefill": (0, 1)}.items():
+        # every path the dispatcher can take, forced on every layer (a forced prefill does not fall back
+        # to dense on a measured density), to set its thresholds from data
+        for path in ("decode", "prefill"):
             if (path == "decode" and m > 1024) or (path == "prefill" and m < 128):
                 continue
-            saved = policy.DECODE_MAX_M, policy.PREFILL_MIN_M
-            policy.DECODE_MAX_M, policy.PREFILL_MIN_M = decode_max, prefill_min
-            try:
+            with contextlib.ExitStack() as forced:
+                for b in blocks:
+                    forced.enter_context(twell.configure(b, route=path))
                 dispatch.forget_layers()
                 row[f"{path}_err"] = rel_err_sample(block(x), x, block)
                 dispatch.forget_layers()
                 row[f"{path}_ms"] = per_layer(lambda b: b(x)) if path == "decode" else timed(lambda: block(x), False)
-            finally:
-                policy.DECODE_MAX_M, policy.PREFILL_MIN_M = saved
         if m >= 8192:
-            row.update(prefill_stages(x, w))
+            row.update(prefill_stages(x, w, block.mlp.layer_config))
     return row
 
 
-def prefill_stages(x, w) -> dict:
-    """Stage breakdown of the prefill path (its kernels called directly, same inputs)."""
+def prefill_stages(x, w, config) -> dict:
+    """Stage breakdown of the prefill path (its kernels called directly, same inputs, at the layout of
+    the layer's LayerConfig)."""
     wg, bg = w["gate_weight"], w["gate_bias"]
-    slots = policy.SLOTS
+    tile_n, slots = config.tile_n, config.slots
     row = {"cublas_gate_ms": do_bench(lambda: F.linear(x, wg, bg), return_mode="median")}
     pre = F.linear(x, wg, bg)
-    row["pack_ms"] = do_bench(lambda: pack_dense(pre, 0.0, policy.TILE_N, slots), return_mode="median")
-    row["fused_gate_ms"] = do_bench(lambda: gate_twell(x, wg, bg, 0.0, policy.TILE_N, slots), return_mode="median")
-    values, indices, counts = gate_twell(x, wg, bg, 0.0, policy.TILE_N, slots)
+    row["pack_ms"] = do_bench(lambda: pack_dense(pre, 0.0, tile_n, slots), return_mode="median")
+    row["fused_gate_ms"] = do_bench(lambda: gate_twell(x, wg, bg, 0.0, tile_n, slots), return_mode="median")
+    values, indices, counts = gate_twell(x, wg, bg, 0.0, tile_n, slots)
     wd_t = w["down_weight"].t()
     row["updown_ms"] = do_bench(
         lambda: twell_up_down(
-            x, values, indices, counts, wg, bg, w["up_weight"], None, wd_t, None, tile_n=policy.TILE_N, threshold=0.0
+            x, values, indices, counts, wg, bg, w["up_weight"], None, wd_t, None, tile_n=tile_n, threshold=0.0
         ),
         return_mode="median",
     )

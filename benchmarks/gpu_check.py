@@ -22,7 +22,7 @@ from ffn import LAYERS_PER_GRAPH, git_commit, make_inputs, neuron_permuted, rel_
 from triton.testing import do_bench
 
 import twell
-from twell.kernels import decode, gate, policy, updown
+from twell.kernels import decode, gate, updown
 from twell.kernels.gate import pack_dense
 
 # decode_ffn keyword arguments to compare ({}: the launcher's choice). One token: (BLOCK_N, BLOCK_K,
@@ -97,7 +97,7 @@ def gate_point(k, n, m) -> list[dict]:
     with torch.no_grad():
         cublas_ms = do_bench(lambda: F.linear(x, wg, bg), return_mode="median")
         pre = F.linear(x, wg, bg)
-        tile_n, slots = policy.TILE_N, policy.SLOTS
+        tile_n, slots = block.mlp.layer_config.tile_n, block.mlp.layer_config.slots
         ref = pack_dense(pre, 0.0, tile_n, slots)
         pack_ms = do_bench(lambda t=tile_n, s=slots: pack_dense(pre, 0.0, t, s), return_mode="median")
         for config in gate.GATE_CONFIGS:
@@ -144,11 +144,11 @@ def gate_point(k, n, m) -> list[dict]:
     return rows
 
 
-def kernel_times(k, n, m, pattern) -> dict:
+def kernel_times(k, n, m, pattern, layer_config=None) -> dict:
     """Mean CUDA time of each kernel of the sparsified module's call (torch.profiler, 50 eager calls):
-    where the time of a path goes, launch gaps excluded."""
+    where the time of a path goes, launch gaps excluded. layer_config: sparsify's (LayerConfig changes)."""
     x, block = make_inputs(m, k, n, 0.005, pattern, seed=m + n)
-    twell.sparsify(block)
+    twell.sparsify(block, layer_config=layer_config)
     with torch.no_grad():
         for _ in range(3):
             block(x)
@@ -218,8 +218,8 @@ def main():
             path.write_text(json.dumps(result, indent=1))  # kept if a later shape runs out of time
     elif args.part == "profile":
         for k, n, m, pattern in ((2048, 5632, 1, "uniform"), (2048, 5632, 16, "uniform"), (4096, 14336, 16, "uniform")):
-            policy.DECODE_MAX_M = max(m, policy.DECODE_MAX_M)  # decode kernels, whatever the shipped threshold
-            result["rows"].append(kernel_times(k, n, m, pattern))
+            # the decode kernels, whatever the shipped threshold
+            result["rows"].append(kernel_times(k, n, m, pattern, {"decode_max_m": m} if m > 8 else None))
     else:
         for k, n, m in ((2048, 5632, 131072), (4096, 14336, 65536)):
             result["rows"] += gate_point(k, n, m)

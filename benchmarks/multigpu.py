@@ -31,6 +31,7 @@ JSON goes to benchmarks/results/ (or --out) from rank 0.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -314,7 +315,7 @@ def worker(args) -> None:
             "density": args.density,
             "warmup": args.warmup,
             "reps": args.reps,
-            "policy": {"PREFILL_MIN_M": policy.PREFILL_MIN_M, "DENSE_ABOVE": policy.DENSE_ABOVE},
+            "layer_config": dataclasses.asdict(policy.DEFAULT),  # what sparsify gives every rewritten FFN
         }
         parts = {"fsdp": fsdp_part, "tp": tp_part}
         for name in args.parts.split(","):

@@ -158,7 +158,7 @@ def bench_point(k, n, m, density, pattern, compiled, gemm_tflop_s) -> dict:
     dense_compiled()
     compiled_ms = do_bench(dense_compiled, warmup=50, rep=REP_MS, return_mode="median")
 
-    twell.sparsify(block)
+    twell.sparsify(block, layer_config={"train_min_m": 1})  # the sparse training path is opt-in: at every size
     tracker = twell.train.track_l1(block)
     twell_ms, twell_peak, (twell_dx, twell_grads) = measure(user_step)
     stages = stage_times(lambda: module_step(block, x0, dys[0]))
@@ -235,7 +235,6 @@ def main():
     if args.smoke:
         args.shapes, args.ms, args.densities, args.patterns = "256x704", "4096", "0.01", "skewed"
     torch.backends.cuda.matmul.allow_tf32 = False
-    policy.TRAIN_MIN_M = 1  # the sparse training path is opt-in: measure it at every size
     compiled = torch.compile(dense_loss, dynamic=True)
     result = {**environment(), "ceilings": ceilings(), "lam": LAM, "points": []}
     print(json.dumps(result["ceilings"]), flush=True)

@@ -200,8 +200,8 @@ def test_routing_needs_cuda_grad_and_the_kernel_layout():
     case = make_ffn(4, 16, 40, [0.2], torch.float32, biases=True)
     args = (case["gate_weight"], case["up_weight"], case["down_weight"], (None, None, None))
     x = case["x"].requires_grad_()
-    assert not twell.kernels.ops.sparse_training(x, *args)  # CPU: the dense reference's autograd
-    assert not twell.kernels.ops.sparse_training(case["x"].detach(), *args)  # no grad needed
+    assert not twell.kernels.ops.sparse_training(x, *args, 1)  # CPU: the dense reference's autograd
+    assert not twell.kernels.ops.sparse_training(case["x"].detach(), *args, 1)  # no grad needed
     assert policy.train_width(5632) == 256 and policy.train_width(14336) == 512 and policy.train_width(40) == 64
 
 
@@ -291,29 +291,31 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path):
 
 
 @pytest.fixture
-def sparse_training_on(monkeypatch):
-    """The sparse training path is opt-in (policy.TRAIN_MIN_M is None by default): on for a test."""
-    monkeypatch.setattr(policy, "TRAIN_MIN_M", 1)
+def sparse_training_on():
+    """The sparse training path is opt-in (LayerConfig.train_min_m is None by default): a config with
+    it on, for a test."""
+    return twell.LayerConfig(train_min_m=1)
 
 
-def _layer(k, n, m, density, seed=0):
-    """A ReLU-gated FFN module (down weight as sparsify stores it) firing at about `density`."""
+def _layer(k, n, m, density, config, seed=0):
+    """A ReLU-gated FFN module (down weight as sparsify stores it) firing at about `density`, its
+    rewritten FFN running with `config`."""
     from benchmarks.ffn import make_inputs
 
     x, block = make_inputs(m, k, n, density, "skewed", seed=seed)
-    block = twell.sparsify(block.train())
+    block = twell.sparsify(block.train(), layer_config={"train_min_m": config.train_min_m})
     return x, block
 
 
 @pytest.mark.gpu
 def test_gpu_real_shape_bf16_matches_dense_autograd(sparse_training_on):
     k, n, m = 2048, 5632, 4096
-    x, block = _layer(k, n, m, 0.01)
+    x, block = _layer(k, n, m, 0.01, sparse_training_on)
     mlp = block.mlp
     params = [mlp.gate_proj.weight, mlp.gate_proj.bias, mlp.up_proj.weight, mlp.down_proj.weight]
     wg, bg, wu, wd = params
     xs = x.clone().requires_grad_()
-    assert twell.kernels.ops.sparse_training(xs, wg, wu, wd, (bg, None, None))  # the sparse path runs
+    assert twell.kernels.ops.sparse_training(xs, wg, wu, wd, (bg, None, None), 1)  # the sparse path runs
     y = block(xs)
     dy = torch.randn_like(y)
     y.backward(dy)
@@ -329,7 +331,7 @@ def test_gpu_real_shape_bf16_matches_dense_autograd(sparse_training_on):
 @pytest.mark.gpu
 def test_gpu_compiled_training_step_and_cuda_graph(sparse_training_on):
     k, n, m = 512, 1408, 8192
-    x, block = _layer(k, n, m, 0.01, seed=1)
+    x, block = _layer(k, n, m, 0.01, sparse_training_on, seed=1)
     params = list(block.parameters())
 
     def loss_fn(x):
@@ -371,8 +373,8 @@ def test_gpu_plain_ffn_and_l1_train_sparsely(squared, sparse_training_on):
     w_down = (torch.randn(k, n, device="cuda", generator=g) / n**0.5).t().contiguous().t()
     leaves = [t.to(torch.bfloat16).requires_grad_() for t in (x, w_up, b_up, w_down)]
     xs, wu, bu, wd = leaves
-    assert twell.kernels.ops.sparse_training(xs, wu, None, wd, (bu, None))
-    y, l1, density = twell.ops.ffn(xs, wu, wd, up_bias=bu, squared=squared, return_l1=True)
+    assert twell.kernels.ops.sparse_training(xs, wu, None, wd, (bu, None), 1)
+    y, l1, density = twell.ops.ffn(xs, wu, wd, up_bias=bu, squared=squared, return_l1=True, config=sparse_training_on)
     assert 0.002 < density.item() < 0.01
     dy = torch.randn_like(y)
     lam = 0.3 * m * n  # the L1 term's gradient per entry (lam / (M * N)) comparable to dh's

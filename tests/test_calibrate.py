@@ -26,6 +26,7 @@ from twell.calibrate import (
     save_plan,
 )
 from twell.kernels import policy
+from twell.kernels.policy import LayerConfig
 
 
 @dataclass
@@ -194,7 +195,7 @@ def test_layout_choice_and_decision():
     n = 512
     model = Stack(*(GatedFFN(n, n, identity_gate=True) for _ in range(3)))
     sparse = sparse_input(256, n, 0.004, seed=5)
-    # Rows with 40 actives in the first 256 columns: more than the 32 slots of (256, 8) in 5% of rows.
+    # Rows with 40 actives in the first 128 columns: more than the 16 slots of (128, 8) in 5% of rows.
     clumpy = sparse.clone()
     clumpy[::20, :40] = 1.0
     dense = sparse_input(256, n, 0.6, seed=6)
@@ -208,17 +209,17 @@ def test_layout_choice_and_decision():
     routed = Routed(*model.blocks)
     candidates = [candidate_of(routed, i) for i in range(3)]
     decisions = calibrate(routed, candidates, [{"x": torch.zeros(1)}], config=FAST)
-    assert (decisions["blocks.0"].tile_n, decisions["blocks.0"].compression) == (256, 8)
+    assert (decisions["blocks.0"].tile_n, decisions["blocks.0"].compression) == (128, 8)  # the kernels' default
     assert decisions["blocks.0"].rewrite and decisions["blocks.0"].overflow_rows == 0.0
     assert decisions["blocks.0"].predicted_speedup["prefill"] > 1.2
-    # 40 actives fit the 64 slots of (512, 8) or (256, 4); most compression first, then nearest 256.
-    assert (decisions["blocks.1"].tile_n, decisions["blocks.1"].compression) == (512, 8)
+    # 40 actives fit the 64 slots of (256, 4) or (128, 2); most compression first, then nearest 128.
+    assert (decisions["blocks.1"].tile_n, decisions["blocks.1"].compression) == (256, 4)
     assert decisions["blocks.1"].overflow_rows <= 0.01
     assert not decisions["blocks.2"].rewrite and decisions["blocks.2"].tile_n is None
     assert "too dense" in decisions["blocks.2"].reason
-    # A looser overflow limit accepts the clumpy layer's rows at (256, 8), which then run dense.
+    # A looser overflow limit accepts the clumpy layer's rows at (128, 8), which then run dense.
     loose = calibrate(routed, candidates, [{"x": torch.zeros(1)}], config={**FAST, "max_overflow": 0.1})
-    assert (loose["blocks.1"].tile_n, loose["blocks.1"].compression) == (256, 8)
+    assert (loose["blocks.1"].tile_n, loose["blocks.1"].compression) == (128, 8)
     assert loose["blocks.1"].overflow_rows == pytest.approx(13 / 256)
 
 
@@ -296,7 +297,10 @@ def test_config_and_data_errors():
     with pytest.raises(ValueError, match="unknown calibration option"):
         calibrate(model, candidates, [{"x": torch.randn(2, 16)}], config={"tile_width": 64})
     with pytest.raises(ValueError, match="divisible"):
-        calibrate(model, candidates, [{"x": torch.randn(2, 16)}], config={"tile_widths": (100,)})
+        calibrate(model, candidates, [{"x": torch.randn(2, 16)}], config={"tile_widths": (100,), "compressions": (8,)})
+    # a layout the kernels cannot run is no candidate: the chosen one is what the layer's kernels run
+    with pytest.raises(ValueError, match="need 16 <= tile_n <= 256, got 512"):
+        calibrate(model, candidates, [{"x": torch.randn(2, 16)}], config={"tile_widths": (512,)})
     with pytest.raises(ValueError, match="empty"):
         calibrate(model, candidates, [], config=FAST)
     with pytest.raises(TypeError, match="token-id tensors or dicts"):
@@ -319,6 +323,18 @@ def test_analytic_model_reproduces_the_h200_measurements():
     assert model.break_even_density(1.05) < model.break_even_density()
 
 
+def test_analytic_model_routes_with_the_layer_config():
+    """Calls the layer's LayerConfig sends dense (too few tokens for its prefill_min_m, denser than its
+    dense_above) cost what dense costs; the same call on a layer with other limits runs sparse."""
+    model = AnalyticCostModel()
+    shape = {"kind": "gated", "m": 4096, "k": 2048, "n": 5632, "dtype": torch.bfloat16}
+    assert model.time_ratio(density=0.005, **shape, config=policy.DEFAULT) == 1.0  # 4096 < 16384 tokens
+    early = LayerConfig(prefill_min_m=4096)
+    assert model.time_ratio(density=0.005, **shape, config=early) == pytest.approx(0.83)
+    assert model.time_ratio(density=0.009, **shape, config=early) == 1.0  # past dense_above (0.8%)
+    assert model.time_ratio(density=0.009, **shape, config=early.replace(dense_above=0.01)) < 1.0
+
+
 def test_benchmark_cost_model_times_once_and_caches(tmp_path):
     calls = []
 
@@ -338,11 +354,29 @@ def test_benchmark_cost_model_times_once_and_caches(tmp_path):
 
     cache = json.loads((tmp_path / "costs.json").read_text())
     assert len(cache) == 2 and all(key.startswith("Fake GPU|") and "|M64|K32|N96|" in key for key in cache)
+    cost.time_ratio(density=0.01, **shape, config=LayerConfig(tile_n=64, slots=8))  # another layer config
+    assert len(calls) == 6
+    calls.clear()
     again = BenchmarkCostModel(device="cpu", timer=timer, device_name="Fake GPU", cache_dir=tmp_path)
-    assert again.time_ratio(density=0.01, **shape) == pytest.approx(0.5) and len(calls) == 4
+    assert again.time_ratio(density=0.01, **shape) == pytest.approx(0.5) and len(calls) == 0
     other_gpu = BenchmarkCostModel(device="cpu", timer=timer, device_name="Other GPU", cache_dir=tmp_path)
     other_gpu.time_ratio(density=0.01, **{**shape, "kind": "plain"})
-    assert len(calls) == 6
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("kind", ["gated", "plain"])
+def test_benchmark_cost_model_times_the_layer_as_it_runs(kind, tmp_path, monkeypatch):
+    """The twell side runs with the layer's LayerConfig and a down weight laid out as sparsify lays it
+    (in the nn.Linear layout the dispatcher would run it dense)."""
+    seen = []
+    op = getattr(twell.ops, f"{kind}_ffn" if kind == "gated" else "ffn")
+    spy = lambda x, *weights, **kw: seen.append((weights[-1], kw["config"])) or op(x, *weights, **kw)
+    monkeypatch.setattr(twell.ops, f"{kind}_ffn" if kind == "gated" else "ffn", spy)
+    cost = BenchmarkCostModel(device="cpu", timer=lambda fn: fn() is not None, device_name="x", cache_dir=tmp_path)
+    config = LayerConfig(tile_n=32, slots=4, prefill_min_m=64)
+    cost.time_ratio(kind=kind, m=50, k=32, n=96, density=0.01, dtype=torch.float32, config=config)
+    ((down_weight, used),) = seen
+    assert used == config and down_weight.shape == (32, 96) and down_weight.t().is_contiguous()
 
 
 def test_benchmark_inputs_have_the_requested_density(tmp_path):
@@ -363,16 +397,33 @@ def test_benchmark_tokens_sets_the_prefill_shape():
     class Recording(FixedCost):
         def time_ratio(self, **shape) -> float:
             seen.append((shape["m"], shape["k"], shape["n"], shape["kind"]))
+            configs.append(shape["config"])
             return self.ratio
 
+    configs = []
     model = Stack(GatedFFN(32, 64, identity_gate=True))
     batches = [{"x": sparse_input(3 * 7, 32, 0.02).view(3, 7, 32)}, {"x": torch.ones(5, 1, 32)}]
-    calibrate(model, [candidate_of(model, 0)], batches, config={**FAST, "cost_model": Recording(0.5)})
+    decision = calibrate(model, [candidate_of(model, 0)], batches, config={**FAST, "cost_model": Recording(0.5)})
     assert seen == [(policy.PREFILL_MIN_M, 32, 64, "gated"), (5, 32, 64, "gated")]  # prefill at serving size
+    # predicted for the layer as it will run: its chosen layout, the default route limits
+    layout = decision["blocks.0"].tile_n, decision["blocks.0"].tile_n // decision["blocks.0"].compression
+    assert configs == [LayerConfig(*layout)] * 2 == [decision["blocks.0"].layer_config()] * 2
     seen.clear()
     config = {**FAST, "cost_model": Recording(0.5), "benchmark_tokens": 32768}
     calibrate(model, [candidate_of(model, 0)], batches, config=config)
     assert seen == [(32768, 32, 64, "gated"), (5, 32, 64, "gated")]
+    seen.clear()
+    configs.clear()
+    # sparsify's layer_config reaches the prediction: prefill predicted from the layer's prefill_min_m
+    calibrate(
+        model,
+        [candidate_of(model, 0)],
+        batches,
+        config={**FAST, "cost_model": Recording(0.5)},
+        layer_config={"prefill_min_m": 4096},
+    )
+    assert seen == [(4096, 32, 64, "gated"), (5, 32, 64, "gated")]
+    assert configs == [LayerConfig(*layout, prefill_min_m=4096)] * 2
 
 
 @pytest.mark.gpu
@@ -487,6 +538,19 @@ def test_plan_with_an_invalid_layout_is_refused(tmp_path, calibrated):
     plan["decisions"]["blocks.0"]["compression"] = 3
     path.write_text(json.dumps(plan))
     with pytest.raises(ValueError, match="blocks.0: invalid TwELL layout: tile_n must be divisible by compression"):
+        load_plan(path, candidates)
+
+
+def test_plan_with_a_layout_the_kernels_cannot_run_is_refused(tmp_path, calibrated):
+    """A rewritten layer runs with its decision's layout: one the kernels cannot take (a plan from
+    before tile widths were limited to theirs) fails on loading, not on the first call."""
+    _, candidates, decisions = calibrated
+    path = tmp_path / "plan.json"
+    save_plan(decisions, candidates, path)
+    plan = json.loads(path.read_text())
+    plan["decisions"]["blocks.0"].update(rewrite=True, tile_n=512, compression=8)
+    path.write_text(json.dumps(plan))
+    with pytest.raises(ValueError, match=r"rewrites blocks.0 with a layout the kernels cannot run .*tile_n <= 256"):
         load_plan(path, candidates)
 
 

@@ -127,7 +127,7 @@ def test_wide_console_shows_every_column(monkeypatch, capsys):
     monkeypatch.setenv("COLUMNS", "200")
     rc, out, err = run(["report", *QUICK], capsys)
     assert rc == 0, err
-    assert "nnz/row" in out and "tile/C" in out and "256/8" in out
+    assert "nnz/row" in out and "tile/C" in out and "128/8" in out
 
 
 # Python source, the kind of text the demo model was trained on (examples/train_sparse.py)
@@ -146,7 +146,7 @@ def test_demo_model_is_sparse_as_trained(tmp_path, capsys):
     densities = [f["density"] for f in ffns]
     assert 0.008 < densities[0] < 0.03 and all(d < 0.008 for d in densities[1:]) and sum(densities) / 4 < 0.01
     assert [r["rewritten"] for r in records] == [f["rewrite"] for f in ffns] == [False, True, True, True]
-    assert all(f["dead_neurons"] > 0 and f["tile_n"] == 256 and f["compression"] == 8 for f in ffns)
+    assert all(f["dead_neurons"] > 0 and f["tile_n"] == 128 and f["compression"] == 8 for f in ffns)
     summary = report["summary"]
     assert (summary["candidates"], summary["rewritable"], summary["rewritten"], summary["unmatched"]) == (4, 4, 3, 0)
     # Time shares are measured (so machine-dependent); the summary must be Amdahl over them.

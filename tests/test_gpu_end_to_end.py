@@ -7,22 +7,20 @@ import torch
 from conftest import rel_err
 
 import twell
-from twell.kernels import dispatch, policy
+from twell.kernels import dispatch
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 300], ids=["decode", "prefill"])
 def test_sparsified_llama_matches_on_gpu(monkeypatch, tokens):
     transformers = pytest.importorskip("transformers")
-    monkeypatch.setattr(policy, "DECODE_MAX_M", 64)
-    monkeypatch.setattr(policy, "PREFILL_MIN_M", 65)
     dispatch.forget_layers()
     calls = []
     monkeypatch.setattr(dispatch, "decode_ffn", lambda *a, **k: calls.append("decode") or decode(*a, **k))
     monkeypatch.setattr(dispatch, "twell_up_down", lambda *a, **k: calls.append("prefill") or updown(*a, **k))
     model = _tiny_llama(transformers)
     untouched = copy.deepcopy(model)
-    twell.sparsify(model)
+    twell.sparsify(model, layer_config={"decode_max_m": 64, "prefill_min_m": 65})
     ids = torch.randint(0, 128, (1, tokens), device="cuda")
     with torch.no_grad():
         ref = untouched(ids).logits.float()
@@ -60,14 +58,13 @@ def test_sparsified_llama_generates_the_same_tokens(monkeypatch, cache):
     kernels (with a static cache transformers compiles the step, CUDA graphs included): the same
     tokens as the untouched model."""
     transformers = pytest.importorskip("transformers")
-    monkeypatch.setattr(policy, "PREFILL_MIN_M", 65)
     dispatch.forget_layers()
     calls = []
     monkeypatch.setattr(dispatch, "decode_ffn", lambda *a, **k: calls.append("decode") or decode(*a, **k))
     monkeypatch.setattr(dispatch, "twell_up_down", lambda *a, **k: calls.append("prefill") or updown(*a, **k))
     model = _tiny_llama(transformers)
     untouched = copy.deepcopy(model)
-    twell.sparsify(model)
+    twell.sparsify(model, layer_config={"prefill_min_m": 65})
     prompt = torch.randint(0, 128, (2, 40), device="cuda")  # 80 tokens: the prefill path
     kwargs = {"max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
     if cache == "static":
@@ -103,8 +100,6 @@ def test_sparsified_forward_copies_no_weight(tokens):
 def test_sparse_paths_capture_in_cuda_graphs_and_compile_whole(monkeypatch, tokens):
     """No host synchronisation on either sparse path: a CUDA-graph capture of the module replays to the
     eager result, and torch.compile(fullgraph=True) traces it without a graph break."""
-    monkeypatch.setattr(policy, "DECODE_MAX_M", 8)
-    monkeypatch.setattr(policy, "PREFILL_MIN_M", 257)
     dispatch.forget_layers()
     calls = []
     monkeypatch.setattr(dispatch, "decode_ffn", lambda *a, **k: calls.append("decode") or decode(*a, **k))
@@ -112,7 +107,7 @@ def test_sparse_paths_capture_in_cuda_graphs_and_compile_whole(monkeypatch, toke
     torch.manual_seed(0)
     block = _Block(256, 1024).to("cuda", torch.bfloat16).eval()
     torch.nn.init.constant_(block.mlp.gate_proj.bias, -0.05)
-    twell.sparsify(block)
+    twell.sparsify(block, layer_config={"decode_max_m": 8, "prefill_min_m": 257})
     x = torch.randn(tokens, 256, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         eager = block(x)

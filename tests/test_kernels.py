@@ -12,6 +12,7 @@ from twell.format import TwELL, kept_mask
 from twell.kernels import dispatch, gate, policy, reference, updown
 from twell.kernels.decode import decode_ffn
 from twell.kernels.gate import gate_twell, pack_dense
+from twell.kernels.policy import LayerConfig
 from twell.kernels.updown import twell_up_down
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
@@ -74,6 +75,7 @@ def test_dispatch_reads_strided_biases(sparse_paths):
             strided["down_bias"],
             0.0,
             False,
+            sparse_paths,
         )
         assert rel_err(y, gated_ref(case)[:m]) <= 1e-5
 
@@ -299,28 +301,32 @@ def test_decode_is_deterministic():
 
 
 @pytest.fixture
-def sparse_paths(monkeypatch):
-    """Route calls to the kernels whatever the measured defaults: decode up to 64 tokens, prefill above
-    (through the fused gate; test_prefill_through_each_gate_route covers the other route too)."""
-    monkeypatch.setattr(policy, "DECODE_MAX_M", 64)
-    monkeypatch.setattr(policy, "PREFILL_MIN_M", 65)
-    monkeypatch.setattr(policy, "FUSED_GATE", True)
+def sparse_paths():
+    """A LayerConfig routing calls to the kernels whatever the measured defaults: decode up to 64
+    tokens, prefill above (through the fused gate; test_prefill_through_each_gate_route covers the
+    other route too)."""
     dispatch.forget_layers()
+    return LayerConfig(decode_max_m=64, prefill_min_m=65, fused_gate=True)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["cublas-gate", "fused-gate"])
-def test_prefill_through_each_gate_route(fused, sparse_paths, monkeypatch):
-    monkeypatch.setattr(policy, "FUSED_GATE", fused)
+@pytest.mark.parametrize("tile_n,slots", [(128, 16), (32, 4)], ids=["default-layout", "layer-layout"])
+def test_prefill_through_each_gate_route(fused, tile_n, slots, sparse_paths, monkeypatch):
+    """Each gate route packs at the layout of the layer's config, which up+down then reads."""
+    config = sparse_paths.replace(fused_gate=fused, tile_n=tile_n, slots=slots)
     calls = []
-    for name in ("gate_twell", "pack_dense"):
+    for name, at in (("gate_twell", 4), ("pack_dense", 2)):  # where each takes tile_n, slots
         fn = getattr(dispatch, name)
-        monkeypatch.setattr(dispatch, name, lambda *a, _f=fn, _n=name, **k: calls.append(_n) or _f(*a, **k))
+        spy = lambda *a, _f=fn, _n=name, _at=at, **k: calls.append((_n, *a[_at : _at + 2])) or _f(*a, **k)
+        monkeypatch.setattr(dispatch, name, spy)
+    updown = dispatch.twell_up_down
+    monkeypatch.setattr(dispatch, "twell_up_down", lambda *a, **k: calls.append(k["tile_n"]) or updown(*a, **k))
     case = make_ffn(100, 40, 96, MIXED, torch.float32, DEVICE, seed=9, biases=True)
     args = [case[k] for k in ("gate_weight", "up_weight", "down_weight", "gate_bias", "up_bias", "down_bias")]
-    y = dispatch.gated_ffn(case["x"], *args, 0.0, False)
+    y = dispatch.gated_ffn(case["x"], *args, 0.0, False, config)
     # on a GPU fp32 operands fit no fused-gate config: they take cuBLAS + the pack pass
-    fused = fused and gate.fused_gate_supported(case["x"], case["gate_weight"], policy.TILE_N)
-    assert calls == ["gate_twell" if fused else "pack_dense"]
+    fused = fused and gate.fused_gate_supported(case["x"], case["gate_weight"], tile_n)
+    assert calls == [("gate_twell" if fused else "pack_dense", tile_n, slots), tile_n]
     assert rel_err(y, gated_ref(case)) <= 1e-5
 
 
@@ -346,26 +352,32 @@ def test_dispatch_is_exact_on_every_path(m, dtype, variant, sparse_paths):
             case["down_bias"],
             threshold,
             variant == "drelu",
+            sparse_paths,
         )
         ref = gated_ref(case, threshold, variant == "drelu")
     else:
+        biases = (case["up_bias"], case["down_bias"])
         y = dispatch.ffn(
-            x, case["up_weight"], case["down_weight"], case["up_bias"], case["down_bias"], threshold, variant == "relu2"
+            x, case["up_weight"], case["down_weight"], *biases, threshold, variant == "relu2", sparse_paths
         )
         ref = plain_ref(case, threshold, variant == "relu2")
     assert y.shape == x.shape and y.dtype == dtype
     assert rel_err(y.reshape(m, k), ref) <= TOL[dtype] * (4 if variant == "relu2" else 1)
 
 
-def test_dense_layers_fall_back_to_dense(sparse_paths):
-    """A prefill call denser than DENSE_ABOVE sends the layer's next calls dense (still exact)."""
+@pytest.mark.parametrize("dense_above,falls_back", [(policy.DENSE_ABOVE, True), (0.05, False)])
+def test_dense_layers_fall_back_to_dense(dense_above, falls_back, sparse_paths):
+    """A prefill call denser than the layer's dense_above sends its next calls dense (still exact)."""
+    config = sparse_paths.replace(dense_above=dense_above)
     case = make_ffn(300, 24, 64, [0.03], torch.float32, DEVICE, seed=3)
-    args = (case["gate_weight"], case["up_weight"], case["down_weight"], None, None, None, 0.0, False)
+    args = (case["gate_weight"], case["up_weight"], case["down_weight"], None, None, None, 0.0, False, config)
     first = dispatch.gated_ffn(case["x"], *args)
     state = dispatch.layer_state(case["gate_weight"], 300)
     assert state.pending is not None and state.dense_calls_left == 0
-    second = dispatch.gated_ffn(case["x"], *args)  # reads the first call's density: runs dense
-    assert state.pending is None and state.dense_calls_left == policy.DENSE_RETRY - 1
+    second = dispatch.gated_ffn(case["x"], *args)  # reads the first call's density (3%)
+    assert state.density > 0.02
+    assert state.dense_calls_left == (policy.DENSE_RETRY - 1 if falls_back else 0)
+    assert (state.pending is None) == falls_back  # a sparse call queues the next probe
     ref = gated_ref(case)
     assert rel_err(first, ref) <= 1e-5 and rel_err(second, ref) <= 1e-5
 
@@ -377,7 +389,8 @@ def test_default_dispatch_runs_dense_where_kernels_lose():
     assert m < policy.PREFILL_MIN_M
     case = make_ffn(m, 24, 64, [0.05], torch.float32, DEVICE, seed=m)
     args = (case["gate_weight"], case["up_weight"], case["down_weight"], None, None, None, 0.0, False)
-    assert torch.equal(dispatch.gated_ffn(case["x"], *args), reference.gated_ffn(case["x"], *args))
+    got = dispatch.gated_ffn(case["x"], *args, policy.DEFAULT)
+    assert torch.equal(got, reference.gated_ffn(case["x"], *args))
 
 
 @pytest.mark.parametrize("m", [1, 300], ids=["decode", "prefill"])
@@ -388,19 +401,19 @@ def test_nn_linear_layout_runs_dense(m, sparse_paths, monkeypatch):
     monkeypatch.setattr(dispatch, "decode_ffn", None)  # any kernel call would fail
     monkeypatch.setattr(dispatch, "twell_up_down", None)
     args = (case["gate_weight"], case["up_weight"], down, None, None, None, 0.0, False)
-    assert torch.equal(dispatch.gated_ffn(case["x"], *args), reference.gated_ffn(case["x"], *args))
+    assert torch.equal(dispatch.gated_ffn(case["x"], *args, sparse_paths), reference.gated_ffn(case["x"], *args))
 
 
 @pytest.mark.parametrize("density,path", [(0.005, "decode"), (0.03, "dense")])
 def test_decode_serves_more_tokens_where_prefill_measured_the_layer_sparse(density, path, monkeypatch):
-    """DECODE_MAX_M < M <= DECODE_SPARSE_MAX_M decodes only once a prefill probe found the layer sparse."""
-    monkeypatch.setattr(policy, "PREFILL_MIN_M", 257)
+    """decode_max_m < M <= decode_sparse_max_m decodes only once a prefill probe found the layer sparse."""
+    config = policy.LayerConfig(prefill_min_m=257)
     dispatch.forget_layers()
     calls = []
     monkeypatch.setattr(dispatch, "decode_ffn", lambda *a, **k: calls.append("decode") or decode_ffn(*a, **k))
     case = make_ffn(300, 24, 256, [density], torch.float32, DEVICE, seed=4)
-    args = (case["gate_weight"], case["up_weight"], case["down_weight"], None, None, None, 0.0, False)
-    m = policy.DECODE_SPARSE_MAX_M
+    args = (case["gate_weight"], case["up_weight"], case["down_weight"], None, None, None, 0.0, False, config)
+    m = config.decode_sparse_max_m
     few = case["x"][:m]
     dispatch.gated_ffn(few, *args)  # nothing measured yet: dense
     dispatch.gated_ffn(case["x"], *args)  # prefill: queues the probe
@@ -413,7 +426,7 @@ def test_a_probe_in_flight_is_not_replaced(sparse_paths):
     """While a layer's density probe has not landed, later calls queue no new one (else, with the host
     ahead of the GPU, the newest probe would never have landed when the next call looks)."""
     case = make_ffn(300, 24, 64, [0.03], torch.float32, DEVICE, seed=3)
-    args = (case["gate_weight"], case["up_weight"], case["down_weight"], None, None, None, 0.0, False)
+    args = (case["gate_weight"], case["up_weight"], case["down_weight"], None, None, None, 0.0, False, sparse_paths)
     dispatch.gated_ffn(case["x"], *args)
     state = dispatch.layer_state(case["gate_weight"], 300)
 

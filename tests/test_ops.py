@@ -174,3 +174,43 @@ def test_reference_in_place_and_autograd_paths_agree_with_the_formula(variant):
         (grad,) = torch.autograd.grad(y.sum(), leaves[name])
         (want,) = torch.autograd.grad(_formula(fn, leaves, **kwargs).sum(), leaves[name])
         assert torch.allclose(grad, want, atol=1e-12), name
+
+
+def test_ops_take_the_layer_config_as_arguments():
+    """The route arguments are part of the op schemas (fake kernels, autograd and torch.compile see
+    them); bad values fail on any device, naming the argument."""
+    case = make_ffn(6, 16, 40, [0.2], torch.float32, biases=True)
+    config = twell.LayerConfig(tile_n=32, slots=4, prefill_min_m=64, fused_gate=True)
+    gated = (*_gated_args(case), case["gate_bias"], case["up_bias"], case["down_bias"], 0.0, False)
+    plain = (case["x"], case["gate_weight"], case["down_weight"], case["gate_bias"], case["down_bias"], 0.0, True)
+    torch.library.opcheck(torch.ops.twell.gated_ffn.default, (*gated, *config.op_args()))
+    torch.library.opcheck(torch.ops.twell.ffn.default, (*plain, *config.op_args()))
+    assert torch.equal(torch.ops.twell.gated_ffn(*gated), torch.ops.twell.gated_ffn(*gated, *config.op_args()))
+    with pytest.raises(ValueError, match="power-of-two slots, got 3"):
+        torch.ops.twell.gated_ffn(*gated, 32, 3)
+    with pytest.raises(ValueError, match="prefill_min_m must be a non-negative int or None, got -1"):
+        torch.ops.twell.ffn(*plain, 32, 4, 8, 16, -1)
+    with pytest.raises(TypeError, match="config must be a twell.kernels.policy.LayerConfig"):
+        twell.ops.gated_ffn(*_gated_args(case), config={"tile_n": 32})
+
+    def f(x):
+        return twell.ops.gated_ffn(x, *_gated_args(case)[1:], config=config)
+
+    assert torch.equal(torch.compile(f, fullgraph=True, backend="aot_eager")(case["x"]), f(case["x"]))
+
+
+def test_layer_config_route():
+    """policy.route decides from the layer's config; replace(route=...) forces a path."""
+    from twell.kernels import policy
+
+    default = twell.LayerConfig()
+    assert [policy.route(m, 2048, default) for m in (0, 8, 9, 16384)] == ["dense", "decode", "dense", "prefill"]
+    assert policy.route(16, 2048, default, density=0.005) == "decode"  # known sparse: up to 16 tokens
+    assert policy.route(16, 2048, default.replace(decode_sparse_max_m=8), density=0.005) == "dense"
+    assert policy.route(100, 2048, default.replace(prefill_min_m=100)) == "prefill"
+    assert policy.route(1 << 20, 2048, default.replace(prefill_min_m=None)) == "dense"
+    for path in policy.ROUTES:
+        forced = default.replace(route=path)
+        assert {policy.route(m, 2048, forced, density=0.5) for m in (1, 9, 16, 100, 1 << 20)} == {path}
+        assert policy.route(4, policy.MAX_K + 1, forced) == "dense"  # K the kernels cannot take
+    assert default.replace(route="prefill").dense_above == 1.0  # no measured density sends it dense

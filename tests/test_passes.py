@@ -717,7 +717,7 @@ def test_dense_ffn_is_the_op(name):
     x[0] = 0.0
     x[0, 0] = 1.0
     with torch.no_grad():
-        expected = run_ffn(spec, gate, up, down, x)
+        expected = run_ffn(spec, gate, up, down, x, twell.LayerConfig())
         assert torch.allclose(dense_ffn(spec, gate, up, down, x), expected, atol=1e-6)
 
 

@@ -216,10 +216,16 @@ def test_mixtral_calibration_measures_each_expert(tmp_path):
     assert len(set(densities)) > 1  # measured per expert, not per layer
     assert [r.rewritten for r in records] == [n > 0 for n in routed]
     torch.testing.assert_close(logits(model, ids), expected, atol=1e-5, rtol=1e-5)
+    # each rewritten expert runs with its own decision's layout
+    layouts = {r.path: (r.decision["tile_n"], r.decision["tile_n"] // r.decision["compression"]) for r in records}
+    configs = twell.layer_configs(model)
+    assert set(configs) == {r.path for r in records if r.rewritten}
+    assert all((c.tile_n, c.slots) == layouts[path] for path, c in configs.items())
     plan = tmp_path / "plan.json"
     twell.save_plan(model, plan)
     other = twell.sparsify(build_mixtral(), plan=plan)
     assert [r.rewritten for r in twell.report(other)] == [r.rewritten for r in records]
+    assert twell.layer_configs(other) == configs
     torch.testing.assert_close(logits(other, ids), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -357,6 +363,99 @@ def test_calibration_decisions_and_plan(tmp_path):
     assert [(r.path, r.rewritten) for r in twell.report(other)] == [(r.path, r.rewritten) for r in report]
 
 
+def _route_args_of_compiled_ops(model, ids) -> list[tuple]:
+    """The route arguments (LayerConfig.op_args) of every twell op call in the model's compiled graphs."""
+    seen = []
+    ops = (torch.ops.twell.gated_ffn, torch.ops.twell.ffn)
+
+    def backend(gm, example_inputs):
+        seen.extend(
+            tuple(n.args[-7:])
+            for n in gm.graph.nodes
+            if n.target in ops or getattr(n.target, "_overloadpacket", None) in ops
+        )
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            torch.compile(model, backend=backend)(ids)
+    finally:
+        torch._dynamo.reset()
+    return seen
+
+
+def test_calibrated_layout_reaches_the_op(tmp_path):
+    """The layout calibration chose for a layer (here the only one offered) is what its op is called
+    with, as a plan re-applies it; layer_config changes the route limits on top."""
+    model = build("llama-bias")
+    for layer in model.model.layers:
+        layer.mlp.gate_proj.bias.data.fill_(-0.2)
+    ids = token_ids()
+    config = {**QUICK_CALIBRATION, "min_speedup": 0.0, "max_overflow": 0.99, "tile_widths": (32,), "compressions": (4,)}
+    twell.sparsify(model, [ids], config=config, layer_config={"prefill_min_m": 4096})
+    expected = twell.LayerConfig(tile_n=32, slots=8, prefill_min_m=4096)
+    configs = twell.layer_configs(model)
+    assert len(configs) == LAYERS and set(configs.values()) == {expected}
+    assert _route_args_of_compiled_ops(model, ids) == [expected.op_args()] * LAYERS
+    plan = tmp_path / "plan.json"
+    twell.save_plan(model, plan)
+    other = twell.sparsify(build("llama-bias"), plan=plan)
+    assert set(twell.layer_configs(other).values()) == {twell.LayerConfig(tile_n=32, slots=8)}
+    with pytest.raises(ValueError, match="each layer's layout is its decision's"):
+        twell.sparsify(model, [ids], config=config, layer_config={"tile_n": 64})
+    with pytest.raises(ValueError, match="each layer's layout is its decision's"):
+        twell.sparsify(build("llama-bias"), plan=plan, layer_config={"slots": 4})
+
+
+def test_configure_sets_every_layer_config(monkeypatch):
+    """sparsify(layer_config=...) and configure() set what each rewritten FFN hands twell.ops; configure
+    in a with block puts the previous configs back."""
+    model = twell.sparsify(build("opt"), layer_config={"decode_max_m": 2})  # inline FFNs
+    seen = []
+    ffn = twell.ops.ffn
+    monkeypatch.setattr(twell.ops, "ffn", lambda *a, **k: seen.append(k["config"]) or ffn(*a, **k))
+    ids = token_ids()
+    logits(model, ids)
+    assert seen == [twell.LayerConfig(decode_max_m=2)] * LAYERS
+    with twell.configure(model, route="prefill"):
+        seen.clear()
+        logits(model, ids)
+        prefill = twell.LayerConfig().replace(route="prefill")
+        assert seen == [prefill] * LAYERS and prefill.prefill_min_m == 1 and prefill.decode_max_m == 0
+    assert set(twell.layer_configs(model).values()) == {twell.LayerConfig(decode_max_m=2)}
+    twell.configure(model, prefill_min_m=64)
+    twell.sparsify(model, layer_config={"train_min_m": 4096})  # already sparsified: changes on top
+    assert set(twell.layer_configs(model).values()) == {
+        twell.LayerConfig(decode_max_m=2, prefill_min_m=64, train_min_m=4096)
+    }
+    with pytest.raises(ValueError, match="needs a model sparsified"):
+        twell.configure(build("opt"), route="dense")
+    with pytest.raises(ValueError, match=r"unknown LayerConfig field\(s\) \['tile'\]"):
+        twell.configure(model, tile=64)
+    with pytest.raises(ValueError, match="route must be one of"):
+        twell.configure(model, route="fast")
+    with pytest.raises(ValueError, match="power-of-two tile_n"):
+        twell.configure(model, tile_n=96)
+    with pytest.raises(TypeError, match="layer_config must be a dict"):
+        twell.sparsify(build("opt"), layer_config=twell.LayerConfig())
+    assert twell.layer_configs(twell.restore(model)) == {}
+
+
+def test_training_routing_follows_the_layer_config(monkeypatch):
+    """train_min_m reaches the sparse-training routing from the module's config (off by default)."""
+    from twell.kernels import ops as kernel_ops
+
+    seen = []
+    sparse_training = kernel_ops.sparse_training
+    monkeypatch.setattr(kernel_ops, "sparse_training", lambda *a: seen.append(a[-1]) or sparse_training(*a))
+    model = twell.sparsify(build("llama"))
+    logits(model, token_ids())
+    twell.configure(model, train_min_m=128)
+    logits(model, token_ids())
+    assert seen == [None] * LAYERS + [128] * LAYERS
+
+
 def test_sparsify_with_data_restores_first():
     pytest.importorskip("twell.calibrate")
     model = twell.sparsify(build("llama"))
@@ -435,7 +534,9 @@ def test_warmup_runs_every_rewritten_ffn(monkeypatch):
     model = twell.sparsify(build("opt"))  # inline FFNs
     calls = []
     run_ffn = modules.run_ffn
-    monkeypatch.setattr(modules, "run_ffn", lambda spec, g, u, d, x: calls.append(x.shape) or run_ffn(spec, g, u, d, x))
+    monkeypatch.setattr(
+        modules, "run_ffn", lambda spec, g, u, d, x, c: calls.append(x.shape) or run_ffn(spec, g, u, d, x, c)
+    )
     seconds = twell.warmup(model, token_counts=(1, 5))
     assert list(seconds) == [1, 5] and all(s >= 0 for s in seconds.values())
     assert sorted(calls) == sorted([(1, 32)] * LAYERS + [(5, 32)] * LAYERS)

@@ -2,6 +2,7 @@
 
     import twell
     model = twell.sparsify(model)          # rewrite sparse FFNs to twell ops
+    twell.configure(model, route="prefill")  # each rewritten FFN's LayerConfig (route limits, layout)
     torch.compile(model, backend="twell")  # or through the compile backend
     twell.train.relufy(model)              # training sparse models: ReLU gates, the L1 penalty
 
@@ -15,7 +16,8 @@ import importlib
 
 from twell.calibrate import calibrate
 from twell.format import TwELL, pack, unpack
-from twell.sparsify import compile_report, report, restore, save_plan, sparsify, warmup
+from twell.kernels.policy import LayerConfig
+from twell.sparsify import compile_report, configure, layer_configs, report, restore, save_plan, sparsify, warmup
 
 __version__ = "0.1.0"
 
@@ -45,6 +47,9 @@ __all__ = [
     "__version__",
     "calibrate",
     "sparsify",
+    "LayerConfig",
+    "configure",
+    "layer_configs",
     "restore",
     "report",
     "compile_report",

@@ -14,8 +14,10 @@ decode steps after each batch) are kept apart. Separately, the model and each FF
 it received) are timed on the first batch, for the FFN share of model time.
 
 Decision, per layer: the TwELL layout (tile width, compression) with the fewest slots whose overflow
-rows stay under ``max_overflow``; then the cost model's predicted FFN speedup at the measured density;
-rewrite when it reaches ``min_speedup``.
+rows stay under ``max_overflow``; then the cost model's predicted FFN speedup at the measured density,
+for the layer as it would run: its LayerConfig (Decision.layer_config: that layout, the default route
+limits, and sparsify's layer_config changes), routed by twell.kernels.policy.route as the dispatcher
+routes it; rewrite when it reaches ``min_speedup``. A rewritten layer runs with that same LayerConfig.
 
 Sharded models (FSDP2, tensor parallelism; every rank calls calibrate): a column-wise sharded gate's
 slices are gathered, so each layer is measured over all its neurons (tiles counted within each rank's
@@ -25,16 +27,17 @@ their own; and rank 0's decisions are broadcast, so every rank rewrites the same
 Cost models:
 
 - ``AnalyticCostModel`` (CPU, or no GPU): a documented density threshold. Calls the dispatcher runs
-  dense (twell.kernels.policy: too few tokens, decode, K too wide, density past DENSE_ABOVE = 0.8%)
-  have ratio 1. Otherwise the twell/dense time ratio is ``a + b * density``, fitted to twell's own
-  kernels on an H200 (benchmarks/NOTES.md, K=2048, N=5632, 131072 tokens: ratio 0.83 at 0.5% density,
-  mean of two timings 0.78 and 0.88; 1.00 at 1%). The fit is for K=2048: at K=4096, N=14336 the
-  measured ratio at 0.5% is 0.95 (1.05x), so it is optimistic for wider models. With the default
-  ``min_speedup`` of 1.05, prefill-dominated layers at or under 0.8% are rewritten. On the CPU twell
-  runs plain PyTorch, so this predicts GPU behaviour, not CPU time.
+  dense (twell.kernels.policy.route with the layer's LayerConfig: too few tokens, decode, K too wide,
+  density past its dense_above, 0.8% by default) have ratio 1. Otherwise the twell/dense time ratio is
+  ``a + b * density``, fitted to twell's own kernels on an H200 (benchmarks/NOTES.md, K=2048, N=5632,
+  131072 tokens: ratio 0.83 at 0.5% density, mean of two timings 0.78 and 0.88; 1.00 at 1%). The fit
+  is for K=2048: at K=4096, N=14336 the measured ratio at 0.5% is 0.95 (1.05x), so it is optimistic
+  for wider models. With the default ``min_speedup`` of 1.05, prefill-dominated layers at or under
+  0.8% are rewritten. On the CPU twell runs plain PyTorch, so this predicts GPU behaviour, not CPU time.
 - ``BenchmarkCostModel`` (CUDA): times dense PyTorch against ``torch.ops.twell.*`` at the layer's shape
   and measured density (synthetic inputs: a gate threshold at the normal quantile that keeps that
-  density), cached on disk per GPU name / dtype / shape / density bucket. The timer is injectable, so
+  density) with the layer's LayerConfig, cached on disk per GPU name / dtype / shape / density bucket
+  / LayerConfig. The timer is injectable, so
   the model is testable without a GPU.
 """
 
@@ -56,8 +59,9 @@ from typing import Any, Protocol
 import torch
 
 from twell.distributed import agree, full_hidden, sharded
-from twell.format import DEFAULT_TILE_N, check_layout, kept_mask
+from twell.format import check_layout, kept_mask
 from twell.kernels import policy
+from twell.kernels.policy import LayerConfig
 
 PLAN_FORMAT = "twell-plan"
 PLAN_VERSION = 1
@@ -75,7 +79,8 @@ NEURON_RATE_QUANTILES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95,
 class CalibrationConfig:
     """Options of calibrate(); pass an instance, a dict of the same fields, or None for the defaults.
 
-    tile_widths, compressions: TwELL layouts considered (each pair must satisfy format.check_layout).
+    tile_widths, compressions: TwELL layouts considered (each pair must satisfy format.check_layout and
+        be one the kernels run: power-of-two tile widths from 16 to 256, twell.kernels.policy.check_tile).
     max_overflow: largest tolerated fraction of rows that overflow a tile's slots (they run dense).
     min_speedup: rewrite a layer only if its predicted FFN speedup reaches this.
     decode_steps: greedy cached decode steps after each batch (Hugging Face-style models only), so that
@@ -84,7 +89,7 @@ class CalibrationConfig:
         FFN share of model time; 0 disables.
     benchmark_tokens: tokens per call (M) at which the cost model predicts prefill calls; None: the
         median of the calibration's own calls, raised to the size from which twell's prefill kernels
-        run (twell.kernels.policy.PREFILL_MIN_M: serving prefills are larger than calibration's).
+        run (the layer's LayerConfig.prefill_min_m: serving prefills are larger than calibration's).
     cost_model: "auto" (benchmark on CUDA, analytic elsewhere), "analytic", "benchmark", or an object
         with ``name`` and ``time_ratio(...)`` (see CostModel).
     cache_dir: where the benchmark cost model keeps its timings (default: $TWELL_CACHE_DIR, else
@@ -92,7 +97,7 @@ class CalibrationConfig:
     progress: show a progress bar over batches on stderr, when stderr is a terminal.
     """
 
-    tile_widths: tuple[int, ...] = (64, 128, 256, 512)
+    tile_widths: tuple[int, ...] = (64, 128, 256)
     compressions: tuple[int, ...] = (2, 4, 8)
     max_overflow: float = 0.01
     min_speedup: float = 1.05
@@ -137,15 +142,16 @@ class CalibrationConfig:
 
     def layouts(self) -> list[tuple[int, int]]:
         """Valid (tile_n, compression) pairs, in order of preference: most compression first (fewest
-        slots to scan), then the tile width nearest the kernels' default."""
+        slots to scan), then the tile width nearest the kernels' default (the measured layout: a chosen
+        layout is the one the layer's kernels run)."""
         pairs = []
         for tile_n in self.tile_widths:
             for compression in self.compressions:
-                check_layout(tile_n, compression)
+                policy.check_tile(tile_n, check_layout(tile_n, compression))
                 pairs.append((tile_n, compression))
         if not pairs:
             raise ValueError("tile_widths and compressions must not be empty")
-        return sorted(pairs, key=lambda p: (-p[1], abs(math.log2(p[0] / DEFAULT_TILE_N)), -p[0]))
+        return sorted(pairs, key=lambda p: (-p[1], abs(math.log2(p[0] / policy.TILE_N)), -p[0]))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -283,8 +289,11 @@ class CostModel(Protocol):
 
     name: str
 
-    def time_ratio(self, *, kind: str, m: int, k: int, n: int, density: float, dtype: torch.dtype) -> float:
-        """twell time / dense time for one FFN call: x [m, k], hidden width n, `density` kept."""
+    def time_ratio(
+        self, *, kind: str, m: int, k: int, n: int, density: float, dtype: torch.dtype, config: LayerConfig
+    ) -> float:
+        """twell time / dense time for one FFN call: x [m, k], hidden width n, `density` kept, on a
+        layer that runs with `config` (its layout and route limits)."""
 
 
 @dataclass
@@ -300,9 +309,11 @@ class AnalyticCostModel:
     slope: float = 34.0
     name: str = "analytic (density threshold, twell kernels on H200)"
 
-    def time_ratio(self, *, kind: str, m: int, k: int, n: int, density: float, dtype: torch.dtype) -> float:
+    def time_ratio(
+        self, *, kind: str, m: int, k: int, n: int, density: float, dtype: torch.dtype, config=policy.DEFAULT
+    ) -> float:
         # calls the dispatcher sends to the dense route cost what dense costs (eager parity, measured)
-        if policy.route(m, k) != "prefill" or density > policy.DENSE_ABOVE:
+        if policy.route(m, k, config) != "prefill" or density > config.dense_above:
             return 1.0
         return self.intercept + self.slope * density
 
@@ -337,11 +348,11 @@ def cuda_median_time(fn: Callable[[], Any], warmup: int = 3, reps: int = 15) -> 
 class BenchmarkCostModel:
     """Micro-benchmark of dense vs twell at a layer's shape and density, cached on disk.
 
-    Cache key: GPU name, twell version, kind, dtype, M bucketed to the next power of two, K, N, and the
-    density bucketed to quarter octaves (the benchmark runs at the bucket's centre), so a model's layers
-    share timings and reruns are free. Inputs are synthetic: x ~ N(0, 1), gate weights ~ N(0, 1/K), and
-    the gate threshold at the normal quantile keeping `density` (uniform, not a real model's skewed
-    neurons: a conservative estimate).
+    Cache key: GPU name, twell version, kind, dtype, M bucketed to the next power of two, K, N, the
+    density bucketed to quarter octaves (the benchmark runs at the bucket's centre), and the layer's
+    LayerConfig (the op runs with it), so a model's layers share timings and reruns are free. Inputs
+    are synthetic: x ~ N(0, 1), gate weights ~ N(0, 1/K), and the gate threshold at the normal quantile
+    keeping `density` (uniform, not a real model's skewed neurons: a conservative estimate).
 
     timer: fn -> seconds (default: cuda_median_time); device_name: the cache's GPU name (default: the
     CUDA device's). Both injectable, so the model is testable on the CPU.
@@ -389,30 +400,41 @@ class BenchmarkCostModel:
     def tokens_bucket(m: int) -> int:
         return 1 << max(0, int(m) - 1).bit_length()
 
-    def cache_key(self, *, kind: str, m: int, k: int, n: int, density: float, dtype: torch.dtype) -> str:
+    def cache_key(
+        self, *, kind: str, m: int, k: int, n: int, density: float, dtype: torch.dtype, config=policy.DEFAULT
+    ) -> str:
         import twell
 
         dtype_name = str(dtype).removeprefix("torch.")
         bucket_m, bucket_d = self.tokens_bucket(m), self.density_bucket(density)
-        return f"{self.device_name}|twell {twell.__version__}|{kind}|{dtype_name}|M{bucket_m}|K{k}|N{n}|d{bucket_d:.6g}"
+        route = ",".join(map(str, config.op_args()))
+        return (
+            f"{self.device_name}|twell {twell.__version__}|{kind}|{dtype_name}|M{bucket_m}|K{k}|N{n}|d{bucket_d:.6g}"
+            f"|{route}"
+        )
 
-    def timings(self, *, kind: str, m: int, k: int, n: int, density: float, dtype: torch.dtype) -> dict:
+    def timings(
+        self, *, kind: str, m: int, k: int, n: int, density: float, dtype: torch.dtype, config=policy.DEFAULT
+    ) -> dict:
         """{"dense_s", "twell_s"} for the bucketed case, measured once then read from the cache."""
-        key = self.cache_key(kind=kind, m=m, k=k, n=n, density=density, dtype=dtype)
+        key = self.cache_key(kind=kind, m=m, k=k, n=n, density=density, dtype=dtype, config=config)
         if key not in self._cache:
-            dense_fn, twell_fn = self._cases(kind, self.tokens_bucket(m), k, n, self.density_bucket(density), dtype)
+            bucket_m, bucket_d = self.tokens_bucket(m), self.density_bucket(density)
+            dense_fn, twell_fn = self._cases(kind, bucket_m, k, n, bucket_d, dtype, config)
             self._cache[key] = {"dense_s": float(self.timer(dense_fn)), "twell_s": float(self.timer(twell_fn))}
             self._write_cache()
         return self._cache[key]
 
-    def time_ratio(self, *, kind: str, m: int, k: int, n: int, density: float, dtype: torch.dtype) -> float:
-        t = self.timings(kind=kind, m=m, k=k, n=n, density=density, dtype=dtype)
+    def time_ratio(
+        self, *, kind: str, m: int, k: int, n: int, density: float, dtype: torch.dtype, config=policy.DEFAULT
+    ) -> float:
+        t = self.timings(kind=kind, m=m, k=k, n=n, density=density, dtype=dtype, config=config)
         return t["twell_s"] / t["dense_s"]
 
-    def _cases(self, kind: str, m: int, k: int, n: int, density: float, dtype: torch.dtype):
+    def _cases(self, kind: str, m: int, k: int, n: int, density: float, dtype: torch.dtype, config: LayerConfig):
         import torch.nn.functional as F
 
-        import twell.ops  # noqa: F401  (registers torch.ops.twell.*)
+        import twell.ops
 
         gen = torch.Generator(device=self.device).manual_seed(0)
 
@@ -430,10 +452,10 @@ class BenchmarkCostModel:
         )
         if kind == "gated":
             dense = lambda: F.linear(torch.relu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
-            sparse = lambda: torch.ops.twell.gated_ffn(x, w_gate, w_up, w_down, None, None, None, threshold, False)
+            sparse = lambda: twell.ops.gated_ffn(x, w_gate, w_up, w_down, threshold=threshold, config=config)
         else:
             dense = lambda: F.linear(torch.relu(F.linear(x, w_gate)), w_down)
-            sparse = lambda: torch.ops.twell.ffn(x, w_gate, w_down, None, None, threshold, False)
+            sparse = lambda: twell.ops.ffn(x, w_gate, w_down, threshold=threshold, config=config)
         return dense, sparse
 
 
@@ -488,6 +510,14 @@ class Decision:
         """JSON-serialisable dict (round-trips through from_dict)."""
         return dataclasses.asdict(self)
 
+    def layer_config(self, changes: Mapping | None = None) -> LayerConfig:
+        """The LayerConfig the FFN runs with once rewritten, and the cost model predicted with: this
+        decision's layout (the defaults without one), then `changes` (checked by layer_changes)."""
+        config = policy.DEFAULT
+        if self.tile_n is not None:
+            config = config.replace(tile_n=self.tile_n, slots=self.tile_n // self.compression)
+        return config.replace(**(changes or {}))
+
     @classmethod
     def from_dict(cls, data: Mapping) -> Decision:
         known = {f.name for f in dataclasses.fields(cls)}
@@ -503,7 +533,27 @@ class Decision:
         return decision
 
 
-def _decide(candidate, recorder: _LayerRecorder, cfg: CalibrationConfig, cost: CostModel, shares, dtype) -> Decision:
+def layer_changes(changes: Mapping | None, calibrated: bool) -> dict:
+    """sparsify's layer_config: LayerConfig field changes (and "route", see LayerConfig.replace) for
+    every rewritten FFN, checked. calibrated: the layers' layouts come from decisions, so the changes
+    may not set tile_n or slots."""
+    if changes is None:
+        return {}
+    if not isinstance(changes, Mapping):
+        raise TypeError(f"layer_config must be a dict of LayerConfig fields, got {type(changes).__name__}")
+    changes = dict(changes)
+    policy.DEFAULT.replace(**changes)  # unknown fields and bad values fail here, before any model runs
+    layout = sorted({"tile_n", "slots"} & set(changes))
+    if calibrated and layout:
+        raise ValueError(
+            f"layer_config sets {layout}: with calibration data or a plan, each layer's layout is its decision's"
+        )
+    return changes
+
+
+def _decide(
+    candidate, recorder: _LayerRecorder, cfg: CalibrationConfig, cost: CostModel, shares, dtype, changes: dict
+) -> Decision:
     decision = Decision(
         path=candidate.path,
         rewrite=False,
@@ -539,15 +589,17 @@ def _decide(candidate, recorder: _LayerRecorder, cfg: CalibrationConfig, cost: C
         return decision
     decision.tile_n, decision.compression = fitting[0]
     decision.overflow_rows = recorder.overflow_fraction(*fitting[0])
+    config = decision.layer_config(changes)  # what the layer will run with
     for phase, counter in recorder.phases.items():
         stats = decision.stats[phase]
         ratio = cost.time_ratio(
             kind=candidate.kind,
-            m=_predicted_tokens(cfg, phase, stats["rows_per_call_median"]),
+            m=_predicted_tokens(cfg, phase, stats["rows_per_call_median"], config),
             k=decision.model_size,
             n=-(-decision.hidden_size // recorder.shards),  # the width each rank runs
             density=stats["density"],
             dtype=dtype,
+            config=config,
         )
         # Overflow rows run dense inside the hybrid format.
         overflow = counter.overflow_fraction(decision.tile_n, decision.compression)
@@ -564,13 +616,13 @@ def _decide(candidate, recorder: _LayerRecorder, cfg: CalibrationConfig, cost: C
     return decision
 
 
-def _predicted_tokens(cfg: CalibrationConfig, phase: str, observed: int) -> int:
+def _predicted_tokens(cfg: CalibrationConfig, phase: str, observed: int, config: LayerConfig) -> int:
     """Tokens per call the cost model predicts for: decode as observed; prefill at benchmark_tokens,
-    else at least the size from which the prefill kernels run (calibration batches are smaller than
-    serving prefills)."""
+    else at least the size from which the layer's prefill kernels run (calibration batches are smaller
+    than serving prefills)."""
     if phase != "prefill":
         return observed
-    return cfg.benchmark_tokens or max(observed, policy.PREFILL_MIN_M or 0)
+    return cfg.benchmark_tokens or max(observed, config.prefill_min_m or 0)
 
 
 def predicted_model_speedup(decisions: Mapping[str, Decision], phase: str = "prefill") -> dict:
@@ -766,7 +818,7 @@ def _time_shares(model, batch: dict, ffns: Mapping[str, list[torch.nn.Module]], 
 
 
 @torch.no_grad()
-def calibrate(model: torch.nn.Module, candidates, data, *, config=None) -> dict[str, Decision]:
+def calibrate(model: torch.nn.Module, candidates, data, *, config=None, layer_config=None) -> dict[str, Decision]:
     """Measure each candidate FFN over `data` and decide whether rewriting it to twell pays.
 
     model: the model to run (left unchanged; eval mode during calibration, its mode restored after).
@@ -774,10 +826,13 @@ def calibrate(model: torch.nn.Module, candidates, data, *, config=None) -> dict[
         gate_slice, measure, threshold, hidden_size, model_size).
     data: an iterable of batches: token-id tensors [batch, seq] or dicts of forward kwargs.
     config: CalibrationConfig, a dict of its fields, or None.
+    layer_config: LayerConfig field changes the rewritten layers will run with (sparsify's), so that
+        the cost model predicts for them; not tile_n or slots (calibration chooses the layout).
     Returns {candidate.path: Decision}, one per candidate; candidates that are not rewritable get
     rewrite=False with their own reason and no measurements.
     """
     cfg = CalibrationConfig.coerce(config)
+    changes = layer_changes(layer_config, calibrated=True)
     candidates = list(candidates)
     device, dtype = _model_device(model), _model_dtype(model)
     batches = [_as_kwargs(b, device) for b in data]
@@ -813,7 +868,7 @@ def calibrate(model: torch.nn.Module, candidates, data, *, config=None) -> dict[
     decisions = {}
     for c in candidates:
         if c.rewritable:
-            decisions[c.path] = _decide(c, recorders[c.path], cfg, cost, shares.get(c.path, {}), dtype)
+            decisions[c.path] = _decide(c, recorders[c.path], cfg, cost, shares.get(c.path, {}), dtype, changes)
         else:
             decisions[c.path] = Decision(
                 path=c.path,
@@ -916,6 +971,13 @@ def load_plan(path: str | os.PathLike, candidates) -> dict[str, Decision]:
             raise ValueError(f"plan {path} has a decision for {p}, which is not an FFN of its own list")
         if d.rewrite and not by_path[p].rewritable:
             raise ValueError(f"plan {path} rewrites {p}, which is not rewritable in this model: {by_path[p].reason}")
+        if d.rewrite:
+            try:
+                d.layer_config()
+            except ValueError as e:
+                raise ValueError(
+                    f"plan {path} rewrites {p} with a layout the kernels cannot run ({e}): calibrate again"
+                ) from None
     return decisions
 
 
@@ -927,6 +989,7 @@ __all__ = [
     "Decision",
     "calibrate",
     "cuda_median_time",
+    "layer_changes",
     "load_plan",
     "predicted_model_speedup",
     "read_plan",

@@ -97,11 +97,11 @@ def _output_hooks(module: nn.Module, output):
     return output
 
 
-def run_tensor_parallel(spec, gate: nn.Module, up: nn.Module | None, down: nn.Module, x: torch.Tensor):
-    """The FFN of `spec` (twell.passes.modules.FFNSpec) on x [..., K], its linears sharded as
-    tensor_parallel() checks: the twell op on this rank's neurons, the partial sums reduced by the down
-    linear's RowwiseParallel output hook. Returns what that hook returns (by default the replicated
-    output as a local tensor)."""
+def run_tensor_parallel(spec, gate: nn.Module, up: nn.Module | None, down: nn.Module, x: torch.Tensor, config):
+    """The FFN of `spec` (twell.passes.modules.FFNSpec) on x [..., K] with the layer's LayerConfig,
+    its linears sharded as tensor_parallel() checks: the twell op on this rank's neurons, the partial
+    sums reduced by the down linear's RowwiseParallel output hook. Returns what that hook returns (by
+    default the replicated output as a local tensor)."""
     from twell import ops
 
     api = _dtensor_api()
@@ -128,6 +128,7 @@ def run_tensor_parallel(spec, gate: nn.Module, up: nn.Module | None, down: nn.Mo
             up_bias=local(gate.bias),
             threshold=spec.threshold,
             squared=spec.squared,
+            config=config,
         )
     else:
         y = ops.gated_ffn(
@@ -139,6 +140,7 @@ def run_tensor_parallel(spec, gate: nn.Module, up: nn.Module | None, down: nn.Mo
             up_bias=local(up.bias),
             threshold=spec.threshold,
             drelu=spec.drelu,
+            config=config,
         )
     y = api.DTensor.from_local(y, mesh, (api.Partial(),), run_check=False)
     if down.bias is not None:  # once, not per rank: DTensor adds a replicated bias to the reduced sum

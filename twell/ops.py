@@ -10,6 +10,7 @@ import torch
 
 from twell.kernels import ops as _ops
 from twell.kernels import policy, reference
+from twell.kernels.policy import LayerConfig
 
 
 def gated_ffn(
@@ -24,6 +25,7 @@ def gated_ffn(
     threshold: float = 0.0,
     drelu: bool = False,
     return_l1: bool = False,
+    config: LayerConfig | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """y = down(relu_t(gate(x)) * up(x)) for x [..., K].
 
@@ -31,16 +33,18 @@ def gated_ffn(
     fastest when down_weight.t() is contiguous). relu_t keeps values > threshold (0: ReLU).
     drelu: ReLU on up(x) too (dReLU). Returns [..., K] in the dtype of x.
 
-    Under autograd on CUDA with that layout (and K <= 8192, at least policy.TRAIN_MIN_M tokens: opt-in,
-    None by default), the
-    forward keeps a compact record of the hidden activation h and the backward is sparse too
-    (twell.kernels.backward); otherwise backward recomputes through the dense reference.
+    config: the layer's twell.kernels.policy.LayerConfig (None: the defaults): which path a call takes
+    on CUDA (route limits) and the TwELL layout of the prefill path.
+
+    Under autograd on CUDA with that layout (and K <= 8192, at least config.train_min_m tokens: opt-in,
+    None by default), the forward keeps a compact record of the hidden activation h and the backward is
+    sparse too (twell.kernels.backward); otherwise backward recomputes through the dense reference.
     return_l1: return (y, l1, density) instead: l1 the mean |h| over h [..., N] (fp32, differentiable:
     twell.train's penalty term), density the fraction of nonzero h (a tensor, no grad). Training
     sparsely they come from the forward at no extra cost; otherwise h is recomputed (two more products).
     """
     args = (x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, float(threshold))
-    return _run(args, bool(drelu), False, return_l1)
+    return _run(args, bool(drelu), False, return_l1, config)
 
 
 def ffn(
@@ -53,29 +57,37 @@ def ffn(
     threshold: float = 0.0,
     squared: bool = False,
     return_l1: bool = False,
+    config: LayerConfig | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """y = down(relu_t(up(x))) for x [..., K] (OPT, ReLU-Falcon); squared: relu² (Nemotron).
 
-    up_weight: [N, K]; down_weight: [K, N]. Returns [..., K] in the dtype of x. Training and
-    return_l1 as for gated_ffn.
+    up_weight: [N, K]; down_weight: [K, N]. Returns [..., K] in the dtype of x. Training, return_l1
+    and config as for gated_ffn.
     """
     args = (x, up_weight, None, down_weight, up_bias, None, down_bias, float(threshold))
-    return _run(args, False, bool(squared), return_l1)
+    return _run(args, False, bool(squared), return_l1, config)
 
 
-def _run(args: tuple, drelu: bool, squared: bool, return_l1: bool):
-    """The sparse training op where it applies, else the op of the FFN's kind; with its L1 terms."""
+def _run(args: tuple, drelu: bool, squared: bool, return_l1: bool, config: LayerConfig | None):
+    """The sparse training op where it applies, else the op of the FFN's kind (with the layer's route
+    arguments); with its L1 terms."""
     x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold = args
-    if _ops.sparse_training(x, gate_weight, up_weight, down_weight, (gate_bias, up_bias, down_bias)):
+    if config is None:
+        config = policy.DEFAULT
+    elif not isinstance(config, LayerConfig):
+        raise TypeError(f"config must be a twell.kernels.policy.LayerConfig or None, got {type(config).__name__}")
+    biases = (gate_bias, up_bias, down_bias)
+    if _ops.sparse_training(x, gate_weight, up_weight, down_weight, biases, config.train_min_m):
         width = policy.train_width(gate_weight.shape[0])
         y, *_, l1_sum, nonzero = torch.ops.twell.ffn_train(*args, drelu, squared, width)
         if not return_l1:
             return y
     else:
         if up_weight is None:
-            y = torch.ops.twell.ffn(x, gate_weight, down_weight, gate_bias, down_bias, threshold, squared)
+            route = config.op_args()
+            y = torch.ops.twell.ffn(x, gate_weight, down_weight, gate_bias, down_bias, threshold, squared, *route)
         else:
-            y = torch.ops.twell.gated_ffn(*args, drelu)
+            y = torch.ops.twell.gated_ffn(*args, drelu, *config.op_args())
         if not return_l1:
             return y
         h = reference.hidden(x, gate_weight, up_weight, gate_bias, up_bias, threshold, drelu, squared)
@@ -84,4 +96,4 @@ def _run(args: tuple, drelu: bool, squared: bool, return_l1: bool):
     return y, l1_sum / numel, nonzero / numel
 
 
-__all__ = ["gated_ffn", "ffn", "_ops"]
+__all__ = ["LayerConfig", "gated_ffn", "ffn", "_ops"]

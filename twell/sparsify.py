@@ -4,6 +4,8 @@
     model = twell.sparsify(model, batches)            # calibrate first, rewrite where it pays
     twell.save_plan(model, "plan.json")               # keep the decisions ...
     model = twell.sparsify(other_copy, plan="plan.json")   # ... and re-apply them without calibrating
+    model = twell.sparsify(model, layer_config={"prefill_min_m": 4096})  # route limits of every layer
+    with twell.configure(model, route="prefill"): ...  # force a path for a while (benchmarks, tests)
     print(twell.report(model))                        # what was found, rewritten, and why
     twell.compile_report(model)                       # what torch.compile(model, backend="twell") did
     twell.restore(model)                              # the original modules, bit for bit
@@ -32,6 +34,8 @@ class _State:
     decisions: dict | None  # {path: twell.calibrate.Decision}, None without calibration or plan
     swaps: list  # twell.passes.rewrite.Swap
     rewritten: set[str] = field(default_factory=set)
+    # path -> (module holding the layer's LayerConfig, expert index or None), for every rewritten FFN
+    configs: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -161,15 +165,22 @@ def _check_model(model) -> None:
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
 
 
-def sparsify(model: torch.nn.Module, calibration_data=None, *, config=None, plan=None) -> torch.nn.Module:
+def sparsify(
+    model: torch.nn.Module, calibration_data=None, *, config=None, plan=None, layer_config=None
+) -> torch.nn.Module:
     """Rewrite the model's sparse-gated FFNs to torch.ops.twell.* in place; returns the same model.
 
     Without calibration_data or plan every rewritable FFN is rewritten (the ops are exact at any
     sparsity and run dense where sparse does not pay). calibration_data: an iterable of model inputs
     (token-id tensors or dicts of forward kwargs), measured by twell.calibrate with `config`; plan: a
-    path written by save_plan. Either way only FFNs whose decision says rewrite are rewritten.
-    Idempotent: sparsifying again without data or plan changes nothing; with data or a plan, the model
-    is restored first and decided anew. state_dict keys, shapes and tensors stay the model's own.
+    path written by save_plan. Either way only FFNs whose decision says rewrite are rewritten, each
+    with the TwELL layout its decision chose.
+    layer_config: changes to the LayerConfig of every rewritten FFN (twell.kernels.policy.LayerConfig
+    fields, e.g. {"prefill_min_m": 4096}, or {"route": "prefill"} to force a path; see
+    LayerConfig.replace); with calibration data or a plan, not tile_n or slots.
+    Idempotent: sparsifying again without data, plan or layer_config changes nothing; with data or a
+    plan, the model is restored first and decided anew; with layer_config alone, the rewritten FFNs
+    take its changes. state_dict keys, shapes and tensors stay the model's own.
     """
     _check_model(model)
     if calibration_data is not None and plan is not None:
@@ -178,8 +189,12 @@ def sparsify(model: torch.nn.Module, calibration_data=None, *, config=None, plan
         raise ValueError("config configures calibration: give calibration_data with it")
     if plan is not None and not isinstance(plan, (str, os.PathLike)):
         raise TypeError(f"plan must be a path (str or os.PathLike), got {type(plan).__name__}")
+    from twell.calibrate import layer_changes
+
+    changes = layer_changes(layer_config, calibrated=calibration_data is not None or plan is not None)
     if getattr(model, _STATE, None) is not None:
         if calibration_data is None and plan is None:
+            configure(model, **changes)
             return model
         restore(model)
 
@@ -191,7 +206,7 @@ def sparsify(model: torch.nn.Module, calibration_data=None, *, config=None, plan
     if calibration_data is not None:
         from twell.calibrate import calibrate
 
-        decisions = calibrate(model, candidates, calibration_data, config=config)
+        decisions = calibrate(model, candidates, calibration_data, config=config, layer_config=changes)
     elif plan is not None:
         from twell.calibrate import load_plan
 
@@ -202,17 +217,89 @@ def sparsify(model: torch.nn.Module, calibration_data=None, *, config=None, plan
 
         decided.remember(candidates, decisions)  # the compile backend follows them too
     state = _State(candidates, unmatched, decisions, swaps=[])
+    from twell.kernels.policy import DEFAULT
+
     for candidate in candidates:
         if not candidate.rewritable:
             continue
+        layer = DEFAULT.replace(**changes)
         if decisions is not None:
             decision = decisions.get(candidate.path)
             if decision is None or not decision.rewrite:
                 continue
-        state.swaps.extend(apply(model, candidate))
+            layer = decision.layer_config(changes)  # the layout (and limits) its prediction assumed
+        swaps = apply(model, candidate, layer)
+        state.swaps.extend(swaps)
         state.rewritten.add(candidate.path)
+        state.configs[candidate.path] = _config_holder(model, candidate, swaps)
     model.__dict__[_STATE] = state
     return model
+
+
+def _config_holder(model, candidate, swaps) -> tuple:
+    """(module holding the rewritten candidate's LayerConfig, expert index or None)."""
+    from twell.passes.modules import InlineFFN, SparseFFN
+
+    if candidate.expert is not None:  # the experts module's SparseExperts holds one per expert
+        return model.get_submodule(candidate.path.rpartition(".")[0]), candidate.expert
+    (holder,) = [s.replacement for s in swaps if isinstance(s.replacement, (SparseFFN, InlineFFN))]
+    return holder, None
+
+
+def layer_configs(model: torch.nn.Module) -> dict:
+    """{path: twell.kernels.policy.LayerConfig} of every FFN sparsify rewrote in `model`: the layout
+    and route limits its op is called with."""
+    _check_model(model)
+    state = getattr(model, _STATE, None)
+    if state is None:
+        return {}
+    return {
+        path: module.layer_configs[expert] if expert is not None else module.layer_config
+        for path, (module, expert) in state.configs.items()
+    }
+
+
+def _set_layer_configs(model: torch.nn.Module, configs: dict) -> None:
+    state = getattr(model, _STATE)
+    for path, config in configs.items():
+        module, expert = state.configs[path]
+        if expert is not None:
+            module.layer_configs[expert] = config
+        else:
+            module.layer_config = config
+
+
+def configure(model: torch.nn.Module, **changes) -> Configured:
+    """Change the LayerConfig of every FFN sparsify rewrote in `model`: `changes` are LayerConfig fields
+    (and route="decode" / "prefill" / "dense": every call takes that path, see LayerConfig.replace).
+
+        twell.configure(model, prefill_min_m=4096)          # from now on
+        with twell.configure(model, route="prefill"):       # inside the block only: on leaving it
+            model(x)                                        # the previous configs are back
+
+    A model that is not sparsified raises ValueError. Compiled graphs of the model recompile on their
+    next call (torch.compile guards on the configs).
+    """
+    _check_model(model)
+    if getattr(model, _STATE, None) is None:
+        raise ValueError("configure needs a model sparsified by twell.sparsify")
+    previous = layer_configs(model)
+    _set_layer_configs(model, {path: config.replace(**changes) for path, config in previous.items()})
+    return Configured(model, previous)
+
+
+class Configured:
+    """What configure() returns: as a context manager, puts the configs it replaced back on exit."""
+
+    def __init__(self, model: torch.nn.Module, previous: dict):
+        self.model = model
+        self.previous = previous
+
+    def __enter__(self) -> Configured:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _set_layer_configs(self.model, self.previous)
 
 
 def restore(model: torch.nn.Module) -> torch.nn.Module:
@@ -351,6 +438,9 @@ __all__ = [
     "Report",
     "build_records",
     "compile_report",
+    "configure",
+    "Configured",
+    "layer_configs",
     "restore",
     "report",
     "save_plan",

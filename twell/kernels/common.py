@@ -8,6 +8,8 @@ import os
 import torch
 import triton
 
+from twell.kernels.policy import check_tile  # noqa: F401  (the launchers' layout check; policy owns the limits)
+
 
 def interpreting() -> bool:
     """True under Triton's CPU interpreter (CI), where autotuning would only cost time."""
@@ -31,19 +33,10 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def check_tile(tile_n: int, slots: int) -> None:
-    for name, value in (("tile_n", tile_n), ("slots", slots)):
-        if value < 1 or value & (value - 1):
-            raise ValueError(f"the Triton kernels need a power-of-two {name}, got {value}")
-    if not 16 <= tile_n <= 256:
-        raise ValueError(f"the Triton kernels need 16 <= tile_n <= 256, got {tile_n}")
-    if slots > tile_n:
-        raise ValueError(f"slots must be <= tile_n, got slots={slots}, tile_n={tile_n}")
-
-
 @functools.lru_cache(maxsize=256)
 def threshold_in(threshold: float, dtype: torch.dtype) -> float:
     """The threshold as torch compares it with a `dtype` tensor: rounded to that dtype (bf16(0.1) is
     0.10009765625), so kernels keep exactly the entries torch's `v <= threshold` drops. Cached: every
     kernel launch asks, and the rounding takes three small CPU tensor ops (host time per call)."""
     return torch.tensor(float(threshold), dtype=torch.float64).to(dtype).item()
+

@@ -1,17 +1,19 @@
 """Per-call choice of path on CUDA: decode kernels, TwELL prefill kernels, or dense. No path reads
 anything back to the host, so every path runs inside CUDA graphs and under torch.compile.
 
-Thresholds and layout live in twell.kernels.policy.
-- M <= DECODE_MAX_M tokens, or up to DECODE_SPARSE_MAX_M for a layer whose prefill calls measured at
+Each call brings its layer's twell.kernels.policy.LayerConfig (the op's arguments): its route limits
+and TwELL layout; policy.route decides.
+- M <= decode_max_m tokens, or up to decode_sparse_max_m for a layer whose prefill calls measured at
   most DECODE_SPARSE_DENSITY: the two decode kernels (gate + up, then down; only active rows of W_u /
   W_d are read).
-- M >= PREFILL_MIN_M: the gate packed to TwELL (policy.FUSED_GATE: the persistent TMA GEMM packing in
-  its epilogue, where the operands allow; otherwise cuBLAS + a pack pass), then the fused up+down
-  kernels, which recompute the gate of tiles that overflow their slots: exact at any sparsity.
+- M >= prefill_min_m: the gate packed to TwELL at the layer's tile_n / slots (fused_gate: the
+  persistent TMA GEMM packing in its epilogue, where the operands allow; otherwise cuBLAS + a pack
+  pass), then the fused up+down kernels, which recompute the gate of tiles that overflow their slots:
+  exact at any sparsity.
 - Otherwise dense (also for K > MAX_K, and for a down weight not stored as the kernels read it).
 - Layer density: each prefill call queues a copy of its kept-entry count to pinned host memory; a
-  later call of the layer reads it once the copy is done (never waiting). A layer denser than
-  DENSE_ABOVE then runs dense for DENSE_RETRY prefill calls and probes again: a rewrite must not make
+  later call of the layer reads it once the copy is done (never waiting). A layer denser than its
+  dense_above then runs dense for DENSE_RETRY prefill calls and probes again: a rewrite must not make
   a dense layer slower.
 """
 
@@ -36,8 +38,9 @@ class _LayerState:
     pending: tuple | None = None  # (event or None, kept-entry count on the host, M * N)
     density: float | None = None  # what the last landed probe measured
 
-    def update(self) -> None:
-        """Take the last probe's density into account once its copy has landed."""
+    def update(self, dense_above: float) -> None:
+        """Take the last probe's density into account once its copy has landed; past dense_above, the
+        layer's next prefill calls run dense."""
         if self.pending is None:
             return
         ready, kept, possible = self.pending
@@ -45,7 +48,7 @@ class _LayerState:
             return
         self.pending = None
         self.density = kept.item() / max(possible, 1)
-        if self.density > policy.DENSE_ABOVE:
+        if self.density > dense_above:
             self.dense_calls_left = policy.DENSE_RETRY
 
 
@@ -63,7 +66,7 @@ def layer_state(weight: torch.Tensor, m: int) -> _LayerState:
     return _layers[id(base)].setdefault(key, _LayerState())
 
 
-def layer_density(weight: torch.Tensor, capturing: bool) -> float | None:
+def layer_density(weight: torch.Tensor, capturing: bool, dense_above: float) -> float | None:
     """The layer's density as its prefill calls measured it (the densest token bucket), None before any
     probe has landed; under CUDA-graph capture, what had landed before."""
     base = weight._base if weight._base is not None else weight
@@ -72,7 +75,7 @@ def layer_density(weight: torch.Tensor, capturing: bool) -> float | None:
     for key, state in _layers.get(id(base), {}).items():
         if key[:2] == where:
             if not capturing:
-                state.update()
+                state.update(dense_above)
             if state.density is not None:
                 densities.append(state.density)
     return max(densities, default=None)
@@ -94,8 +97,11 @@ def _probe(counts: torch.Tensor, possible: int) -> tuple:
     return ready, host, possible
 
 
-def _run(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, threshold, drelu, square, dense_fn):
-    """Shared flow of the gated (up_weight given) and non-gated FFNs; dense_fn(x2d) is the exact fallback."""
+def _run(
+    x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, threshold, drelu, square, dense_fn, config
+):
+    """Shared flow of the gated (up_weight given) and non-gated FFNs; dense_fn(x2d) is the exact fallback;
+    config: the layer's policy.LayerConfig."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     # the kernels read biases with unit stride
@@ -107,12 +113,13 @@ def _run(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, 
     wd_t = down_weight.t()
     # under CUDA-graph capture the layer's density state is frozen: no event queries, no new probes
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    density = layer_density(gate_weight, capturing) if policy.DECODE_MAX_M < m <= policy.DECODE_SPARSE_MAX_M else None
-    path = policy.route(m, x2.shape[1], density) if wd_t.stride(1) == 1 else "dense"
+    sparse_decode = config.decode_max_m < m <= config.decode_sparse_max_m
+    density = layer_density(gate_weight, capturing, config.dense_above) if sparse_decode else None
+    path = policy.route(m, x2.shape[1], config, density) if wd_t.stride(1) == 1 else "dense"
     if path == "prefill":
         state = layer_state(gate_weight, m)
         if not capturing:
-            state.update()
+            state.update(config.dense_above)
         if state.dense_calls_left > 0:
             state.dense_calls_left -= 1
             path = "dense"
@@ -123,8 +130,8 @@ def _run(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, 
             x2, gate_weight, gate_bias, up_weight, up_bias, wd_t, down_bias, threshold, drelu=drelu, square=square
         ).reshape(shape)
 
-    tile_n, slots = policy.TILE_N, policy.SLOTS
-    if policy.FUSED_GATE and fused_gate_supported(x2, gate_weight, tile_n):
+    tile_n, slots = config.tile_n, config.slots
+    if config.fused_gate and fused_gate_supported(x2, gate_weight, tile_n):
         values, indices, counts = gate_twell(x2, gate_weight, gate_bias, threshold, tile_n, slots, square=square)
     else:
         pre = F.linear(x2, gate_weight, gate_bias)
@@ -152,17 +159,19 @@ def _run(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, 
     return y.reshape(shape)
 
 
-def gated_ffn(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu):
+def gated_ffn(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu, config):
     def dense(x2):
         return reference.gated_ffn(
             x2, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu
         )
 
-    return _run(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, threshold, drelu, False, dense)
+    return _run(
+        x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, threshold, drelu, False, dense, config
+    )
 
 
-def ffn(x, up_weight, down_weight, up_bias, down_bias, threshold, squared):
+def ffn(x, up_weight, down_weight, up_bias, down_bias, threshold, squared, config):
     def dense(x2):
         return reference.ffn(x2, up_weight, down_weight, up_bias, down_bias, threshold, squared)
 
-    return _run(x, up_weight, up_bias, None, None, down_weight, down_bias, threshold, False, squared, dense)
+    return _run(x, up_weight, up_bias, None, None, down_weight, down_bias, threshold, False, squared, dense, config)

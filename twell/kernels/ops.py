@@ -5,6 +5,10 @@ implementation in plain PyTorch (CPU and any device without Triton kernels) and 
 that dispatches to Triton (twell.kernels.dispatch, imported on first CUDA call, so importing twell
 compiles nothing).
 
+Route arguments: gated_ffn and ffn take the fields of the layer's twell.kernels.policy.LayerConfig
+(tile_n ... fused_gate, in LayerConfig.op_args' order, defaulting to its defaults): the CUDA dispatcher
+routes by them; every implementation checks them, so a bad value fails the same on any device.
+
 Training: twell::ffn_train (a forward that also returns the compact record of the hidden layer) and
 twell::ffn_train_backward (every gradient from that record) are the sparse training path
 (twell.kernels.backward); ffn_train's autograd calls ffn_train_backward, so torch.compile traces both
@@ -91,6 +95,18 @@ def check_plain(x, up_weight, down_weight, up_bias, down_bias, threshold) -> Non
         raise ValueError(f"x must have shape [..., {k}] (K of up_weight), got {list(x.shape)}")
 
 
+def route_config(*route) -> policy.LayerConfig:
+    """The LayerConfig of an op call's route arguments; ValueError naming the bad one. Concrete values
+    are cached (the dispatcher asks on every call); symbolic ones (a compiled graph's) are checked
+    uncached: they do not hash."""
+    if all(isinstance(v, (int, float, bool, type(None))) for v in route):
+        return policy.from_op_args(*route)
+    return policy.LayerConfig(*route)
+
+
+_D = policy.DEFAULT
+
+
 @torch.library.custom_op("twell::gated_ffn", mutates_args=())
 def gated_ffn(
     x: torch.Tensor,
@@ -102,23 +118,35 @@ def gated_ffn(
     down_bias: Optional[torch.Tensor],
     threshold: float,
     drelu: bool,
+    tile_n: int = _D.tile_n,
+    slots: int = _D.slots,
+    decode_max_m: int = _D.decode_max_m,
+    decode_sparse_max_m: int = _D.decode_sparse_max_m,
+    prefill_min_m: Optional[int] = _D.prefill_min_m,
+    dense_above: float = _D.dense_above,
+    fused_gate: bool = _D.fused_gate,
 ) -> torch.Tensor:
     check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold)
+    route_config(tile_n, slots, decode_max_m, decode_sparse_max_m, prefill_min_m, dense_above, fused_gate)
     return reference.gated_ffn(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu)
 
 
 @gated_ffn.register_fake
-def _(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu):
+def _(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu, *route):
     check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold)
+    route_config(*route)
     return x.new_empty(x.shape)
 
 
 @gated_ffn.register_kernel("cuda")
-def _(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu):
+def _(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu, *route):
     from twell.kernels import dispatch
 
     check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold)
-    return dispatch.gated_ffn(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu)
+    config = route_config(*route)
+    return dispatch.gated_ffn(
+        x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu, config
+    )
 
 
 @torch.library.custom_op("twell::ffn", mutates_args=())
@@ -130,31 +158,42 @@ def ffn(
     down_bias: Optional[torch.Tensor],
     threshold: float,
     squared: bool,
+    tile_n: int = _D.tile_n,
+    slots: int = _D.slots,
+    decode_max_m: int = _D.decode_max_m,
+    decode_sparse_max_m: int = _D.decode_sparse_max_m,
+    prefill_min_m: Optional[int] = _D.prefill_min_m,
+    dense_above: float = _D.dense_above,
+    fused_gate: bool = _D.fused_gate,
 ) -> torch.Tensor:
     check_plain(x, up_weight, down_weight, up_bias, down_bias, threshold)
+    route_config(tile_n, slots, decode_max_m, decode_sparse_max_m, prefill_min_m, dense_above, fused_gate)
     return reference.ffn(x, up_weight, down_weight, up_bias, down_bias, threshold, squared)
 
 
 @ffn.register_fake
-def _(x, up_weight, down_weight, up_bias, down_bias, threshold, squared):
+def _(x, up_weight, down_weight, up_bias, down_bias, threshold, squared, *route):
     check_plain(x, up_weight, down_weight, up_bias, down_bias, threshold)
+    route_config(*route)
     return x.new_empty(x.shape)
 
 
 @ffn.register_kernel("cuda")
-def _(x, up_weight, down_weight, up_bias, down_bias, threshold, squared):
+def _(x, up_weight, down_weight, up_bias, down_bias, threshold, squared, *route):
     from twell.kernels import dispatch
 
     check_plain(x, up_weight, down_weight, up_bias, down_bias, threshold)
-    return dispatch.ffn(x, up_weight, down_weight, up_bias, down_bias, threshold, squared)
+    return dispatch.ffn(x, up_weight, down_weight, up_bias, down_bias, threshold, squared, route_config(*route))
 
 
-def _dense_backward(reference_fn, n_tensors: int):
-    """Autograd through the dense reference: recompute forward under autograd, pull grads back."""
+def _dense_backward(reference_fn, n_tensors: int, n_scalars: int):
+    """Autograd through the dense reference: recompute forward under autograd, pull grads back. The
+    op's first n_scalars scalars are the reference's; the route arguments after them only route."""
 
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(*(t if isinstance(t, torch.Tensor) else None for t in inputs[:n_tensors]))
-        ctx.scalars = inputs[n_tensors:]
+        ctx.scalars = inputs[n_tensors : n_tensors + n_scalars]
+        ctx.route = len(inputs) - n_tensors - n_scalars
 
     def backward(ctx, grad):
         saved = ctx.saved_tensors
@@ -167,14 +206,14 @@ def _dense_backward(reference_fn, n_tensors: int):
         wanted = [t for t in leaves if t is not None and t.requires_grad]
         grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
         result = [next(grads) if t is not None and t.requires_grad else None for t in leaves]
-        return (*result, *([None] * len(ctx.scalars)))
+        return (*result, *([None] * (len(ctx.scalars) + ctx.route)))
 
     return setup_context, backward
 
 
-_setup, _backward = _dense_backward(reference.gated_ffn, 7)
+_setup, _backward = _dense_backward(reference.gated_ffn, 7, 2)
 gated_ffn.register_autograd(_backward, setup_context=_setup)
-_setup, _backward = _dense_backward(reference.ffn, 5)
+_setup, _backward = _dense_backward(reference.ffn, 5, 2)
 ffn.register_autograd(_backward, setup_context=_setup)
 
 
@@ -306,12 +345,12 @@ def _train_backward(ctx, dy, _ids, _gate, _up, _counts, l1_grad, _nonzero):
 ffn_train.register_autograd(_train_backward, setup_context=_train_setup)
 
 
-def sparse_training(x, gate_weight, up_weight, down_weight, biases: tuple) -> bool:
+def sparse_training(x, gate_weight, up_weight, down_weight, biases: tuple, train_min_m: int | None) -> bool:
     """Whether a call takes the sparse training path: autograd records it, on CUDA, in a dtype the
     kernels take, with weight rows contiguous along K and down_weight stored as sparsify stores it
     (down_weight.t() rows contiguous: a copy per call would cost more than the sparse backward saves),
-    K <= policy.MAX_K, and at least policy.TRAIN_MIN_M tokens (None, the default: never). Malformed
-    inputs go the checked way."""
+    K <= policy.MAX_K, and at least train_min_m tokens (the layer's LayerConfig.train_min_m; None, the
+    default: never). Malformed inputs go the checked way."""
     tensors = (x, gate_weight, up_weight, down_weight, *biases)
     if not (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)):
         return False
@@ -323,4 +362,4 @@ def sparse_training(x, gate_weight, up_weight, down_weight, biases: tuple) -> bo
     if not all(isinstance(w, torch.Tensor) and w.dim() == 2 and w.stride(1) == 1 for w in rows):
         return False
     k = x.shape[-1]
-    return policy.TRAIN_MIN_M is not None and 0 < k <= policy.MAX_K and x.numel() // k >= policy.TRAIN_MIN_M
+    return train_min_m is not None and 0 < k <= policy.MAX_K and x.numel() // k >= train_min_m

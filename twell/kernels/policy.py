@@ -1,7 +1,13 @@
-"""Which path a call takes, and the TwELL layout the kernels use: read by the dispatcher (per call)
-and by calibration's cost model (to predict what the dispatcher will do). No Triton import here.
+"""Which path a call takes, and the TwELL layout of the prefill path. No Triton import here.
 
-Thresholds measured on an H200, bf16, against the dense FFN in the same run (benchmarks/NOTES.md):
+Each rewritten FFN carries a LayerConfig: the module sparsify installs owns it (its layout from the
+layer's calibration, where there was one), the ops take its fields as arguments, the dispatcher routes
+each call with route(), and calibration's cost model predicts with the same function and values. The
+module constants below are the measured defaults of those fields, and the kernels' fixed limits;
+nothing assigns them at runtime (to change a layer's route, give it another LayerConfig:
+twell.sparsify(model, layer_config=...) or twell.configure(model, ...)).
+
+Defaults measured on an H200, bf16, against the dense FFN in the same run (benchmarks/NOTES.md):
 decode wins at every density up to 5% for 1-8 tokens (1.03-1.85x at K=2048, 1.22-1.77x at K=4096;
 gpu_check-decode-20261130-165108.json) and loses at 16 tokens and 5% (0.85x), so it serves up to 8,
 and up to 16 on layers whose prefill calls measured them at most 1% dense.
@@ -11,39 +17,146 @@ Prefill wins from 16384 tokens at 0.5% (1.20-1.40x at K=2048 by pattern, ffn-202
 path for four kernels with ~40 arguments each, and the dispatcher's small torch ops), so eager timings
 swing between 1.21x and 0.65x from run to run (ffn-20261130-231225.json, ffn-20261130-234316.json):
 those calls stay dense.
-Tests and benchmarks set these module attributes to route calls to the kernels.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+# Defaults of LayerConfig's fields (see there).
 TILE_N = 128
 SLOTS = 16  # compression 8, as the reference code
 DECODE_MAX_M = 8
 # 9-16 tokens: decode where the layer is known sparse (1.19-1.37x at <= 1%; 1.06-1.17x at 2%, 0.85x at 5%)
 DECODE_SPARSE_MAX_M = 16
-DECODE_SPARSE_DENSITY = 0.01
 PREFILL_MIN_M: int | None = 16384
 # Gate of the prefill path: the persistent TMA GEMM with the packing epilogue (True) or cuBLAS + the
 # pack pass (False); the faster measured at K=2048/N=5632 and K=4096/N=14336 on an H200.
 FUSED_GATE = False
-MAX_K = 8192  # wider models run dense: the up+down kernel keeps whole x and y rows in registers
 # Mean density above which a layer's prefill runs dense: 1.28x at 0.5%, 0.99-1.00x at 1% (NOTES.md v5/v6).
 DENSE_ABOVE = 0.008
-DENSE_RETRY = 64  # dense calls before such a layer is probed again
 # Training calls (autograd recording) of at least this many tokens take the sparse training path
 # (twell.kernels.backward); None: none does. Off by default: a training step through it measured
 # 0.16-0.31x of dense at 32768 tokens (dx and dW kernels 6-7x their floors, train-20261130-234135.json).
 TRAIN_MIN_M: int | None = None
 
+# Fixed for every layer:
+DECODE_SPARSE_DENSITY = 0.01  # "known sparse" for decode_sparse_max_m: the 1% of the measurement above
+MAX_K = 8192  # wider models run dense: the up+down kernel keeps whole x and y rows in registers
+DENSE_RETRY = 64  # dense calls before a layer past dense_above is probed again
+# decode_max_m / prefill_min_m of a route that takes every call (K permitting): any token count
+EVERY = 1 << 62
+ROUTES = ("decode", "prefill", "dense")
 
-def route(m: int, k: int, density: float | None = None) -> str:
-    """ "decode", "prefill" or "dense" for a call of m tokens of width k; density: the layer's, where
-    measured."""
+
+def check_tile(tile_n: int, slots: int) -> None:
+    """The TwELL layouts the Triton kernels take: power-of-two tile_n in [16, 256], power-of-two
+    slots <= tile_n."""
+    for name, value in (("tile_n", tile_n), ("slots", slots)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value & (value - 1):
+            raise ValueError(f"the Triton kernels need a power-of-two {name}, got {value!r}")
+    if not 16 <= tile_n <= 256:
+        raise ValueError(f"the Triton kernels need 16 <= tile_n <= 256, got {tile_n}")
+    if slots > tile_n:
+        raise ValueError(f"slots must be <= tile_n, got slots={slots}, tile_n={tile_n}")
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    """How one rewritten FFN's calls run; defaults: the measured values of this module.
+
+    tile_n, slots: TwELL layout of the prefill path (calibration picks it per layer: its tile_n and
+        tile_n // compression); powers of two, 16 <= tile_n <= 256, slots <= tile_n.
+    decode_max_m: calls of at most this many tokens take the decode kernels, and calls of up to
+        decode_sparse_max_m tokens do on a layer whose prefill calls measured it at most
+        DECODE_SPARSE_DENSITY dense.
+    prefill_min_m: calls of at least this many tokens take the prefill kernels (None: none does).
+    dense_above: a layer whose prefill call measured it denser than this runs its next DENSE_RETRY
+        prefill calls dense.
+    fused_gate: the prefill gate through the TMA GEMM with the packing epilogue, where the operands
+        allow (else cuBLAS + the pack pass).
+    train_min_m: training calls (autograd recording) of at least this many tokens take the sparse
+        training path (None: none does).
+    Every other call runs dense, as do all calls with K > MAX_K.
+    """
+
+    tile_n: int = TILE_N
+    slots: int = SLOTS
+    decode_max_m: int = DECODE_MAX_M
+    decode_sparse_max_m: int = DECODE_SPARSE_MAX_M
+    prefill_min_m: int | None = PREFILL_MIN_M
+    dense_above: float = DENSE_ABOVE
+    fused_gate: bool = FUSED_GATE
+    train_min_m: int | None = TRAIN_MIN_M
+
+    def __post_init__(self):
+        check_tile(self.tile_n, self.slots)
+        for name in ("decode_max_m", "decode_sparse_max_m", "prefill_min_m", "train_min_m"):
+            value = getattr(self, name)
+            optional = name in ("prefill_min_m", "train_min_m")
+            if (value is None and optional) or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+                continue
+            expected = "a non-negative int or None" if optional else "a non-negative int"
+            raise ValueError(f"{name} must be {expected}, got {value!r}")
+        if isinstance(self.dense_above, bool) or not isinstance(self.dense_above, (int, float)):
+            raise ValueError(f"dense_above must be a number, got {self.dense_above!r}")
+        if not isinstance(self.fused_gate, bool):
+            raise ValueError(f"fused_gate must be a bool, got {self.fused_gate!r}")
+
+    def replace(self, *, route: str | None = None, **changes) -> LayerConfig:
+        """A copy with `changes` (field values). route: "decode", "prefill" or "dense" sets the route
+        limits so that every call takes that path (K permitting; a forced prefill never falls back to
+        dense for a measured density), before `changes`."""
+        known = [f.name for f in dataclasses.fields(self)]
+        unknown = sorted(set(changes) - set(known))
+        if unknown:
+            raise ValueError(f"unknown LayerConfig field(s) {unknown}; known: {known} and route")
+        if route is not None:
+            if route not in ROUTES:
+                raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
+            decode = EVERY if route == "decode" else 0
+            limits = {"decode_max_m": decode, "decode_sparse_max_m": decode}
+            limits["prefill_min_m"] = 1 if route == "prefill" else None
+            if route == "prefill":
+                limits["dense_above"] = 1.0  # no density exceeds 1
+            changes = {**limits, **changes}
+        return dataclasses.replace(self, **changes)
+
+    def op_args(self) -> tuple:
+        """The fields the ops take, in their schema's order (after the FFN's own arguments)."""
+        return (
+            self.tile_n,
+            self.slots,
+            self.decode_max_m,
+            self.decode_sparse_max_m,
+            self.prefill_min_m,
+            self.dense_above,
+            self.fused_gate,
+        )
+
+
+DEFAULT = LayerConfig()
+
+
+@functools.lru_cache(maxsize=256, typed=True)  # typed: fused_gate True is not tile_n 1
+def from_op_args(*args) -> LayerConfig:
+    """The LayerConfig of an op call's arguments (op_args' order), validated; cached: the dispatcher
+    asks on every call."""
+    return LayerConfig(*args)
+
+
+def route(m: int, k: int, config: LayerConfig, density: float | None = None) -> str:
+    """ "decode", "prefill" or "dense" for a call of m tokens of width k on a layer with `config`;
+    density: the layer's, where measured."""
     if m == 0 or k > MAX_K:
         return "dense"
-    if m <= DECODE_MAX_M or (m <= DECODE_SPARSE_MAX_M and density is not None and density <= DECODE_SPARSE_DENSITY):
+    if m <= config.decode_max_m or (
+        m <= config.decode_sparse_max_m and density is not None and density <= DECODE_SPARSE_DENSITY
+    ):
         return "decode"
-    if PREFILL_MIN_M is not None and m >= PREFILL_MIN_M:
+    if config.prefill_min_m is not None and m >= config.prefill_min_m:
         return "prefill"
     return "dense"
 

@@ -7,12 +7,13 @@ The backend rewrites every sparse-gated FFN of dynamo's (torch-level) graph to a
 and hands the graph to Inductor; the Inductor pass does the same for users of the default backend, on
 dynamo's graph as pre_grad_custom_pass or on the post-grad aten graph. Without decisions they rewrite
 every rewritable FFN they find (the ops are exact at any sparsity and run dense where sparse does not
-pay). On dynamo's graph they follow calibration decisions: those of a model sparsified with calibration
-data or a plan (looked up by gate weight, twell.passes.decided), and a plan file (options={"plan": path}
-for the backend, TwellInductorPass(plan=path)), looked up by the module paths dynamo records for each
-parameter. What they did is kept as report records (twell.compile_report, TwellInductorPass.records)
-and counted in torch._dynamo.utils.counters["twell"]. Inductor options given to torch.compile go to
-compile_fx as config patches, scoped to this compilation.
+pay), with the default LayerConfig (twell.kernels.policy) as their route arguments. On dynamo's graph
+they follow calibration decisions, each rewritten FFN with its decision's layout: those of a model
+sparsified with calibration data or a plan (looked up by gate weight, twell.passes.decided), and a plan
+file (options={"plan": path} for the backend, TwellInductorPass(plan=path)), looked up by the module
+paths dynamo records for each parameter. What they did is kept as report records
+(twell.compile_report, TwellInductorPass.records) and counted in torch._dynamo.utils.counters["twell"].
+Inductor options given to torch.compile go to compile_fx as config patches, scoped to this compilation.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 import twell.ops  # noqa: F401  (registers torch.ops.twell.*)
+from twell.kernels.policy import DEFAULT, LayerConfig
 from twell.passes.decided import decision_for, decisions_digest, record_compiled
 from twell.passes.match import Dialect, FFNMatch, Projection, find_matches, op_name
 
@@ -67,7 +69,7 @@ def _same_shape(a: fx.Node, b: fx.Node) -> bool:
     return va.shape == vb.shape and va.dtype == vb.dtype
 
 
-def _rewrite(graph: fx.Graph, match: FFNMatch, aten: bool) -> fx.Node:
+def _rewrite(graph: fx.Graph, match: FFNMatch, aten: bool, config: LayerConfig) -> fx.Node:
     down = match.down
     with graph.inserting_before(down.node):
         gate_weight, gate_bias = _weights(graph, match.gate, aten)
@@ -75,12 +77,13 @@ def _rewrite(graph: fx.Graph, match: FFNMatch, aten: bool) -> fx.Node:
             target = torch.ops.twell.ffn.default
             down_weight = _linear_layout(graph, down, aten)
             args = (match.x, gate_weight, down_weight, gate_bias, down.bias, match.threshold, match.squared)
+            args += config.op_args()
         else:
             up_weight, up_bias = _weights(graph, match.up, aten)
             target = torch.ops.twell.gated_ffn.default
             down_weight = _linear_layout(graph, down, aten)
             args = (match.x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down.bias)
-            args += (match.threshold, match.drelu)
+            args += (match.threshold, match.drelu, *config.op_args())
         new = graph.call_function(target, args)
     _propagate_meta(new, down.node)
     down.node.replace_all_uses_with(new)
@@ -102,9 +105,10 @@ def _propagate_meta(new: fx.Node, old: fx.Node) -> None:
         fake(new)
 
 
-def rewrite_graph(graph: fx.Graph, dialect: Dialect, keep=None) -> list[tuple[FFNMatch, str]]:
+def rewrite_graph(graph: fx.Graph, dialect: Dialect, keep=None, config=None) -> list[tuple[FFNMatch, str]]:
     """Replace every rewritable FFN of `graph` by a torch.ops.twell call, except those for which
-    keep(match) gives a reason to leave them as they are (a plan's decision). Returns (match, reason)
+    keep(match) gives a reason to leave them as they are (a plan's decision); config(match): the
+    LayerConfig the call gets (None: the defaults). Returns (match, reason)
     for every FFN found: reason "" for those rewritten. Dead nodes are removed. Counts go to
     torch._dynamo.utils.counters["twell"] (ffn_found, ffn_rewritten, ffn_not_rewritable, ffn_kept)."""
     aten = any(isinstance(n.target, torch._ops.OpOverload) for n in graph.nodes if n.op == "call_function")
@@ -122,7 +126,7 @@ def rewrite_graph(graph: fx.Graph, dialect: Dialect, keep=None) -> list[tuple[FF
             if reason:
                 counters["twell"]["ffn_kept"] += 1
             else:
-                _rewrite(graph, match, aten)
+                _rewrite(graph, match, aten, config(match) if config is not None else DEFAULT)
                 counters["twell"]["ffn_rewritten"] += 1
         found.append((match, reason))
     if any(not reason for _, reason in found):
@@ -210,6 +214,11 @@ class _Plan:
                 return path, self.decisions[path]
         return (paths[-1] if paths else None), None
 
+    def config(self, match: FFNMatch, dialect: Dialect) -> LayerConfig:
+        """The LayerConfig of a rewritten FFN: its decision's layout, the defaults without one."""
+        _, decision = self.lookup(match, dialect)
+        return decision.layer_config() if decision is not None else DEFAULT
+
     def keep(self, match: FFNMatch, dialect: Dialect) -> str:
         """Why to leave a rewritable FFN as it is ("" to rewrite it)."""
         path, decision = self.lookup(match, dialect)
@@ -260,7 +269,9 @@ def rewrite_dynamo_graph(gm: fx.GraphModule, example_inputs, plan=None) -> list:
     values = {n: t for n, t in zip(placeholders, example_inputs, strict=False) if isinstance(t, torch.Tensor)}
     dialect = Dialect(gm, values)
     plan = _Plan(plan)
-    found = rewrite_graph(gm.graph, dialect, keep=lambda match: plan.keep(match, dialect))
+    found = rewrite_graph(
+        gm.graph, dialect, keep=lambda match: plan.keep(match, dialect), config=lambda m: plan.config(m, dialect)
+    )
     gm.recompile()
     return compile_records(found, dialect, plan)
 
@@ -323,7 +334,9 @@ class TwellInductorPass(CustomGraphPass):
             )
         dialect = Dialect(graph.owning_module, values)
         plan = _Plan(self.plan)
-        found = rewrite_graph(graph, dialect, keep=lambda match: plan.keep(match, dialect))
+        found = rewrite_graph(
+            graph, dialect, keep=lambda match: plan.keep(match, dialect), config=lambda m: plan.config(m, dialect)
+        )
         self.records.extend(compile_records(found, dialect, plan))
 
     def report(self):

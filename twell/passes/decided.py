@@ -38,8 +38,10 @@ def decision_for(weight) -> tuple[str, object] | None:
 
 
 def decisions_digest() -> bytes:
-    """The decisions of every live sparsified model, as bytes that change when any of them does."""
-    return "\n".join(sorted(f"{path} {d.rewrite} {d.reason}" for path, d in _decisions.values())).encode()
+    """The decisions of every live sparsified model (with the layouts the rewrites get), as bytes that
+    change when any of them does."""
+    lines = (f"{path} {d.rewrite} {d.reason} {d.tile_n} {d.compression}" for path, d in _decisions.values())
+    return "\n".join(sorted(lines)).encode()
 
 
 def record_compiled(weight, record) -> None:

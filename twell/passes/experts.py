@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from twell import ops
+from twell.kernels.policy import LayerConfig
 from twell.passes.match import SUPPORTED_DTYPES
 from twell.passes.modules import _FORWARD_HOOKS, _StandIn, store_down_rows
 
@@ -146,17 +147,22 @@ def gate_preactivation(module: nn.Module, spec: ExpertsSpec, expert: int, args: 
 
 
 class SparseExperts(_StandIn):
-    """Replaces an experts module: the experts in `rewritten` run through twell.ops over their routed
+    """Replaces an experts module: the rewritten experts run through twell.ops over their routed
     tokens, the others in plain torch ops with the original activation module, as transformers' eager
-    loop computes them. The router and the MoE block are untouched; forward hooks are the original's."""
+    loop computes them. The router and the MoE block are untouched; forward hooks are the original's.
+    layer_configs: each rewritten expert's twell.kernels.policy.LayerConfig (its calibrated layout)."""
 
     def __init__(self, original: nn.Module, spec: ExpertsSpec):
         super().__init__(original, children=True)
         self.spec = spec
-        self.rewritten: set[int] = set()
+        self.layer_configs: dict[int, LayerConfig] = {}
         self.num_experts = sizes(original, spec)[0]
         for hooks in _FORWARD_HOOKS:
             setattr(self, hooks, getattr(original, hooks))
+
+    @property
+    def rewritten(self) -> set[int]:
+        return set(self.layer_configs)
 
     def forward(self, *args, **kwargs):
         found = _arguments(args, kwargs)
@@ -182,7 +188,8 @@ class SparseExperts(_StandIn):
         """Expert `expert` on its tokens x [M, K]."""
         spec = self.spec
         (gate, gate_bias), (up, up_bias), (down, down_bias) = expert_weights(self, spec, expert)
-        if expert in self.rewritten:
+        config = self.layer_configs.get(expert)
+        if config is not None:
             if spec.kind == "plain":
                 return ops.ffn(
                     x,
@@ -192,10 +199,10 @@ class SparseExperts(_StandIn):
                     down_bias=down_bias,
                     threshold=spec.threshold,
                     squared=spec.squared,
+                    config=config,
                 )
-            return ops.gated_ffn(
-                x, gate, up, down, gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias, threshold=spec.threshold
-            )
+            biases = {"gate_bias": gate_bias, "up_bias": up_bias, "down_bias": down_bias}
+            return ops.gated_ffn(x, gate, up, down, **biases, threshold=spec.threshold, config=config)
         # As transformers' eager loop: one product for [gate; up], then the activation module.
         params = self._parameters
         weight = params[spec.up_name][expert]

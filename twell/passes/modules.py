@@ -12,6 +12,9 @@ Two ways to stand in for an FFN:
   computes the whole FFN from x. While forward hooks are registered on any of them (or on the modules
   they replace), each computes what its original does instead. An FFN split across two modules (BERT's
   intermediate and output) is rewritten the same way, across both.
+
+SparseFFN and InlineFFN own their layer's twell.kernels.policy.LayerConfig (`layer_config`: the route
+limits and TwELL layout the op is called with; sparsify sets it from the layer's calibration decision).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from twell import distributed, ops
+from twell.kernels.policy import DEFAULT, LayerConfig
 from twell.passes.projections import features, is_conv1d, linear_weight, native_forward
 
 
@@ -81,9 +85,18 @@ def _rows(linear: nn.Module, rows: slice | None) -> tuple[torch.Tensor, torch.Te
     return weight[rows], None if bias is None else bias[rows]
 
 
-def run_ffn(spec: FFNSpec, gate: nn.Module, up: nn.Module | None, down: nn.Module, x: torch.Tensor, return_l1=False):
-    """The FFN of `spec` on x [..., K] through twell.ops; gate/up/down are projections (nn.Linear, or
-    Conv1D passed as transposed views) with bias. return_l1: (y, l1, density) as twell.ops returns."""
+def run_ffn(
+    spec: FFNSpec,
+    gate: nn.Module,
+    up: nn.Module | None,
+    down: nn.Module,
+    x: torch.Tensor,
+    config: LayerConfig,
+    return_l1=False,
+):
+    """The FFN of `spec` on x [..., K] through twell.ops with the layer's `config`; gate/up/down are
+    projections (nn.Linear, or Conv1D passed as transposed views) with bias. return_l1: (y, l1,
+    density) as twell.ops returns."""
     gate_weight, gate_bias = _rows(gate, spec.gate_rows)
     if spec.kind == "plain":
         return ops.ffn(
@@ -95,6 +108,7 @@ def run_ffn(spec: FFNSpec, gate: nn.Module, up: nn.Module | None, down: nn.Modul
             threshold=spec.threshold,
             squared=spec.squared,
             return_l1=return_l1,
+            config=config,
         )
     up_weight, up_bias = _rows(up, spec.up_rows)
     return ops.gated_ffn(
@@ -108,6 +122,7 @@ def run_ffn(spec: FFNSpec, gate: nn.Module, up: nn.Module | None, down: nn.Modul
         threshold=spec.threshold,
         drelu=spec.drelu,
         return_l1=return_l1,
+        config=config,
     )
 
 
@@ -182,9 +197,10 @@ class SparseFFN(_StandIn):
     reports_l1 = True
     l1_probe = None  # twell.train's probe for the coming call (SparseFFN takes its L1 term from the op)
 
-    def __init__(self, original: nn.Module, spec: FFNSpec):
+    def __init__(self, original: nn.Module, spec: FFNSpec, config: LayerConfig = DEFAULT):
         super().__init__(original, children=True)
         self.spec = spec
+        self.layer_config = config
         for hooks in _FORWARD_HOOKS:
             setattr(self, hooks, getattr(original, hooks))
 
@@ -216,10 +232,10 @@ class SparseFFN(_StandIn):
         if not op:
             return self.sync_original().forward(*args, **kwargs)
         if parallel:
-            return distributed.run_tensor_parallel(spec, gate, up, down, x)
+            return distributed.run_tensor_parallel(spec, gate, up, down, x, self.layer_config)
         if probe is None:
-            return run_ffn(spec, gate, up, down, x)
-        y, l1, density = run_ffn(spec, gate, up, down, x, return_l1=True)
+            return run_ffn(spec, gate, up, down, x, self.layer_config)
+        y, l1, density = run_ffn(spec, gate, up, down, x, self.layer_config, return_l1=True)
         probe.record(l1, density)
         return y
 
@@ -283,9 +299,12 @@ class ActivationPassthrough(_InlineMember):
 class InlineFFN(_ProjectionMember):
     """Inline FFN: in place of the down linear; receives x and returns the whole FFN's output."""
 
-    def __init__(self, linear: nn.Module, spec: FFNSpec, gate: GatePassthrough, up: UpUnit | None, group):
+    def __init__(
+        self, linear: nn.Module, spec: FFNSpec, gate: GatePassthrough, up: UpUnit | None, group, config=DEFAULT
+    ):
         super().__init__(linear, group)
         self.spec = spec
+        self.layer_config = config
         self.__dict__["gate"] = gate
         self.__dict__["up"] = up
 
@@ -297,7 +316,7 @@ class InlineFFN(_ProjectionMember):
         gate, up = self.__dict__["gate"], self.__dict__["up"]
         if not _op_dtype(x, gate):
             return dense_ffn(self.spec, gate, up, self, x)
-        return run_ffn(self.spec, gate, up, self, x)
+        return run_ffn(self.spec, gate, up, self, x, self.layer_config)
 
     def extra_repr(self) -> str:
         return f"twell inline {self.spec.kind}, threshold={self.spec.threshold}, drelu={self.spec.drelu}"

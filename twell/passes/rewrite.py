@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from twell.kernels.policy import DEFAULT, LayerConfig
 from twell.passes.candidates import Candidate
 from twell.passes.experts import ExpertsSpec, SparseExperts, store_expert_rows
 from twell.passes.modules import (
@@ -38,22 +39,23 @@ def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
     return model.get_submodule(parent_path), name
 
 
-def apply(model: nn.Module, candidate: Candidate) -> list[Swap]:
-    """Rewrite one rewritable candidate in place; returns the swaps that undo() reverts."""
+def apply(model: nn.Module, candidate: Candidate, config: LayerConfig = DEFAULT) -> list[Swap]:
+    """Rewrite one rewritable candidate in place, its op called with `config`; returns the swaps that
+    undo() reverts."""
     if not candidate.rewritable or candidate.spec is None:
         raise ValueError(f"{candidate.path!r} is not rewritable: {candidate.reason}")
     spec, owner = candidate.spec, candidate.owner
     if isinstance(spec, ExpertsSpec):
-        return _apply_expert(model, candidate)
+        return _apply_expert(model, candidate, config)
     if not candidate.inline:
         parent, name = _parent(model, candidate.path)
-        swaps = [Swap(parent, name, owner, SparseFFN(owner, spec))]
+        swaps = [Swap(parent, name, owner, SparseFFN(owner, spec, config))]
     else:
         # Names are paths below the owner: children, or grandchildren for an FFN split across two of them.
         group = []
         gate = GatePassthrough(owner.get_submodule(spec.gate), group)
         up = UpUnit(owner.get_submodule(spec.up), group) if spec.up is not None else None
-        down = InlineFFN(owner.get_submodule(spec.down), spec, gate, up, group)
+        down = InlineFFN(owner.get_submodule(spec.down), spec, gate, up, group, config)
         replacements = {spec.gate: gate, spec.down: down}
         if up is not None:
             replacements[spec.up] = up
@@ -75,16 +77,16 @@ def apply(model: nn.Module, candidate: Candidate) -> list[Swap]:
     return swaps
 
 
-def _apply_expert(model: nn.Module, candidate: Candidate) -> list[Swap]:
+def _apply_expert(model: nn.Module, candidate: Candidate, config: LayerConfig) -> list[Swap]:
     """One expert: the experts module is swapped for a SparseExperts on its first rewritten expert, and
     each further expert joins that one's rewritten set (no new swap)."""
     parent, name = _parent(model, candidate.path.rpartition(".")[0])
     current = getattr(parent, name)
     if isinstance(current, SparseExperts) and current.sync_original() is candidate.owner:
-        current.rewritten.add(candidate.expert)
+        current.layer_configs[candidate.expert] = config
         return []
     replacement = SparseExperts(candidate.owner, candidate.spec)
-    replacement.rewritten.add(candidate.expert)
+    replacement.layer_configs[candidate.expert] = config
     swap = Swap(parent, name, candidate.owner, replacement)
     setattr(parent, name, replacement)
     if store_expert_rows(candidate.owner, candidate.spec):
