@@ -233,6 +233,63 @@ def test_kernel_rejects_strided_weight_rows():
         )
 
 
+def _train_args(change=None):
+    case = make_ffn(3, 16, 40, [0.2], torch.float32, biases=True)
+    args = {
+        "x": case["x"],
+        "gate_weight": case["gate_weight"],
+        "gate_bias": case["gate_bias"],
+        "up_weight": case["up_weight"],
+        "up_bias": case["up_bias"],
+        "down_weight_t": case["down_weight"].t().contiguous(),
+        "down_bias": case["down_bias"],
+    }
+    return {**args, **(change(args) if change else {})}
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (lambda a: {"x": a["x"].t().contiguous().t()}, "x must have unit stride along K"),
+        (lambda a: {"x": a["x"].half()}, r"gate_weight must be \[40, 16\] torch.float16"),
+        (lambda a: {"gate_bias": a["gate_bias"][:20]}, r"gate_bias must be \[40\]"),
+        (lambda a: {"down_bias": a["gate_bias"]}, r"down_bias must be \[16\]"),
+        (lambda a: {"up_weight": None}, "up_bias needs up_weight"),
+    ],
+    ids=["x-strided", "x-dtype", "gate-bias", "down-bias", "up-bias-alone"],
+)
+def test_train_forward_checks_its_inputs(change, match):
+    a = _train_args(change)
+    with pytest.raises(ValueError, match=match):
+        backward.train_forward(**a, threshold=0.0, drelu=False, square=False, width=8)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (lambda r: {"ids": r["ids"].long()}, r"ids must be \[3, 8\] torch.int32"),
+        (lambda r: {"gate": r["gate"][:, :4]}, r"gate must be \[3, 8\] torch.float32"),
+        (lambda r: {"counts": r["counts"][:2]}, r"counts must be \[3\] torch.int32"),
+        (lambda r: {"up": r["up"].t().contiguous().t()}, "up must be contiguous"),
+        (lambda r: {"l1_grad": r["l1_grad"].double()}, "l1_grad must be a one-element float32 tensor"),
+    ],
+    ids=["ids-dtype", "gate-width", "counts-rows", "up-strided", "l1-grad-dtype"],
+)
+def test_train_backward_checks_its_record(change, match):
+    """The record is indexed as dense [M, W] rows: one of another size or type would be read past its end."""
+    a = _train_args()
+    _, ids, gate, up, counts, _, _ = backward.train_forward(**a, threshold=0.0, drelu=False, square=False, width=8)
+    record = {"ids": ids, "gate": gate, "up": up, "counts": counts, "l1_grad": torch.zeros((), dtype=torch.float32)}
+    record.update(change(record))
+    a.pop("down_bias")
+    with pytest.raises(ValueError, match=match):
+        backward.train_backward(
+            torch.randn_like(a["x"]), record["l1_grad"], a["x"], a["gate_weight"], a["gate_bias"], a["up_weight"],
+            a["up_bias"], a["down_weight_t"], True, record["ids"], record["gate"], record["up"], record["counts"],
+            threshold=0.0, drelu=False, square=False,
+        )  # fmt: skip
+
+
 SM90_COMPILE = """
 import subprocess, sys
 from pathlib import Path

@@ -237,6 +237,109 @@ def test_up_down_checks_its_arrays():
         twell_up_down(case["x"], values, indices, counts, *args, tile_n=32, threshold=0.0, out=case["x"][:2])
 
 
+def _bad_args(case, change):
+    """decode_ffn's / twell_up_down's common arguments (gated, with biases), one of them changed."""
+    args = {
+        "x": case["x"],
+        "gate_weight": case["gate_weight"],
+        "gate_bias": case["gate_bias"],
+        "up_weight": case["up_weight"],
+        "up_bias": case["up_bias"],
+        "down_weight_t": case["down_weight"].t(),
+        "down_bias": case["down_bias"],
+        "threshold": 0.0,
+    }
+    return {**args, **change(args)}
+
+
+# (id, change of the arguments, message): each check the launchers make before any launch
+COMMON_BAD_INPUTS = [
+    ("x-3d", lambda a: {"x": a["x"][None]}, r"x must be a 2-dim tensor \[M, K\], got \[1, 4, 16\]"),
+    ("x-int", lambda a: {"x": a["x"].int()}, "x must be float32, float16 or bfloat16, got torch.int32"),
+    ("x-width", lambda a: {"x": a["x"][:, :8]}, r"gate_weight must be \[64, 8\] torch.float32"),
+    ("up-dtype", lambda a: {"up_weight": a["up_weight"].half()}, r"up_weight must be \[64, 16\] torch.float32"),
+    ("gate-bias-size", lambda a: {"gate_bias": a["gate_bias"][:8]}, r"gate_bias must be \[64\]"),
+    ("down-bias-size", lambda a: {"down_bias": a["gate_bias"]}, r"down_bias must be \[16\]"),
+    ("bias-dtype", lambda a: {"down_bias": a["down_bias"].double()}, r"down_bias must be \[16\] torch.float32"),
+    ("bias-device", lambda a: {"up_bias": a["up_bias"].to("meta")}, r"up_bias must be \[64\] torch.float32 on"),
+    ("bias-stride", lambda a: {"gate_bias": a["gate_bias"].repeat(2)[::2]}, "gate_bias must have unit stride"),
+    ("up-bias-alone", lambda a: {"up_weight": None}, "up_bias needs up_weight"),
+    ("threshold", lambda a: {"threshold": float("nan")}, "threshold must be a finite float, got nan"),
+]
+
+
+@pytest.mark.parametrize("change,match", [c[1:] for c in COMMON_BAD_INPUTS], ids=[c[0] for c in COMMON_BAD_INPUTS])
+def test_decode_checks_its_inputs(change, match):
+    case = make_ffn(4, 16, 64, [0.1], torch.float32, DEVICE, biases=True)
+    a = _bad_args(case, change)
+    with pytest.raises(ValueError, match=match):
+        decode_ffn(
+            a["x"], a["gate_weight"], a["gate_bias"], a["up_weight"], a["up_bias"], a["down_weight_t"],
+            a["down_bias"], a["threshold"],
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("change,match", [c[1:] for c in COMMON_BAD_INPUTS], ids=[c[0] for c in COMMON_BAD_INPUTS])
+def test_up_down_checks_its_inputs(change, match):
+    case = make_ffn(4, 16, 64, [0.1], torch.float32, DEVICE, biases=True)
+    values, indices, counts = pack_dense(case["x"] @ case["gate_weight"].T, 0.0, 32, 8)
+    a = _bad_args(case, change)
+    with pytest.raises(ValueError, match=match):
+        twell_up_down(
+            a["x"], values, indices, counts, a["gate_weight"], a["gate_bias"], a["up_weight"], a["up_bias"],
+            a["down_weight_t"], a["down_bias"], tile_n=32, threshold=a["threshold"],
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (lambda v, i, c: (v.half(), i, c), r"values must be \[4, 2, 8\] torch.float32"),
+        (lambda v, i, c: (v, i.int(), c), r"indices must be \[4, 2, 8\] torch.int16"),
+        (lambda v, i, c: (v, i, c.long()), r"counts must be \[4, 2\] torch.int32"),
+        (lambda v, i, c: (v, i, c.t().contiguous().t()), "counts must be contiguous"),
+        (lambda v, i, c: (v[..., :6], i[..., :6], c), "power-of-two slots, got 6"),
+    ],
+    ids=["values-dtype", "indices-dtype", "counts-dtype", "counts-strided", "slots"],
+)
+def test_up_down_checks_its_twell_arrays(change, match):
+    """The TwELL arrays are indexed as dense [M, T, S] arrays of fixed types: anything else would be
+    read past its end or as the wrong type."""
+    case = make_ffn(4, 16, 64, [0.1], torch.float32, DEVICE)
+    arrays = change(*pack_dense(case["x"] @ case["gate_weight"].T, 0.0, 32, 8))
+    args = (case["gate_weight"], None, case["up_weight"], None, case["down_weight"].t(), None)
+    with pytest.raises(ValueError, match=match):
+        twell_up_down(case["x"], *arrays, *args, tile_n=32, threshold=0.0)
+    with pytest.raises(ValueError, match="out must be .* on cpu, got .* on meta"):
+        out = torch.empty_like(case["x"], device="meta")
+        twell_up_down(
+            case["x"],
+            *pack_dense(case["x"] @ case["gate_weight"].T, 0.0, 32, 8),
+            *args,
+            tile_n=32,
+            threshold=0.0,
+            out=out,
+        )
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda x, w, b: gate_twell(x.int(), w, b, 0.0, 32, 8), "x must be float32, float16 or bfloat16"),
+        (lambda x, w, b: gate_twell(x, w.double(), b, 0.0, 32, 8), r"weight must be \[64, 16\] torch.float32"),
+        (lambda x, w, b: gate_twell(x, w, b[:32], 0.0, 32, 8), r"bias must be \[64\]"),
+        (lambda x, w, b: gate_twell(x, w, b, float("inf"), 32, 8), "threshold must be a finite float"),
+        (lambda x, w, b: pack_dense((x @ w.T).int(), 0.0, 32, 8), "h must be float32, float16 or bfloat16"),
+        (lambda x, w, b: pack_dense(x @ w.T, float("nan"), 32, 8), "threshold must be a finite float"),
+    ],
+    ids=["gate-x-dtype", "gate-weight-dtype", "gate-bias-size", "gate-threshold", "pack-dtype", "pack-threshold"],
+)
+def test_gate_launchers_check_their_inputs(call, match):
+    case = make_ffn(4, 16, 64, [0.1], torch.float32, DEVICE, biases=True)
+    with pytest.raises(ValueError, match=match):
+        call(case["x"], case["gate_weight"], case["gate_bias"])
+
+
 @pytest.fixture
 def poisoned_empty(monkeypatch):
     """torch.empty / empty_like return NaN (floats) or -1 (ints): any element a kernel reads before

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from twell.kernels import policy
-from twell.kernels.common import threshold_in
+from twell.kernels.common import check_bias, check_input, check_operand, check_threshold, threshold_in
 
 # Gate columns the forward compacts at a time: each step is a prefix sum across the program's threads
 # (shuffles and a barrier), so 1024 columns (8 a thread at 4 warps) take a quarter of the steps of 256.
@@ -396,6 +396,31 @@ def _check_weights(x2, gate_weight, up_weight, down_weight_t, width) -> tuple[in
     return m, n
 
 
+def _check_biases(x, n, gate_bias, up_weight, up_bias, down_bias) -> None:
+    if up_bias is not None and up_weight is None:
+        raise ValueError("up_bias needs up_weight (a plain FFN has its bias as gate_bias)")
+    for name, b, size in (("gate_bias", gate_bias, n), ("up_bias", up_bias, n), ("down_bias", down_bias, x.shape[1])):
+        check_bias(name, b, size, x)
+
+
+def _check_record(x, ids, gate, up, counts, has_up: bool, l1_grad) -> None:
+    """The record train_forward wrote for x: the kernels index it as dense [M, W] rows of these types."""
+    m, width = x.shape[0], ids.shape[1]
+    for name, t, shape, dtype in (
+        ("ids", ids, (m, width), torch.int32),
+        ("gate", gate, (m, width), x.dtype),
+        ("up", up, (m, width if has_up else 0), x.dtype),
+        ("counts", counts, (m,), torch.int32),
+    ):
+        check_operand(name, t, shape, x, dtype)
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (indexed as a dense array), got strides {t.stride()}")
+    if not (isinstance(l1_grad, torch.Tensor) and l1_grad.numel() == 1 and l1_grad.dtype == torch.float32):
+        raise ValueError(f"l1_grad must be a one-element float32 tensor, got {l1_grad!r}")
+    if l1_grad.device != x.device:
+        raise ValueError(f"l1_grad must be on {x.device}, got {l1_grad.device}")
+
+
 def _row_warps(block_k: int, backup: bool = False) -> int:
     """Warps of the one-row-per-program kernels: whole rows in registers (ptxas, sm_90: the dx kernel
     takes 96 registers a thread at K=2048 with 4 warps, 138 at K=4096, 103 there with 8). The
@@ -434,8 +459,11 @@ def train_forward(
     x: [M, K] with unit stride on K; gate_weight, up_weight (None: plain FFN, h = relu_t(gate) or its
     square), down_weight_t: [N, K] with unit stride on K (down_weight_t = down_weight.t()).
     """
+    check_input("x", x, unit_stride=True)
+    check_threshold(threshold)
     m, n = _check_weights(x, gate_weight, up_weight, down_weight_t, width)
     k = x.shape[1]
+    _check_biases(x, n, gate_bias, up_weight, up_bias, down_bias)
     pre = torch.nn.functional.linear(x, gate_weight, gate_bias)  # dense: the gate GEMM (cuBLAS)
     y = _alloc((m, k), x.dtype, x.device)
     ids = _alloc((m, width), torch.int32, x.device)
@@ -494,11 +522,17 @@ def train_backward(
     record (ids, gate, up, counts) of train_forward with the same weights, biases and flags; dy, x:
     [M, K] with unit stride on K; l1_grad: the gradient of train_forward's l1 (a one-element fp32
     tensor). Gradients of absent tensors are empty."""
+    check_input("x", x, unit_stride=True)
+    check_threshold(threshold)
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        raise ValueError("ids must be the record's [M, W] int32 tensor")
     m, n = _check_weights(x, gate_weight, up_weight, down_weight_t, ids.shape[1])
     k = x.shape[1]
     if dy.shape != x.shape or dy.dtype != x.dtype or dy.stride(1) != 1:
         raise ValueError(f"dy must be {list(x.shape)} {x.dtype} with unit stride on K, got {list(dy.shape)} {dy.dtype}")
     width = ids.shape[1]
+    _check_biases(x, n, gate_bias, up_weight, up_bias, None)
+    _check_record(x, ids, gate, up, counts, up_weight is not None, l1_grad)
     f32 = {"dtype": torch.float32, "device": x.device}
     dx = _alloc((m, k), x.dtype, x.device)
     dwg = torch.zeros(n, k, **f32)

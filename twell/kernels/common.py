@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -40,3 +41,43 @@ def threshold_in(threshold: float, dtype: torch.dtype) -> float:
     kernel launch asks, and the rounding takes three small CPU tensor ops (host time per call)."""
     return torch.tensor(float(threshold), dtype=torch.float64).to(dtype).item()
 
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_input(name: str, x, *, unit_stride: bool = False) -> None:
+    """A launcher's x: a 2-dim float tensor [M, K] (unit stride along K where its kernel reads rows
+    whole, with no stride argument)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} must be a 2-dim tensor [M, K], got {got}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
+    if unit_stride and x.shape[1] > 1 and x.stride(1) != 1:
+        raise ValueError(f"{name} must have unit stride along K (rows read whole), got strides {x.stride()}")
+
+
+def check_operand(name: str, t, shape: tuple, x: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+    """t must be a tensor of `shape` on x's device, in `dtype` (default: x's): kernels index it by
+    that shape and read it as that type."""
+    dtype = x.dtype if dtype is None else dtype
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor {list(shape)} {dtype}, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != x.device:
+        raise ValueError(
+            f"{name} must be {list(shape)} {dtype} on {x.device}, got {list(t.shape)} {t.dtype} on {t.device}"
+        )
+
+
+def check_bias(name: str, b, size: int, x: torch.Tensor) -> None:
+    """An optional bias: [size] in x's dtype and device, unit stride (the kernels read it so)."""
+    if b is None:
+        return
+    check_operand(name, b, (size,), x)
+    if size > 1 and b.stride(0) != 1:
+        raise ValueError(f"{name} must have unit stride (kernels read it contiguously), got stride {b.stride(0)}")
+
+
+def check_threshold(threshold) -> None:
+    if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or not math.isfinite(threshold):
+        raise ValueError(f"threshold must be a finite float, got {threshold!r}")

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from twell.kernels.common import dot_precision, threshold_in
+from twell.kernels.common import check_bias, check_input, check_operand, check_threshold, dot_precision, threshold_in
 
 
 @triton.jit
@@ -307,11 +307,19 @@ def decode_ffn(
     for coalesced row loads); biases contiguous. Exact at any density: a dense call reads every row.
     The configs override GATE_UP_CONFIG(_WIDE) / DOWN_CONFIG (tests, benchmarks).
     """
+    check_input("x", x)
+    check_threshold(threshold)
     m, k = x.shape
+    if not isinstance(gate_weight, torch.Tensor) or gate_weight.dim() != 2:
+        raise ValueError(f"decode_ffn expects gate_weight [N, {k}] (K of x)")
     n = gate_weight.shape[0]
     for name, t in (("gate_weight", gate_weight), ("up_weight", up_weight), ("down_weight_t", down_weight_t)):
-        if t is not None and tuple(t.shape) != (n, k):
-            raise ValueError(f"decode_ffn expects {name} of shape [{n}, {k}], got {list(t.shape)}")
+        if t is not None:
+            check_operand(name, t, (n, k), x)  # [N, K of x], x's dtype and device
+    if up_bias is not None and up_weight is None:
+        raise ValueError("up_bias needs up_weight (a plain FFN has its bias as gate_bias)")
+    for name, b, size in (("gate_bias", gate_bias, n), ("up_bias", up_bias, n), ("down_bias", down_bias, k)):
+        check_bias(name, b, size, x)
     default = GATE_UP_CONFIG_WIDE if m == 1 and k > 2048 else GATE_UP_CONFIG[min(m, 2)]
     block_n, block_k, warps, stages, each = gate_up_config or default
     n_blocks = triton.cdiv(n, block_n)

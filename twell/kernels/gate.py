@@ -14,7 +14,18 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from twell.kernels.common import autotune_configs, check_tile, dot_precision, interpreting, m_bucket, threshold_in
+from twell.kernels.common import (
+    autotune_configs,
+    check_bias,
+    check_input,
+    check_operand,
+    check_threshold,
+    check_tile,
+    dot_precision,
+    interpreting,
+    m_bucket,
+    threshold_in,
+)
 
 SMEM_LIMIT = 227 * 1024  # H100 / H200 per-block shared memory
 
@@ -313,8 +324,13 @@ def gate_twell(
     The operands must pass fused_gate_supported (cuBLAS + pack_dense serves the rest). config: one row
     of GATE_CONFIGS instead of autotuning (tests, benchmarks).
     """
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"gate_twell expects x [M, K] and weight [N, K], got {list(x.shape)} and {list(weight.shape)}")
+    check_input("x", x)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        got = list(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ValueError(f"gate_twell expects x [M, K] and weight [N, K], got {list(x.shape)} and {got}")
+    check_operand("weight", weight, tuple(weight.shape), x)
+    check_bias("bias", bias, weight.shape[0], x)
+    check_threshold(threshold)
     if not fused_gate_supported(x, weight, tile_n):
         raise ValueError(
             "gate_twell needs unit stride on K, 16-byte aligned rows and a config that fits shared memory "
@@ -364,8 +380,10 @@ def gate_twell(
 
 def pack_dense(h: torch.Tensor, threshold: float, tile_n: int, slots: int, square: bool = False):
     """TwELL arrays of a dense pre-activation h [M, N]: the pack pass for a cuBLAS gate."""
-    if h.dim() != 2:
-        raise ValueError(f"pack_dense expects h [M, N], got {list(h.shape)}")
+    if not isinstance(h, torch.Tensor) or h.dim() != 2:
+        raise ValueError(f"pack_dense expects h [M, N], got {list(h.shape) if isinstance(h, torch.Tensor) else h}")
+    check_input("h", h)
+    check_threshold(threshold)
     check_tile(tile_n, slots)
     m, n = h.shape
     values, indices, counts = _alloc(m, n, tile_n, slots, h.dtype, h.device)

@@ -26,7 +26,16 @@ import triton
 import triton.language as tl
 
 from twell.kernels import policy
-from twell.kernels.common import autotune_configs, m_bucket, threshold_in
+from twell.kernels.common import (
+    autotune_configs,
+    check_bias,
+    check_input,
+    check_operand,
+    check_threshold,
+    check_tile,
+    m_bucket,
+    threshold_in,
+)
 
 CHUNK = 16  # entries flattened at a time
 MAX_WIDTH = 256  # scratch entries per row; rows with more take the heavy-row kernel
@@ -427,10 +436,16 @@ def twell_up_down(
     whole rows are held in registers. order: rows heaviest first (an argsort of the row totals on the
     device; it changes which program takes a row, never the row's result).
     """
+    check_input("x", x)
+    check_threshold(threshold)
     m, k = x.shape
     if k > policy.MAX_K:
         raise ValueError(f"twell_up_down needs K <= {policy.MAX_K} (rows live in registers), got K={k}")
+    if not isinstance(gate_weight, torch.Tensor) or gate_weight.dim() != 2:
+        raise ValueError(f"gate_weight must be a 2-dim tensor [N, {k}]")
     n = gate_weight.shape[0]
+    if not all(isinstance(t, torch.Tensor) for t in (values, indices, counts)) or values.dim() != 3:
+        raise ValueError("twell_up_down expects values and indices [M, T, S] and counts [M, T] tensors")
     n_tiles, slots = values.shape[1], values.shape[2]
     if counts.shape != (m, n_tiles) or indices.shape != values.shape or values.shape[0] != m:
         raise ValueError(
@@ -444,8 +459,24 @@ def twell_up_down(
             raise ValueError(
                 f"{name} must be [{n}, {k}] {x.dtype} on {x.device}, got {list(t.shape)} {t.dtype} on {t.device}"
             )
-    if out is not None and (out.shape != x.shape or out.dtype != x.dtype):
-        raise ValueError(f"out must be {list(x.shape)} {x.dtype}, got {list(out.shape)} {out.dtype}")
+    check_tile(tile_n, slots)
+    # the kernels index the TwELL arrays as dense [M, T, S] / [M, T] of these types
+    for name, t, dtype in (
+        ("values", values, x.dtype),
+        ("indices", indices, torch.int16),
+        ("counts", counts, torch.int32),
+    ):
+        check_operand(name, t, tuple(t.shape), x, dtype)
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (indexed as a dense array), got strides {t.stride()}")
+    if up_bias is not None and up_weight is None:
+        raise ValueError("up_bias needs up_weight (a plain FFN has its bias as gate_bias)")
+    for name, b, size in (("gate_bias", gate_bias, n), ("up_bias", up_bias, n), ("down_bias", down_bias, k)):
+        check_bias(name, b, size, x)
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.device != x.device):
+        raise ValueError(
+            f"out must be {list(x.shape)} {x.dtype} on {x.device}, got {list(out.shape)} {out.dtype} on {out.device}"
+        )
     y = torch.empty_like(x) if out is None else out
     width = min(n_tiles * slots, MAX_WIDTH)
     programs = _programs(x.device)
