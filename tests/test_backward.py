@@ -81,9 +81,16 @@ VARIANTS = {
 CASES = [(v, torch.float32) for v in VARIANTS] + [("gated-relu-bias", torch.float16), ("plain-relu2", torch.float16)]
 
 
+# dense-backup rows: the dense pass takes ceil(13 / share) of the heaviest rows, the overflow kernel the
+# rest: share 1 sends every one to the dense pass; 10**6 sends one there and the others to the kernel
+SHARES = [1, 10**6]
+
+
+@pytest.mark.parametrize("share", SHARES, ids=["dense-pass", "overflow-kernel"])
 @pytest.mark.parametrize("variant,dtype", CASES, ids=[f"{v}-{str(d)[6:]}" for v, d in CASES])
-def test_every_gradient_matches_dense_autograd(variant, dtype):
+def test_every_gradient_matches_dense_autograd(variant, dtype, share, monkeypatch):
     """M=13, K=24, N=70 (no multiple of any block), width 16: empty, sparse, past-width and dense rows."""
+    monkeypatch.setattr(backward, "BACKUP_SHARE", share)
     gated, biases, threshold, drelu, squared = VARIANTS[variant]
     case = make_ffn(13, 24, 70, DENSITIES, dtype, DEVICE, seed=3, biases=biases, gated=gated)
     _check_grads(case, gated, dtype, threshold, drelu, squared)
@@ -94,14 +101,14 @@ def test_single_token_and_width_past_n():
     _check_grads(case, True, torch.float32, width=128)
 
 
-def test_neuron_active_in_every_token_is_split():
-    """257 tokens share neuron 5 (its pairs split into parts summed atomically); leading dims kept."""
+def test_neuron_active_in_every_token_spans_many_dw_steps():
+    """257 tokens share neuron 5: its pairs take several of the dW kernel's steps, with its group's other
+    neurons' pairs in the same steps (each pair must land in its own neuron's row); leading dims kept."""
     case = make_ffn(257, 16, 40, [0.0, 0.05, 0.1], torch.float32, DEVICE, seed=5, biases=True)
     with torch.no_grad():
         case["gate_weight"][5] = 0.0
         case["gate_bias"][5] = 2.0
-    per = max(-(-257 // backward.SPLITS), backward.MIN_PAIRS)
-    assert per < 257  # neuron 5's pairs span several programs
+    assert 257 > 2 * backward.DW_PAIRS  # neuron 5's pairs span several steps
     case["x"] = case["x"].reshape(257, 1, 16)
     leaves = _check_grads(case, True, torch.float32, width=8)
     assert leaves["x"].grad.shape == (257, 1, 16)
@@ -130,9 +137,11 @@ def test_record_holds_the_kept_entries():
 
 
 @pytest.mark.parametrize("gated,biases,drelu,squared", [(True, True, True, False), (False, False, False, True)])
-def test_l1_penalty_gradient(gated, biases, drelu, squared):
+@pytest.mark.parametrize("share", SHARES, ids=["dense-pass", "overflow-kernel"])
+def test_l1_penalty_gradient(gated, biases, drelu, squared, share, monkeypatch):
     """loss = <y, dy> + lam * sum |h|: the L1 term's gradient flows through the record (and through the
     recomputed dense-backup rows) as dense autograd's through |h|."""
+    monkeypatch.setattr(backward, "BACKUP_SHARE", share)
     case = make_ffn(13, 24, 70, DENSITIES, torch.float32, DEVICE, seed=4, biases=biases, gated=gated)
     leaves = _leaves(case)
     y, *_, l1, _ = _train_op(leaves, gated, drelu=drelu, squared=squared)
@@ -298,35 +307,40 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 from twell.kernels import backward
 
-FP32 = ("dl1", "dg", "du", "dwg", "dwu", "dwd", "dbg", "dbu", "l1")
+FP32 = ("dl1", "accg", "accu", "accd", "accbg", "accbu", "l1")
 def arg_type(name):
     if not name.endswith("_ptr"):
         return "fp32" if name == "threshold" else "i32"
     base = name[: -len("_ptr")]
-    return {"ids": "*i32", "cnt": "*i32", "nz": "*i32", "order": "*i64", "starts": "*i64"}.get(
-        base, "*fp32" if base in FP32 else "*bf16")
+    return {"ids": "*i32", "cnt": "*i32", "nz": "*i32", "inv": "*i32", "rows": "*i64", "order": "*i64",
+            "starts": "*i32"}.get(base, "*fp32" if base in FP32 else "*bf16")
 
 cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
 flags = dict(HAS_UP_BIAS=True, HAS_DOWN_BIAS=True, DRELU=False, SQUARE=False, HAS_GATE_BIAS=True,
-             SCAN=backward.SCAN, CHUNK=256, SPLITS=16, MIN_PAIRS=64, PAIRS=backward.DW_PAIRS)
-for kernel, block_k, extra in [
-    (backward._train_forward_kernel, 8192, {}),
-    (backward._train_dx_kernel, 8192, dict(BACKUP=False, ROWS=1)),
-    (backward._train_dx_kernel, 4096, dict(BACKUP=True, ROWS=1)),  # spills a little at 8192: _row_warps
-    (backward._train_dw_kernel, backward.DW_BLOCK_K, {}),
+             SCAN=backward.SCAN, CHUNK=256, ROWS=1, PRECISION="tf32", GROUP=backward.DW_GROUP,
+             PAIRS=backward.DW_PAIRS, STAGES=backward.DW_STAGES)
+for kernel, block_k, options in [
+    (backward._train_forward_kernel, 8192, {"num_warps": backward._row_warps(8192)}),
+    (backward._train_dx_kernel, 2048, {"num_warps": backward._row_warps(2048)}),
+    (backward._train_dx_kernel, 8192, {"num_warps": backward._row_warps(8192)}),
+    (backward._train_backup_kernel, 2048, {"num_warps": backward._row_warps(2048, True)}),
+    (backward._train_backup_kernel, 4096, {"num_warps": backward._row_warps(4096, True)}),  # spills at 8192
+    (backward._train_dw_kernel, backward.DW_BLOCK_K, {"num_warps": backward.DW_WARPS}),
 ]:
     for has_up in (True, False):
         names = [p.name for p in kernel.params if p.is_constexpr]
-        consts = {n: v for n, v in {**flags, **extra, "HAS_UP": has_up, "WIDTH": 512, "BLOCK_K": block_k}.items()
+        consts = {n: v for n, v in {**flags, "HAS_UP": has_up, "WIDTH": 512, "BLOCK_K": block_k}.items()
                   if n in names}
         signature = {n: "constexpr" if n in consts else arg_type(n) for n in kernel.arg_names}
-        warps = backward._row_warps(block_k, extra.get("BACKUP", False))
-        out = compile(ASTSource(kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
-                      options={"num_warps": warps})
+        # pointers and strides divisible by 16, as the launcher specialises them (vectorised row loads)
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
+                 if signature[n] != "constexpr" and (n.endswith("_ptr") or n.startswith("stride"))}
+        out = compile(ASTSource(kernel, signature, consts, attrs), target=GPUTarget("cuda", 90, 32), options=options)
         Path("k.cubin").write_bytes(out.asm["cubin"])
         usage = subprocess.run([str(cuobjdump), "-res-usage", "k.cubin"], capture_output=True, text=True).stdout
         assert "STACK:0 " in usage and "LOCAL:0 " in usage, (kernel.__name__, usage)  # no spills
-        print(kernel.__name__, has_up, [line.split()[0] for line in usage.splitlines() if "REG:" in line])
+        print(kernel.__name__, block_k, has_up, [f for line in usage.splitlines() if "REG:" in line
+                                                 for f in line.split() if f.startswith(("REG:", "SHARED:"))])
 """
 
 

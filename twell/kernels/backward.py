@@ -37,24 +37,39 @@ W_d is read as rows of down_weight^T ([N, K], unit stride on K), the layout spar
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from twell.kernels import policy
-from twell.kernels.common import check_bias, check_input, check_operand, check_threshold, threshold_in
+from twell.kernels.common import check_bias, check_input, check_operand, check_threshold, dot_precision, threshold_in
 
 # Gate columns the forward compacts at a time: each step is a prefix sum across the program's threads
 # (shuffles and a barrier), so 1024 columns (8 a thread at 4 warps) take a quarter of the steps of 256.
 # A dense-backup row's chunks go through its record slots: at most the width (_chunk).
 SCAN = 1024
-SPLITS = 16  # most parts a neuron's pairs are split into by the dW kernel
-MIN_PAIRS = 64  # fewest pairs in a part: a neuron with few pairs is one program, one atomic row
-# dW: pairs gathered at a time, and columns of the dW rows accumulated at a time. Registers per
-# thread (4 warps, ptxas for sm_90): 78 at 4 x 512, 136 at 8 x 512, 225 at 16 x 256; fewer registers,
-# more resident programs to keep gathers in flight.
-DW_PAIRS = 4
-DW_BLOCK_K = 512
-BACKUP_TILE = 2048  # elements of a [ROWS, BLOCK_K] weight tile of a dense-backup row (three live at once)
+# dW (_train_dw_kernel): neurons a program owns (16: the smallest tensor-core product), pairs gathered
+# a step, K columns a program owns, warps, and loop stages (the pair indices load STAGES - 1 steps
+# ahead through cp.async; the gathers that depend on them cannot). ptxas for sm_90: 128 registers a
+# thread at 64 x 128 with 8 warps (2 programs an SM, 64 KB of x / dy gathers in flight an SM); 4 warps
+# take 190 there, 138 at 64 x 64. Expected on an H200 at K=2048, N=5632, 0.5%: 352 x 16 programs of
+# ~55 steps; the 9.8 GB of gathered rows are L2 hits (the programs resident at once share one K
+# block: its x / dy columns are 16 MB), so ~1.5-2.5 ms (the atomic kernel it replaces: 17 ms).
+DW_GROUP = 16
+DW_PAIRS = 64
+DW_BLOCK_K = 128
+DW_WARPS = 8
+DW_STAGES = 3
+# Dense-backup rows (more kept neurons than the record's width): the heaviest ceil(M / BACKUP_SHARE)
+# rows go through one dense pass of cuBLAS GEMMs over those rows (_dense_backup: ~8 [M/32, K] x [K, N]
+# products, ~0.25 ms at K=2048, N=5632, M=32768; ~1.2 ms at K=4096, N=14336), rows past them through
+# the persistent per-row walk of _train_backup_kernel (BACKUP_PROGRAMS programs; [ROWS, BLOCK_K]
+# weight tiles of BACKUP_TILE elements, three live at once). The uniform benchmark inputs have 0.04%
+# (K=2048, 0.5%) to 1.7% (K=4096, 1%) of their rows past the width (train-20261130-234135.json): all
+# in the dense pass at 1/32; the one-row-per-program walk took ~10 ms for one K=2048 row.
+BACKUP_SHARE = 32
+BACKUP_PROGRAMS = 264
+BACKUP_TILE = 2048
 
 
 @triton.jit
@@ -251,32 +266,31 @@ def _backup_row(
         du = tl.where(kept, du, 0.0)
         dx += tl.sum(dg[:, None] * wg, axis=0)
         out = rows64[:, None] * K + offs_k[None, :]
-        tl.atomic_add(dwg_ptr + out, dg[:, None] * xv[None, :], mask=kept_tile)
-        tl.atomic_add(dwd_ptr + out, h[:, None] * dyv[None, :], mask=kept_tile)
+        tl.atomic_add(dwg_ptr + out, dg[:, None] * xv[None, :], mask=kept_tile, sem="relaxed")
+        tl.atomic_add(dwd_ptr + out, h[:, None] * dyv[None, :], mask=kept_tile, sem="relaxed")
         if HAS_GATE_BIAS:
-            tl.atomic_add(dbg_ptr + rows, dg, mask=kept)
+            tl.atomic_add(dbg_ptr + rows, dg, mask=kept, sem="relaxed")
         if HAS_UP:
             dx += tl.sum(du[:, None] * wu, axis=0)
-            tl.atomic_add(dwu_ptr + out, du[:, None] * xv[None, :], mask=kept_tile)
+            tl.atomic_add(dwu_ptr + out, du[:, None] * xv[None, :], mask=kept_tile, sem="relaxed")
             if HAS_UP_BIAS:
-                tl.atomic_add(dbu_ptr + rows, du, mask=kept)
+                tl.atomic_add(dbu_ptr + rows, du, mask=kept, sem="relaxed")
     return dx
 
 
 @triton.jit
 def _train_dx_kernel(
-    dy_ptr, dl1_ptr, x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, wd_ptr, ids_ptr, gate_ptr, up_ptr, cnt_ptr, dg_ptr,
-    du_ptr, dx_ptr, dwg_ptr, dwu_ptr, dwd_ptr, dbg_ptr, dbu_ptr,
-    N, K, threshold, stride_dym, stride_xm, stride_gn, stride_un, stride_dn, stride_dxm,
-    HAS_UP: tl.constexpr, HAS_GATE_BIAS: tl.constexpr, HAS_UP_BIAS: tl.constexpr, DRELU: tl.constexpr,
-    SQUARE: tl.constexpr, WIDTH: tl.constexpr, BACKUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+    rows_ptr, inv_ptr, dy_ptr, dl1_ptr, wg_ptr, wu_ptr, wd_ptr, ids_ptr, gate_ptr, up_ptr, cnt_ptr, cg_ptr, cu_ptr,
+    ch_ptr, dx_ptr, K, stride_dym, stride_gn, stride_un, stride_dn, stride_dxm,
+    HAS_UP: tl.constexpr, DRELU: tl.constexpr, SQUARE: tl.constexpr, WIDTH: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """Row m: dx_m and the record's dg (and du) of its entries; with BACKUP, only dense-backup rows, by
-    _backup_row (a launch of their own: its [ROWS, BLOCK_K] tiles would otherwise set the register
-    budget of every row). dl1: the gradient of sum |h| (the L1 penalty's), added to dh as dl1 * sign(h)."""
-    m = tl.program_id(0).to(tl.int64)
+    """Row m = rows[program_id] (heaviest first, so long rows start early instead of trailing the
+    launch): dx_m, and each record entry's (dg, du, h) stored at its place in the neuron-sorted pair
+    list (inv[slot]) for the dW kernel. Dense-backup rows are left to _dense_backup and
+    _train_backup_kernel. dl1: the gradient of sum |h| (the L1 penalty's), added to dh as dl1 * sign(h)."""
+    m = tl.load(rows_ptr + tl.program_id(0)).to(tl.int64)
     count = tl.load(cnt_ptr + m)
-    if (count > WIDTH) != BACKUP:
+    if count > WIDTH:
         return
     dl1 = tl.load(dl1_ptr)
     offs_k = tl.arange(0, BLOCK_K)
@@ -284,94 +298,122 @@ def _train_dx_kernel(
     dyv = tl.load(dy_ptr + m * stride_dym + offs_k, mask=k_ok, other=0.0).to(tl.float32)
     dx = tl.zeros([BLOCK_K], dtype=tl.float32)
     dtype = dx_ptr.dtype.element_ty
-    if not BACKUP:
-        slot = m * WIDTH
-        for e in range(0, count):
-            neuron = tl.load(ids_ptr + slot + e).to(tl.int64)
-            g = tl.load(gate_ptr + slot + e).to(tl.float32)
-            u = g
-            if HAS_UP:
-                u = tl.load(up_ptr + slot + e).to(tl.float32)
-            wd = tl.load(wd_ptr + neuron * stride_dn + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            dh = tl.sum(dyv * wd, axis=0) + dl1 * _sign(_hidden(g, u, HAS_UP, DRELU, SQUARE, dtype))
-            dg, du = _hidden_grads(dh, g, u, HAS_UP, DRELU, SQUARE)
-            wg = tl.load(wg_ptr + neuron * stride_gn + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            dx += dg * wg
-            tl.store(dg_ptr + slot + e, dg)
-            if HAS_UP:
-                wu = tl.load(wu_ptr + neuron * stride_un + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-                dx += du * wu
-                tl.store(du_ptr + slot + e, du)
-    else:
-        xv = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        dx = _backup_row(
-            dx, xv, dyv, dl1, offs_k, k_ok, N, K, threshold, wg_ptr, bg_ptr, wu_ptr, bu_ptr, wd_ptr, stride_gn,
-            stride_un, stride_dn, dwg_ptr, dwu_ptr, dwd_ptr, dbg_ptr, dbu_ptr, HAS_UP, HAS_GATE_BIAS,
-            HAS_UP_BIAS, DRELU, SQUARE, dtype, ROWS,
-        )  # fmt: skip
+    slot = m * WIDTH
+    for e in range(0, count):
+        neuron = tl.load(ids_ptr + slot + e).to(tl.int64)
+        g = tl.load(gate_ptr + slot + e).to(tl.float32)
+        u = g
+        if HAS_UP:
+            u = tl.load(up_ptr + slot + e).to(tl.float32)
+        wd = tl.load(wd_ptr + neuron * stride_dn + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        h = _hidden(g, u, HAS_UP, DRELU, SQUARE, dtype)
+        dg, du = _hidden_grads(tl.sum(dyv * wd, axis=0) + dl1 * _sign(h), g, u, HAS_UP, DRELU, SQUARE)
+        wg = tl.load(wg_ptr + neuron * stride_gn + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        dx += dg * wg
+        pair = tl.load(inv_ptr + slot + e)
+        tl.store(cg_ptr + pair, dg.to(dtype))
+        tl.store(ch_ptr + pair, h.to(dtype))
+        if HAS_UP:
+            wu = tl.load(wu_ptr + neuron * stride_un + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            dx += du * wu
+            tl.store(cu_ptr + pair, du.to(dtype))
     tl.store(dx_ptr + m * stride_dxm + offs_k, dx.to(dtype), mask=k_ok)
 
 
 @triton.jit
-def _train_dw_kernel(
-    order_ptr, starts_ptr, x_ptr, dy_ptr, gate_ptr, up_ptr, dg_ptr, du_ptr, dwg_ptr, dwu_ptr, dwd_ptr,
-    dbg_ptr, dbu_ptr, K, stride_xm, stride_dym,
+def _train_backup_kernel(
+    rows_ptr, dy_ptr, dl1_ptr, x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, wd_ptr, cnt_ptr, dx_ptr, dwg_ptr, dwu_ptr,
+    dwd_ptr, dbg_ptr, dbu_ptr, M, N, K, first, threshold, stride_dym, stride_xm, stride_gn, stride_un, stride_dn,
+    stride_dxm,
     HAS_UP: tl.constexpr, HAS_GATE_BIAS: tl.constexpr, HAS_UP_BIAS: tl.constexpr, DRELU: tl.constexpr,
-    SQUARE: tl.constexpr, WIDTH: tl.constexpr, SPLITS: tl.constexpr, MIN_PAIRS: tl.constexpr,
-    PAIRS: tl.constexpr, BLOCK_K: tl.constexpr,
+    SQUARE: tl.constexpr, WIDTH: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """Neuron n = program_id(0), part program_id(1) of its pairs (record slots order[starts[n]:
-    starts[n + 1]], slot = m * WIDTH + j): fp32 partial dW rows over the part, added atomically."""
-    neuron = tl.program_id(0).to(tl.int64)
-    start = tl.load(starts_ptr + neuron)
-    end = tl.load(starts_ptr + neuron + 1)
-    per = tl.maximum(tl.cdiv(end - start, SPLITS), MIN_PAIRS)
-    lo = start + tl.program_id(1) * per
-    hi = tl.minimum(end, lo + per)
-    if lo < hi:
-        offs_p = tl.arange(0, PAIRS)
-        if HAS_GATE_BIAS | HAS_UP_BIAS:
-            dbg = tl.zeros([PAIRS], dtype=tl.float32)
-            dbu = tl.zeros([PAIRS], dtype=tl.float32)
-            for p0 in range(lo, hi, PAIRS):
-                ok = p0 + offs_p < hi
-                slot = tl.load(order_ptr + p0 + offs_p, mask=ok, other=0)
-                dbg += tl.load(dg_ptr + slot, mask=ok, other=0.0)
-                if HAS_UP:
-                    dbu += tl.load(du_ptr + slot, mask=ok, other=0.0)
-            if HAS_GATE_BIAS:
-                tl.atomic_add(dbg_ptr + neuron, tl.sum(dbg, axis=0))
+    """The dense-backup rows past the first `first` of rows (heaviest first: those are _dense_backup's),
+    persistent: program i takes ranks first + i, first + i + programs, ... until a rank holds a row
+    within the width. One program walks a row's N neurons (_backup_row): slow (~N steps of a weight
+    row each), an overflow for layers with more than one dense-backup row in BACKUP_SHARE."""
+    i = first + tl.program_id(0)
+    m = tl.load(rows_ptr + tl.minimum(i, M - 1)).to(tl.int64)
+    busy = (i < M) & (tl.load(cnt_ptr + m) > WIDTH)
+    dl1 = tl.load(dl1_ptr)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_ok = offs_k < K
+    dtype = dx_ptr.dtype.element_ty
+    while busy:
+        dyv = tl.load(dy_ptr + m * stride_dym + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        xv = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        dx = _backup_row(
+            tl.zeros([BLOCK_K], dtype=tl.float32), xv, dyv, dl1, offs_k, k_ok, N, K, threshold, wg_ptr, bg_ptr,
+            wu_ptr, bu_ptr, wd_ptr, stride_gn, stride_un, stride_dn, dwg_ptr, dwu_ptr, dwd_ptr, dbg_ptr, dbu_ptr,
+            HAS_UP, HAS_GATE_BIAS, HAS_UP_BIAS, DRELU, SQUARE, dtype, ROWS,
+        )  # fmt: skip
+        tl.store(dx_ptr + m * stride_dxm + offs_k, dx.to(dtype), mask=k_ok)
+        i += tl.num_programs(0)
+        m = tl.load(rows_ptr + tl.minimum(i, M - 1)).to(tl.int64)
+        busy = (i < M) & (tl.load(cnt_ptr + m) > WIDTH)
+
+
+@triton.jit
+def _train_dw_kernel(
+    order_ptr, starts_ptr, x_ptr, dy_ptr, cg_ptr, cu_ptr, ch_ptr, accg_ptr, accu_ptr, accd_ptr, accbg_ptr,
+    accbu_ptr, dwg_ptr, dwu_ptr, dwd_ptr, dbg_ptr, dbu_ptr, N, K, stride_xm, stride_dym,
+    HAS_UP: tl.constexpr, HAS_GATE_BIAS: tl.constexpr, HAS_UP_BIAS: tl.constexpr, WIDTH: tl.constexpr,
+    GROUP: tl.constexpr, PAIRS: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    """Neurons [n0, n0 + GROUP) (n0 = GROUP * program_id(0)), columns of K block program_id(1): the
+    program owns these dW rows' block, so it writes them whole, with no atomics. Its neurons' pairs
+    are contiguous in the sorted list (p in starts[n0] .. starts[n0 + GROUP]); PAIRS at a time, the
+    gathered x and dy rows [PAIRS, BLOCK_K] are multiplied by a [GROUP, PAIRS] coefficient tile that
+    holds pair p's coefficient in its neuron's row and zeros elsewhere: one tensor-core product adds
+    every pair to its own neuron's row. Pairs come in neuron order, rows increasing, so each step's
+    tile gathers rows shared by its neighbours' K blocks; program_id(0) varies fastest, so resident
+    programs work on one K block and its x / dy columns stay in L2. The accumulators hold the
+    dense-backup rows' terms (the dx kernel's atomics) and are added once at the end."""
+    n0 = tl.program_id(0) * GROUP
+    offs_n = n0 + tl.arange(0, GROUP)
+    n_ok = offs_n < N
+    begin = tl.load(starts_ptr + offs_n, mask=n_ok, other=0)
+    end = tl.load(starts_ptr + offs_n + 1, mask=n_ok, other=0)
+    lo = tl.load(starts_ptr + n0)
+    hi = tl.load(starts_ptr + tl.minimum(n0 + GROUP, N))
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = offs_k < K
+    dtype = dwg_ptr.dtype.element_ty
+    acc_g = tl.zeros([GROUP, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([GROUP, BLOCK_K], dtype=tl.float32)
+    acc_d = tl.zeros([GROUP, BLOCK_K], dtype=tl.float32)
+    sum_g = tl.zeros([GROUP], dtype=tl.float32)
+    sum_u = tl.zeros([GROUP], dtype=tl.float32)
+    for p0 in tl.range(lo, hi, PAIRS, num_stages=STAGES):  # stages: the pair indices load steps ahead
+        p = p0 + tl.arange(0, PAIRS)
+        ok = p < hi
+        owner = (begin[:, None] <= p[None, :]) & (p[None, :] < end[:, None])  # [GROUP, PAIRS]
+        m = tl.load(order_ptr + p, mask=ok, other=0) // WIDTH
+        tile_ok = ok[:, None] & k_ok[None, :]
+        xt = tl.load(x_ptr + m[:, None] * stride_xm + offs_k[None, :], mask=tile_ok, other=0.0)
+        dyt = tl.load(dy_ptr + m[:, None] * stride_dym + offs_k[None, :], mask=tile_ok, other=0.0)
+        cg = tl.where(owner, tl.load(cg_ptr + p, mask=ok, other=0.0)[None, :], 0.0)
+        acc_g = tl.dot(cg.to(dtype), xt, acc_g, input_precision=PRECISION)
+        ch = tl.where(owner, tl.load(ch_ptr + p, mask=ok, other=0.0)[None, :], 0.0)
+        acc_d = tl.dot(ch.to(dtype), dyt, acc_d, input_precision=PRECISION)
+        if HAS_GATE_BIAS:
+            sum_g += tl.sum(cg.to(tl.float32), axis=1)
+        if HAS_UP:
+            cu = tl.where(owner, tl.load(cu_ptr + p, mask=ok, other=0.0)[None, :], 0.0)
+            acc_u = tl.dot(cu.to(dtype), xt, acc_u, input_precision=PRECISION)
             if HAS_UP_BIAS:
-                tl.atomic_add(dbu_ptr + neuron, tl.sum(dbu, axis=0))
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < K
-            acc_g = tl.zeros([BLOCK_K], dtype=tl.float32)
-            acc_u = tl.zeros([BLOCK_K], dtype=tl.float32)
-            acc_d = tl.zeros([BLOCK_K], dtype=tl.float32)
-            for p0 in range(lo, hi, PAIRS):
-                ok = p0 + offs_p < hi
-                slot = tl.load(order_ptr + p0 + offs_p, mask=ok, other=0)
-                m = slot // WIDTH
-                tile_ok = ok[:, None] & k_ok[None, :]
-                xt = tl.load(x_ptr + m[:, None] * stride_xm + offs_k[None, :], mask=tile_ok, other=0.0)
-                xt = xt.to(tl.float32)
-                dg = tl.load(dg_ptr + slot, mask=ok, other=0.0)
-                acc_g += tl.sum(dg[:, None] * xt, axis=0)
-                g = tl.load(gate_ptr + slot, mask=ok, other=0.0).to(tl.float32)
-                u = g
-                if HAS_UP:
-                    u = tl.load(up_ptr + slot, mask=ok, other=0.0).to(tl.float32)
-                    du = tl.load(du_ptr + slot, mask=ok, other=0.0)
-                    acc_u += tl.sum(du[:, None] * xt, axis=0)
-                h = tl.where(ok, _hidden(g, u, HAS_UP, DRELU, SQUARE, gate_ptr.dtype.element_ty), 0.0)
-                dyt = tl.load(dy_ptr + m[:, None] * stride_dym + offs_k[None, :], mask=tile_ok, other=0.0)
-                acc_d += tl.sum(h[:, None] * dyt.to(tl.float32), axis=0)
-            row = neuron * K + offs_k
-            tl.atomic_add(dwg_ptr + row, acc_g, mask=k_ok)
-            tl.atomic_add(dwd_ptr + row, acc_d, mask=k_ok)
-            if HAS_UP:
-                tl.atomic_add(dwu_ptr + row, acc_u, mask=k_ok)
+                sum_u += tl.sum(cu.to(tl.float32), axis=1)
+    out = offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
+    out_ok = n_ok[:, None] & k_ok[None, :]
+    tl.store(dwg_ptr + out, (acc_g + tl.load(accg_ptr + out, mask=out_ok, other=0.0)).to(dtype), mask=out_ok)
+    tl.store(dwd_ptr + out, (acc_d + tl.load(accd_ptr + out, mask=out_ok, other=0.0)).to(dtype), mask=out_ok)
+    if HAS_UP:
+        tl.store(dwu_ptr + out, (acc_u + tl.load(accu_ptr + out, mask=out_ok, other=0.0)).to(dtype), mask=out_ok)
+    if tl.program_id(1) == 0:
+        if HAS_GATE_BIAS:
+            tl.store(dbg_ptr + offs_n, (sum_g + tl.load(accbg_ptr + offs_n, mask=n_ok, other=0.0)).to(dtype), mask=n_ok)
+        if HAS_UP_BIAS:
+            tl.store(dbu_ptr + offs_n, (sum_u + tl.load(accbu_ptr + offs_n, mask=n_ok, other=0.0)).to(dtype), mask=n_ok)
 
 
 def _check_rows(name: str, t: torch.Tensor, n: int, k: int, x: torch.Tensor) -> None:
@@ -422,11 +464,15 @@ def _check_record(x, ids, gate, up, counts, has_up: bool, l1_grad) -> None:
 
 
 def _row_warps(block_k: int, backup: bool = False) -> int:
-    """Warps of the one-row-per-program kernels: whole rows in registers (ptxas, sm_90: the dx kernel
-    takes 96 registers a thread at K=2048 with 4 warps, 138 at K=4096, 103 there with 8). The
-    dense-backup launch takes 8: 105 registers at K=2048, 174 at K=4096; at K=8192 it spills 136 bytes
-    (16 warps: 320, the register cap halves), which only that rare path pays."""
-    return 8 if backup or block_k > 2048 else 4
+    """Warps of the one-row-per-program kernels: whole rows in registers. ptxas for sm_90 (Triton 3.9,
+    with the launcher's divisibility hints): the dx kernel takes 87 registers a thread at K=2048 with 4
+    warps, 161 at K=8192 with 8. The dense-backup overflow kernel (backup) is irregular under this
+    ptxas: at K=2048 8 warps spill 32 bytes without W_u and 16 warps take 96-122 registers; at K=4096
+    8 warps take 250-254, 16 spill 80 bytes; at K=8192 every count spills (296-712 bytes), which
+    only that rare path pays."""
+    if backup:
+        return 8 if block_k == 4096 else 16
+    return 8 if block_k > 2048 else 4
 
 
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -495,8 +541,52 @@ def _neuron_segments(ids: torch.Tensor, counts: torch.Tensor, n: int) -> tuple[t
     key_dtype = torch.int16 if n < torch.iinfo(torch.int16).max else torch.int32  # int16: half the radix passes
     keys = torch.where(valid, ids, n).to(key_dtype).reshape(-1)
     sorted_keys, order = torch.sort(keys, stable=True)
-    starts = torch.searchsorted(sorted_keys, torch.arange(n + 1, device=ids.device, dtype=key_dtype))
+    # int32 offsets where they fit: the dW kernel's loop over them then takes a third fewer registers
+    small = keys.numel() < 2**31
+    starts = torch.searchsorted(sorted_keys, torch.arange(n + 1, device=ids.device, dtype=key_dtype), out_int32=small)
     return order, starts
+
+
+def _dense_backup(
+    top, dx, dy, l1_grad, x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, counts, acc, width, *,
+    threshold, drelu, square,
+) -> None:  # fmt: skip
+    """The dense-backup rows among `top` (the heaviest rows, a fixed number: no host sync), as dense
+    autograd computes them, in cuBLAS GEMMs over those rows alone: dx rows written (the others of `top`
+    keep the dx kernel's), dW and dbias terms added to the fp32 accumulators acc = (g, u, d, bg, bu)."""
+    backup = (counts.index_select(0, top) > width)[:, None]
+    xb, dyb = x.index_select(0, top), dy.index_select(0, top)
+    g = F.linear(xb, gate_weight, gate_bias)
+    kept = ~(g <= threshold) & backup
+    g = g.float()
+    if up_weight is not None:
+        u = F.linear(xb, up_weight, up_bias).float()
+        act = u.relu() if drelu else u
+        h = (g * act).to(x.dtype).float()
+    else:
+        h = (g * g if square else g).to(x.dtype).float()
+    h = torch.where(kept, h, 0.0)
+    dh = F.linear(dyb, down_weight_t).float() + l1_grad * h.sign()
+    if up_weight is not None:
+        dg = dh * act
+        du = torch.where(u > 0, dh * g, 0.0) if drelu else dh * g
+    else:
+        dg = 2.0 * g * dh if square else dh
+    dg = torch.where(kept, dg, 0.0)
+    dgt = dg.to(x.dtype)
+    dxb = dgt @ gate_weight
+    acc[0].add_(dgt.t() @ xb)
+    acc[2].add_(h.to(x.dtype).t() @ dyb)
+    if gate_bias is not None:
+        acc[3].add_(dg.sum(0))
+    if up_weight is not None:
+        du = torch.where(kept, du, 0.0)
+        dut = du.to(x.dtype)
+        dxb = dxb + dut @ up_weight
+        acc[1].add_(dut.t() @ xb)
+        if up_bias is not None:
+            acc[4].add_(du.sum(0))
+    dx.index_copy_(0, top, torch.where(backup, dxb, dx.index_select(0, top)))
 
 
 def train_backward(
@@ -535,38 +625,58 @@ def train_backward(
     _check_record(x, ids, gate, up, counts, up_weight is not None, l1_grad)
     f32 = {"dtype": torch.float32, "device": x.device}
     dx = _alloc((m, k), x.dtype, x.device)
-    dwg = torch.zeros(n, k, **f32)
-    dwu = torch.zeros(n, k, **f32) if up_weight is not None else dwg.new_empty(0)
-    dwd = torch.zeros(n, k, **f32)
-    dbg = torch.zeros(n if gate_bias is not None else 0, **f32)
-    dbu = torch.zeros(n if up_bias is not None else 0, **f32)
-    dg = _alloc((m, width), torch.float32, x.device)
-    du = _alloc((m, width), torch.float32, x.device) if up_weight is not None else dg
-    flags = {
-        "HAS_UP": up_weight is not None,
-        "HAS_GATE_BIAS": gate_bias is not None,
-        "HAS_UP_BIAS": up_bias is not None,
-        "DRELU": drelu,
-        "SQUARE": square,
-        "WIDTH": width,
-    }
+    has_up = up_weight is not None
+    dwg = _alloc((n, k), x.dtype, x.device)
+    dwu = _alloc((n, k), x.dtype, x.device) if has_up else dwg.new_empty(0)
+    dwd = _alloc((n, k), x.dtype, x.device)
+    dbg = _alloc((n,), x.dtype, x.device) if gate_bias is not None else dwg.new_empty(0)
+    dbu = _alloc((n,), x.dtype, x.device) if up_bias is not None else dwg.new_empty(0)
+    # dense-backup rows' dW / dbias terms (the dense pass's products, the backup kernel's atomics), added by
+    # the dW kernel
+    acc_g = torch.zeros(n, k, **f32)
+    acc_u = torch.zeros(n, k, **f32) if has_up else acc_g
+    acc_d = torch.zeros(n, k, **f32)
+    acc_bg = torch.zeros(n if gate_bias is not None else 0, **f32)
+    acc_bu = torch.zeros(n if up_bias is not None else 0, **f32)
+    # (dg, du, h) of each record pair, in the neuron-sorted order the dW kernel reads
+    coef_g = _alloc((m * width,), x.dtype, x.device)
+    coef_u = _alloc((m * width,), x.dtype, x.device) if has_up else coef_g
+    coef_h = _alloc((m * width,), x.dtype, x.device)
     if m > 0:
         block_k = triton.next_power_of_2(k)
-        wu = up_weight if up_weight is not None else x
-        for backup in (False, True):
-            _train_dx_kernel[(m,)](
-                dy, l1_grad, x, gate_weight, gate_bias if gate_bias is not None else x, wu,
-                up_bias if up_bias is not None else x, down_weight_t, ids, gate, up, counts, dg, du, dx, dwg, dwu,
-                dwd, dbg, dbu, n, k, threshold_in(threshold, x.dtype), dy.stride(0), x.stride(0),
-                gate_weight.stride(0), wu.stride(0), down_weight_t.stride(0), dx.stride(0), BACKUP=backup,
-                ROWS=max(1, min(16, BACKUP_TILE // block_k)), BLOCK_K=block_k,
-                num_warps=_row_warps(block_k, backup), **flags,
-            )  # fmt: skip
+        wu = up_weight if has_up else x
         order, starts = _neuron_segments(ids, counts, n)
-        _train_dw_kernel[(n, SPLITS)](
-            order, starts, x, dy, gate, up, dg, du, dwg, dwu, dwd, dbg, dbu, k, x.stride(0), dy.stride(0),
-            SPLITS=SPLITS, MIN_PAIRS=MIN_PAIRS, PAIRS=DW_PAIRS,
-            BLOCK_K=min(DW_BLOCK_K, triton.next_power_of_2(k)), num_warps=4, **flags,
+        inv = torch.empty_like(order, dtype=torch.int32 if order.numel() < 2**31 else torch.int64)
+        inv[order] = torch.arange(order.numel(), device=x.device, dtype=inv.dtype)
+        rows = torch.argsort(counts, descending=True)  # heaviest first (dense-backup rows lead)
+        _train_dx_kernel[(m,)](
+            rows, inv, dy, l1_grad, gate_weight, wu, down_weight_t, ids, gate, up, counts, coef_g, coef_u, coef_h,
+            dx, k, dy.stride(0), gate_weight.stride(0), wu.stride(0), down_weight_t.stride(0), dx.stride(0),
+            HAS_UP=has_up, DRELU=drelu, SQUARE=square, WIDTH=width, BLOCK_K=block_k,
+            num_warps=_row_warps(block_k),
         )  # fmt: skip
+        top = -(-m // BACKUP_SHARE)
+        _dense_backup(
+            rows[:top], dx, dy, l1_grad, x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, counts,
+            (acc_g, acc_u, acc_d, acc_bg, acc_bu), width, threshold=threshold, drelu=drelu, square=square,
+        )  # fmt: skip
+        _train_backup_kernel[(BACKUP_PROGRAMS,)](
+            rows, dy, l1_grad, x, gate_weight, gate_bias if gate_bias is not None else x, wu,
+            up_bias if up_bias is not None else x, down_weight_t, counts, dx, acc_g, acc_u, acc_d, acc_bg, acc_bu,
+            m, n, k, top, threshold_in(threshold, x.dtype), dy.stride(0), x.stride(0), gate_weight.stride(0),
+            wu.stride(0), down_weight_t.stride(0), dx.stride(0), HAS_UP=has_up, HAS_GATE_BIAS=gate_bias is not None,
+            HAS_UP_BIAS=up_bias is not None, DRELU=drelu, SQUARE=square, WIDTH=width,
+            ROWS=max(1, min(16, BACKUP_TILE // block_k)), BLOCK_K=block_k, num_warps=_row_warps(block_k, True),
+        )  # fmt: skip
+        dw_block_k = min(DW_BLOCK_K, max(16, block_k))
+        _train_dw_kernel[(triton.cdiv(n, DW_GROUP), triton.cdiv(k, dw_block_k))](
+            order, starts, x, dy, coef_g, coef_u, coef_h, acc_g, acc_u, acc_d, acc_bg, acc_bu, dwg, dwu, dwd, dbg,
+            dbu, n, k, x.stride(0), dy.stride(0), HAS_UP=has_up, HAS_GATE_BIAS=gate_bias is not None,
+            HAS_UP_BIAS=up_bias is not None, WIDTH=width, GROUP=DW_GROUP, PAIRS=DW_PAIRS, BLOCK_K=dw_block_k,
+            PRECISION=dot_precision(x.dtype), STAGES=DW_STAGES, num_warps=DW_WARPS,
+        )  # fmt: skip
+    else:  # no pairs: the gradients of the weights are zeros
+        for t in (dwg, dwu, dwd, dbg, dbu):
+            t.zero_()
     dbd = dy.sum(0, dtype=torch.float32).to(x.dtype) if has_down_bias else dx.new_empty(0)
-    return dx, dwg.to(x.dtype), dwu.to(x.dtype), dwd.to(x.dtype), dbg.to(x.dtype), dbu.to(x.dtype), dbd
+    return dx, dwg, dwu, dwd, dbg, dbu, dbd
