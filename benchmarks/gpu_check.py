@@ -25,13 +25,12 @@ import twell
 from twell.kernels import decode, gate, updown
 from twell.kernels.gate import pack_dense
 
-# decode_ffn keyword arguments to compare ({}: the launcher's choice). One token: (BLOCK_N, BLOCK_K,
-# num_warps, num_stages, EACH) of the gate+up kernel, (BLOCK_K, GROUP, CHUNK, num_warps) of the down kernel
+# decode_ffn keyword arguments to compare ({}: the launcher's choice). One token: (BLOCK_K, GROUP, CHUNK,
+# num_warps) of the down kernel, GROUP 0: the h-scanning kernel (the gate+up configs were compared in
+# gpu_check-decode-20261201-024429.json); timed at each density
 DECODE_ONE_TOKEN_VARIANTS = [{}] + [
-    {"gate_up_config": gu, "down_config": dn}
-    for gu, dn in [((16, 512, 4, 3, True), None), ((16, 256, 4, 3, True), None), ((16, 512, 8, 3, True), None),
-                   ((16, 1024, 8, 3, True), None), ((32, 256, 4, 3, True), None), (None, (64, 32, 16, 4))]
-]  # fmt: skip
+    {"down_config": dn} for dn in [(64, 0, 256, 4), (32, 0, 256, 4), (32, 0, 512, 4), (16, 0, 512, 4), (128, 0, 128, 4)]
+]
 # More tokens: (BLOCK_N, BLOCK_K, num_warps, num_stages, EACH) of the gate+up kernel, (BLOCK_K, GROUP,
 # CHUNK, num_warps) of the down kernel
 DECODE_VARIANTS = [{}] + [
@@ -210,9 +209,10 @@ def main():
         print(result["first_call_s"], flush=True)
         for shape in args.shapes.split(","):
             k, n = map(int, shape.split("x"))
-            result["rows"] += decode_point(k, n, 1, 0.005, DECODE_ONE_TOKEN_VARIANTS)
+            for density in (0.005, 0.01, 0.05):
+                result["rows"] += decode_point(k, n, 1, density, DECODE_ONE_TOKEN_VARIANTS)
             result["rows"] += decode_point(k, n, 16, 0.005, DECODE_VARIANTS)
-            for m in (1, 4, 16):
+            for m in (4, 16):
                 for density in (0.01, 0.05):
                     result["rows"] += decode_point(k, n, m, density, [{}])
             path.write_text(json.dumps(result, indent=1))  # kept if a later shape runs out of time
