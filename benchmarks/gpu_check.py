@@ -25,11 +25,11 @@ import twell
 from twell.kernels import decode, gate, updown
 from twell.kernels.gate import pack_dense
 
-# decode_ffn keyword arguments to compare ({}: the launcher's choice). One token: (BLOCK_K, GROUP, CHUNK,
-# num_warps) of the down kernel, GROUP 0: the h-scanning kernel (the gate+up configs were compared in
-# gpu_check-decode-20261201-024429.json); timed at each density
+# decode_ffn keyword arguments to compare ({}: the launcher's choice). One token, timed at each density:
+# (BLOCK_K, GROUP, CHUNK, num_warps) of the down kernel (the launcher's one group against several; the
+# gate+up configs were compared in gpu_check-decode-20261201-024429.json)
 DECODE_ONE_TOKEN_VARIANTS = [{}] + [
-    {"down_config": dn} for dn in [(64, 0, 256, 4), (32, 0, 256, 4), (32, 0, 512, 4), (16, 0, 512, 4), (128, 0, 128, 4)]
+    {"down_config": dn} for dn in [(64, 32, 16, 4), (64, 64, 32, 4), (32, 128, 32, 4), (128, 32, 16, 4)]
 ]
 # More tokens: (BLOCK_N, BLOCK_K, num_warps, num_stages, EACH) of the gate+up kernel, (BLOCK_K, GROUP,
 # CHUNK, num_warps) of the down kernel

@@ -361,10 +361,6 @@ DECODE_CASES = {
     "m16-groups": (16, 40, 200, MIXED, (16, 32, 4, 1, False), (32, 2, 16, 4)),
     "m70-blocks": (70, 130, 100, MIXED, (32, 64, 4, 1, True), (64, 1, 16, 4)),
     "m3-dense": (3, 24, 48, [1.0], (16, 16, 4, 1, False), (16, 2, 16, 4)),
-    # GROUP 0: the h-scanning down kernel (K blocks and neuron chunks past the ends)
-    "m1-scan": (1, 40, 100, MIXED[1:2], (16, 16, 4, 1, False), (16, 0, 32, 4)),
-    "m1-scan-dense": (1, 24, 70, [1.0], (16, 16, 4, 1, True), (32, 0, 64, 4)),
-    "m1-scan-empty": (1, 40, 100, [0.0], (16, 32, 4, 1, False), (16, 0, 32, 4)),
 }
 
 
@@ -405,13 +401,6 @@ def test_decode_is_deterministic():
         decode_ffn(*args, case["down_weight"].t(), case["down_bias"], 0.0, down_config=(32, 2, 16, 4)) for _ in "ab"
     ]
     assert torch.equal(runs[0], runs[1])
-
-
-def test_decode_scan_serves_one_token_only():
-    case = make_ffn(2, 16, 32, [0.1], torch.float32, DEVICE, seed=1, biases=False)
-    args = (case["x"], case["gate_weight"], None, case["up_weight"], None, case["down_weight"].t(), None, 0.0)
-    with pytest.raises(ValueError, match="one token"):
-        decode_ffn(*args, down_config=(16, 0, 32, 4))
 
 
 @pytest.fixture

@@ -10,9 +10,7 @@ Two kernels per call, no host synchronisation and no memset (CUDA graphs capture
    entries are flattened (prefix sum over GROUP counts), y_part = h[:, ids] W_d^T[ids, kblk] in fp32.
    With one group the program writes y directly; otherwise partials go to a scratch buffer and the
    last program of each (K block, token block) to arrive (a counter, zeroed by kernel 1 and reset by
-   that program) sums them in group order: deterministic, no atomics on data. For one token the down
-   projection can instead scan the hidden row (_decode_down_scan_kernel: no list, a cost set by N,
-   not by the number of active neurons).
+   that program) sums them in group order: deterministic, no atomics on data.
 """
 
 from __future__ import annotations
@@ -266,45 +264,6 @@ def _decode_down_kernel(
             tl.atomic_xchg(sem, 0)  # ready for a rerun of this kernel alone (autotuning, replays)
 
 
-@triton.jit
-def _decode_down_scan_kernel(
-    h_ptr,
-    wd_ptr,
-    bd_ptr,
-    y_ptr,
-    N,
-    K,
-    stride_dn,
-    stride_dk,
-    stride_yk,
-    HAS_DOWN_BIAS: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    CHUNK: tl.constexpr,
-):
-    """One token's down projection, one program per K block: the program walks the hidden row h [N]
-    CHUNK neurons at a time and loads the W_d rows of its nonzero entries only (masked-off rows move
-    no bytes; chunks without one are skipped). No compact list, no partials: the cost per program is
-    N / CHUNK steps whatever the density, where the list kernel's mapping of entries to neuron blocks
-    grows with the number of active neurons. A zero h entry contributes nothing, as in every sparse path."""
-    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
-    k_ok = offs_k < K
-    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for n0 in range(0, N, CHUNK):
-        offs_n = n0 + tl.arange(0, CHUNK)
-        hv = tl.load(h_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-        active = hv != 0.0  # NaN entries too: they propagate as in the dense product
-        if tl.max(active.to(tl.int32), axis=0) > 0:
-            wd = tl.load(
-                wd_ptr + offs_n.to(tl.int64)[:, None] * stride_dn + offs_k[None, :] * stride_dk,
-                mask=active[:, None] & k_ok[None, :],
-                other=0.0,
-            )
-            acc += tl.sum(hv[:, None] * wd.to(tl.float32), axis=0)
-    if HAS_DOWN_BIAS:
-        acc += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs_k * stride_yk, acc.to(y_ptr.dtype.element_ty), mask=k_ok)
-
-
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, EACH) of the gate + up kernel, (BLOCK_K, GROUP, CHUNK,
 # num_warps) of the down kernel, for one token and for more; the fastest at both of K=2048/N=5632 and
 # K=4096/N=14336 on an H200 (gpu_check-decode-20261130-161902.json, -230248.json, -231118.json).
@@ -346,8 +305,7 @@ def decode_ffn(
 
     x: [M, K]; gate_weight, up_weight: [N, K]; down_weight_t: [N, K] (= down_weight.t(), unit stride on K
     for coalesced row loads); biases contiguous. Exact at any density: a dense call reads every row.
-    The configs override GATE_UP_CONFIG(_WIDE) / DOWN_CONFIG (tests, benchmarks); a down_config with
-    GROUP 0, (BLOCK_K, 0, CHUNK, num_warps), takes one token through the h-scanning down kernel.
+    The configs override GATE_UP_CONFIG(_WIDE) / DOWN_CONFIG (tests, benchmarks).
     """
     check_input("x", x)
     check_threshold(threshold)
@@ -366,14 +324,12 @@ def decode_ffn(
     block_n, block_k, warps, stages, each = gate_up_config or default
     n_blocks = triton.cdiv(n, block_n)
     down_k, group, chunk, down_warps = down_config or DOWN_CONFIG[min(m, 2)]
-    if group == 0 and m != 1:
-        raise ValueError(f"down_config with GROUP 0 (the h-scanning kernel) serves one token, got M={m}")
     if down_config is None and m == 1 and n_blocks <= ONE_GROUP_MAX_BLOCKS:
         group = triton.next_power_of_2(n_blocks)
     block_m = 1 if m == 1 else min(max(triton.next_power_of_2(m), 16), 64)
     m_blocks = triton.cdiv(m, block_m)
     k_blocks = triton.cdiv(k, down_k)
-    n_groups = triton.cdiv(n_blocks, group) if group else 1
+    n_groups = triton.cdiv(n_blocks, group)
     precision = dot_precision(x.dtype)
     hidden = torch.empty(m, n, dtype=x.dtype, device=x.device)
     ids = torch.empty(m_blocks * n_blocks * block_n, dtype=torch.int32, device=x.device)
@@ -416,23 +372,6 @@ def decode_ffn(
         num_warps=warps,
         num_stages=stages,
     )
-    if group == 0:  # one token, the h-scanning down kernel
-        _decode_down_scan_kernel[(k_blocks,)](
-            hidden,
-            down_weight_t,
-            down_bias if down_bias is not None else x,
-            y,
-            n,
-            k,
-            down_weight_t.stride(0),
-            down_weight_t.stride(1),
-            y.stride(1),
-            HAS_DOWN_BIAS=down_bias is not None,
-            BLOCK_K=down_k,
-            CHUNK=chunk,
-            num_warps=down_warps,
-        )
-        return y
     _decode_down_kernel[(k_blocks, n_groups, m_blocks)](
         hidden,
         ids,
