@@ -25,21 +25,19 @@ import twell
 from twell.kernels import decode, gate, updown
 from twell.kernels.gate import pack_dense
 
-# decode_ffn keyword arguments to compare ({}: the launcher's choice). One token, timed at each density:
-# (BLOCK_K, GROUP, CHUNK, num_warps) of the down kernel (the launcher's one group against several; the
-# gate+up configs were compared in gpu_check-decode-20261201-024429.json)
-DECODE_ONE_TOKEN_VARIANTS = [{}] + [
-    {"down_config": dn} for dn in [(64, 32, 16, 4), (64, 64, 32, 4), (32, 128, 32, 4), (128, 32, 16, 4)]
-]
-# More tokens: (BLOCK_N, BLOCK_K, num_warps, num_stages, EACH) of the gate+up kernel, (BLOCK_K, GROUP,
-# CHUNK, num_warps) of the down kernel
-DECODE_VARIANTS = [{}] + [
-    {"gate_up_config": gu, "down_config": dn}
-    for gu, dn in [((64, 128, 4, 4, True), None), ((32, 128, 4, 4, False), None), ((16, 128, 4, 4, False), None),
-                   ((16, 256, 4, 3, False), None), ((16, 128, 4, 4, False), (128, 32, 16, 4)),
-                   ((32, 128, 4, 4, False), (128, 16, 16, 4)), ((16, 64, 2, 4, False), (128, 32, 16, 4)),
-                   (None, (64, 8, 16, 4)), (None, (128, 16, 16, 4))]
-]  # fmt: skip
+# decode_ffn keyword arguments to compare ({}: the launcher's choice), per tokens per call, each timed at
+# 0.5%, 1% and 5%: (BLOCK_K, GROUP, CHUNK, num_warps) of the down kernel. Entries a program walks come in
+# CHUNKs, one dependent gather round each; GROUP neuron blocks a program (more groups: fewer rounds, a
+# last-arriver sum of partials). The gate+up configs were compared in gpu_check-decode-20261201-024429.json.
+DECODE_VARIANTS = {
+    1: [{}] + [{"down_config": dn} for dn in [
+        (64, 512, 64, 4), (64, 512, 128, 8), (32, 512, 64, 4), (64, 32, 16, 4), (64, 64, 32, 4), (64, 32, 64, 4),
+    ]],
+    16: [{}] + [{"down_config": dn} for dn in [
+        (64, 8, 16, 4), (128, 8, 64, 4), (64, 8, 64, 4), (128, 16, 64, 8), (32, 128, 64, 4), (64, 128, 64, 4),
+        (64, 4, 32, 4), (128, 4, 64, 4),
+    ]],
+}  # fmt: skip
 
 
 def decode_point(k, n, m, density, variants) -> list[dict]:
@@ -209,12 +207,11 @@ def main():
         print(result["first_call_s"], flush=True)
         for shape in args.shapes.split(","):
             k, n = map(int, shape.split("x"))
-            for density in (0.005, 0.01, 0.05):
-                result["rows"] += decode_point(k, n, 1, density, DECODE_ONE_TOKEN_VARIANTS)
-            result["rows"] += decode_point(k, n, 16, 0.005, DECODE_VARIANTS)
-            for m in (4, 16):
-                for density in (0.01, 0.05):
-                    result["rows"] += decode_point(k, n, m, density, [{}])
+            for m, variants in DECODE_VARIANTS.items():
+                for density in (0.005, 0.01, 0.05):
+                    result["rows"] += decode_point(k, n, m, density, variants)
+            for density in (0.01, 0.05):
+                result["rows"] += decode_point(k, n, 4, density, [{}])
             path.write_text(json.dumps(result, indent=1))  # kept if a later shape runs out of time
     elif args.part == "profile":
         for k, n, m, pattern in ((2048, 5632, 1, "uniform"), (2048, 5632, 16, "uniform"), (4096, 14336, 16, "uniform")):
