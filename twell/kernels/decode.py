@@ -204,7 +204,6 @@ def _decode_down_kernel(
     BLOCK_K: tl.constexpr,
     GROUP: tl.constexpr,
     CHUNK: tl.constexpr,
-    SUM_UNROLL: tl.constexpr,
 ):
     pid_k = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -253,11 +252,8 @@ def _decode_down_kernel(
         arrived = tl.atomic_add(sem, 1, sem="acq_rel")
         if arrived == n_groups - 1:  # the last group of this tile: sum the partials in group order
             total_acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-            for g0 in range(0, n_groups, SUM_UNROLL):
-                # unrolled: SUM_UNROLL loads in flight at once, added in group order
-                for i in tl.static_range(SUM_UNROLL):
-                    ok = out_mask & ((tl.zeros([BLOCK_M, BLOCK_K], tl.int32) + g0 + i) < n_groups)
-                    total_acc += tl.load(part + (g0 + i) * M * K, mask=ok, other=0.0, cache_modifier=".cg")
+            for grp in range(0, n_groups):
+                total_acc += tl.load(part + grp * M * K, mask=out_mask, other=0.0, cache_modifier=".cg")
             if HAS_DOWN_BIAS:
                 total_acc += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(y_ptrs, total_acc.to(y_ptr.dtype.element_ty), mask=out_mask)
@@ -272,17 +268,12 @@ GATE_UP_CONFIG = {1: (16, 512, 4, 3, False), 2: (64, 128, 4, 4, False)}
 # the config above, more of W_g in flight): 44.7 against 48.7 us per layer at K=4096; 14.9 against
 # 14.1 us at K=2048 (gpu_check-decode-20261130-231118.json).
 GATE_UP_CONFIG_WIDE = (16, 256, 4, 3, True)
+# One token: 32 neuron blocks a group (11 groups at N=5632), whatever N. One group of every block (no
+# partials, no last-arriver pass) was 0.8 us faster at 0.5% uniform but walks every entry in one
+# program per K block, one gather round per 16-32 entries: at K=2048 it took 14.1 / 14.5 / 28.6 us a
+# layer at 0.5 / 1 / 5% against 14.9 / 15.4 / 17.6 us with 11 groups (gpu_check-decode-20261201-043811.json),
+# and a model's decode tokens fire more neurons than its average (benchmarks/step_profile.py).
 DOWN_CONFIG = {1: (64, 32, 16, 4), 2: (128, 8, 16, 4)}
-# One token, at most this many neuron blocks: the down kernel takes them all in one group (no partials,
-# no last-arriver pass): 15.8 against 17.2 us per layer at K=2048 (352 blocks); at K=4096 (896 blocks)
-# two groups of 512 were slower than 28 groups of 32 (61.7 against 51.6 us; gpu_check-decode-20261130-230248).
-# The price is at higher density, where one program per K block walks every entry: 5% at K=2048,
-# 28.6 us (1.16x dense) against 19.2 us with 11 groups (gpu_check-decode-20261130-231118.json).
-ONE_GROUP_MAX_BLOCKS = 512
-# Partials the last-arriving down program loads at once (at most this many fp32 elements in flight): a
-# loop of one load per group waited a memory latency per group (16 tokens: down 9.1 us of a 26 us call,
-# gpu_check-profile-20261201-024853.json).
-SUM_ELEMENTS = 8192
 
 
 def decode_ffn(
@@ -324,8 +315,6 @@ def decode_ffn(
     block_n, block_k, warps, stages, each = gate_up_config or default
     n_blocks = triton.cdiv(n, block_n)
     down_k, group, chunk, down_warps = down_config or DOWN_CONFIG[min(m, 2)]
-    if down_config is None and m == 1 and n_blocks <= ONE_GROUP_MAX_BLOCKS:
-        group = triton.next_power_of_2(n_blocks)
     block_m = 1 if m == 1 else min(max(triton.next_power_of_2(m), 16), 64)
     m_blocks = triton.cdiv(m, block_m)
     k_blocks = triton.cdiv(k, down_k)
@@ -396,7 +385,6 @@ def decode_ffn(
         BLOCK_K=down_k,
         GROUP=group,
         CHUNK=chunk,
-        SUM_UNROLL=max(1, min(16, SUM_ELEMENTS // (block_m * down_k))),
         num_warps=down_warps,
     )
     return y
