@@ -10,7 +10,8 @@ and TwELL layout; policy.route decides.
   persistent TMA GEMM packing in its epilogue, where the operands allow; otherwise cuBLAS + a pack
   pass), then the fused up+down kernels, which recompute the gate of tiles that overflow their slots:
   exact at any sparsity.
-- Otherwise dense (also for K > MAX_K, and for a down weight not stored as the kernels read it).
+- Otherwise dense (also for K > MAX_K, and for a down weight not stored as the kernels read it):
+  twell.kernels.dense, cuBLAS with the activation and product in one pass.
 - Layer density: each prefill call queues a copy of its kept-entry count to pinned host memory; a
   later call of the layer reads it once the copy is done (never waiting). A layer denser than its
   dense_above then runs dense for DENSE_RETRY prefill calls and probes again: a rewrite must not make
@@ -26,7 +27,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from twell.kernels import policy, reference
+from twell.kernels import dense as dense_route
+from twell.kernels import policy
 from twell.kernels.decode import decode_ffn
 from twell.kernels.gate import fused_gate_supported, gate_twell, pack_dense
 from twell.kernels.updown import twell_up_down
@@ -161,7 +163,7 @@ def _run(
 
 def gated_ffn(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu, config):
     def dense(x2):
-        return reference.gated_ffn(
+        return dense_route.gated_ffn(
             x2, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu
         )
 
@@ -172,6 +174,6 @@ def gated_ffn(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_b
 
 def ffn(x, up_weight, down_weight, up_bias, down_bias, threshold, squared, config):
     def dense(x2):
-        return reference.ffn(x2, up_weight, down_weight, up_bias, down_bias, threshold, squared)
+        return dense_route.ffn(x2, up_weight, down_weight, up_bias, down_bias, threshold, squared)
 
     return _run(x, up_weight, up_bias, None, None, down_weight, down_bias, threshold, False, squared, dense, config)
