@@ -1,0 +1,63 @@
+"""The dense route (twell.kernels.dense) against eager dense, in pieces, at prefill shapes: whether a
+dense-route call can be slower than the dense module it replaces (the down GEMM on the rows layout
+sparsify stores, the fused activation against relu_ + mul_).
+
+    cd benchmarks && PYTHONPATH=.. python dense_route.py      # CUDA only; JSON to results/
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.dirname(__file__))
+from ffn import environment, result_path  # noqa: E402
+
+from twell.kernels import dense  # noqa: E402
+
+SHAPES = ((4096, 14336, 32768), (2048, 5632, 32768))
+
+
+def bench(fn) -> float:
+    return do_bench(fn, rep=300, return_mode="median")
+
+
+def shape_times(k: int, n: int, m: int) -> dict:
+    """Median ms of each piece at one shape."""
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    wg, wu = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(2))
+    wd = torch.randn(k, n, device="cuda", dtype=torch.bfloat16) / n**0.5
+    rows = wd.t().contiguous()  # [N, K]: the layout sparsify stores
+    h = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    g, u = F.linear(x, wg), F.linear(x, wu)
+    return {
+        "eager_ffn": bench(lambda: F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)),
+        "route_plain_down": bench(lambda: dense.gated_ffn(x, wg, wu, wd, None, None, None, 0.0, False)),
+        "route_rows_down": bench(lambda: dense.gated_ffn(x, wg, wu, rows.t(), None, None, None, 0.0, False)),
+        "down_gemm_plain": bench(lambda: F.linear(h, wd)),
+        "down_gemm_rows": bench(lambda: F.linear(h, rows.t())),
+        "gate_gemm": bench(lambda: F.linear(x, wg)),
+        "act_mul": bench(lambda: dense.act_mul_(g, u, 0.0, drelu=False, square=False)),
+        "relu_then_mul_eager": bench(lambda: g.relu_().mul_(u)),
+    }
+
+
+def main():
+    torch.manual_seed(0)
+    result = environment() | {"rows": []}
+    for k, n, m in SHAPES:
+        ms = shape_times(k, n, m)
+        print(k, n, m, {key: round(v, 3) for key, v in ms.items()}, flush=True)
+        result["rows"].append({"K": k, "N": n, "M": m, "ms": ms})
+    path = result_path(os.path.join(os.path.dirname(__file__), "results"), "dense_route")
+    path.write_text(json.dumps(result, indent=1))
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
