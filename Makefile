@@ -27,7 +27,7 @@ demo: $(VENV)/.installed
 	$(BIN)/twell report
 
 test: $(VENV)/.dev-installed
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto
 
 lint: $(VENV)/.dev-installed
 	$(BIN)/ruff check .
