@@ -17,7 +17,7 @@ from ffn import git_commit, make_inputs, weights
 from triton.testing import do_bench
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from twell.kernels.gate import pack_dense
+from twell.kernels.gate import _gate_tile, pack_dense
 
 EPILOGUES = {
     0: "shipped scatter (int64 offsets, pad)",
@@ -54,16 +54,10 @@ def _kernel(
     n_out = grid_m * n_tiles
     k_steps = tl.cdiv(K, BLOCK_K)
     for out_tile in tl.range(tl.program_id(0), n_out, tl.num_programs(0)):
-        group = out_tile // (GROUP_M * n_tiles)
-        first_m = group * GROUP_M
-        group_size = tl.minimum(grid_m - first_m, GROUP_M)
-        pid_m = first_m + (out_tile % (GROUP_M * n_tiles)) % group_size
-        tile = (out_tile % (GROUP_M * n_tiles)) // group_size
-        acc = tl.zeros([BLOCK_M, TILE_N], dtype=tl.float32)
-        for ks in range(k_steps):
-            a = x_desc.load([pid_m * BLOCK_M, ks * BLOCK_K])
-            b = w_desc.load([tile * TILE_N, ks * BLOCK_K])
-            acc = tl.dot(a, b.T, acc)
+        # the shipped mainloop (bf16 inputs: tf32 is the default precision of tl.dot)
+        pid_m, tile, acc = _gate_tile(
+            x_desc, w_desc, out_tile, grid_m, n_tiles, k_steps, "tf32", TILE_N, BLOCK_M, BLOCK_K, GROUP_M
+        )
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_c = tl.arange(0, TILE_N)
         if EPI == 1:

@@ -151,6 +151,27 @@ GATE_CONFIGS = [
 ]
 
 
+@triton.jit
+def _gate_tile(
+    x_desc, w_desc, out_tile, grid_m, n_tiles, k_steps,
+    DOT_PRECISION: tl.constexpr, TILE_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """Output tile `out_tile` of the persistent gate GEMM: (row block, column tile, fp32 x W_g^T tile),
+    TMA loads of x and W_g. Grouped order: programs that run together share W_g tiles in L2."""
+    group = out_tile // (GROUP_M * n_tiles)
+    first_m = group * GROUP_M
+    group_size = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (out_tile % (GROUP_M * n_tiles)) % group_size
+    tile = (out_tile % (GROUP_M * n_tiles)) // group_size
+    acc = tl.zeros([BLOCK_M, TILE_N], dtype=tl.float32)
+    for ks in range(k_steps):
+        a = x_desc.load([pid_m * BLOCK_M, ks * BLOCK_K])
+        b = w_desc.load([tile * TILE_N, ks * BLOCK_K])
+        acc = tl.dot(a, b.T, acc, input_precision=DOT_PRECISION)
+    return pid_m, tile, acc
+
+
 def _smem(block_m: int, block_k: int, stages: int, tile_n: int, element: int) -> int:
     """Shared memory of a config's pipelined operand tiles (fp32 operands need twice bf16's)."""
     return stages * (block_m + tile_n) * block_k * element
@@ -213,17 +234,9 @@ def _gate_twell_kernel(
     n_out = grid_m * n_tiles
     k_steps = tl.cdiv(K, BLOCK_K)
     for out_tile in tl.range(tl.program_id(0), n_out, tl.num_programs(0)):
-        # grouped order: programs that run together share W_g tiles in L2
-        group = out_tile // (GROUP_M * n_tiles)
-        first_m = group * GROUP_M
-        group_size = tl.minimum(grid_m - first_m, GROUP_M)
-        pid_m = first_m + (out_tile % (GROUP_M * n_tiles)) % group_size
-        tile = (out_tile % (GROUP_M * n_tiles)) // group_size
-        acc = tl.zeros([BLOCK_M, TILE_N], dtype=tl.float32)
-        for ks in range(k_steps):
-            a = x_desc.load([pid_m * BLOCK_M, ks * BLOCK_K])
-            b = w_desc.load([tile * TILE_N, ks * BLOCK_K])
-            acc = tl.dot(a, b.T, acc, input_precision=DOT_PRECISION)
+        pid_m, tile, acc = _gate_tile(
+            x_desc, w_desc, out_tile, grid_m, n_tiles, k_steps, DOT_PRECISION, TILE_N, BLOCK_M, BLOCK_K, GROUP_M
+        )
         if HAS_BIAS:
             cols = tile * TILE_N + tl.arange(0, TILE_N)
             acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
