@@ -179,7 +179,20 @@ def dense_ffn(x, gate_weight, gate_bias, up_weight, down_weight):
     return F.linear(F.relu(F.linear(x, gate_weight, gate_bias)) * F.linear(x, up_weight), down_weight)
 
 
-def bench_point(k, n, m, density, pattern, compiled) -> dict:
+def warm_call(block, x):
+    """block(x) once the layer's first call measured it (its density, its hot neurons) and the
+    measurement landed: what every later call of the layer runs."""
+    block(x)
+    torch.cuda.synchronize()
+    return block(x)
+
+
+def hot_neurons() -> int:
+    """The most hot neurons (computed by dense products) of any layer state the dispatcher holds."""
+    return max((len(st.hot.index) for d in dispatch._layers.values() for st in d.values() if st.hot), default=0)
+
+
+def bench_point(k, n, m, density, pattern, compiled, hot_rates=()) -> dict:
     """One point: the dense module (eager, and torch.compile) against the same module after
     twell.sparsify, called exactly as a user calls it (W_down in the layout sparsify gives it).
     Decode-sized calls: times per layer of a graph over LAYERS_PER_GRAPH such modules."""
@@ -197,8 +210,9 @@ def bench_point(k, n, m, density, pattern, compiled) -> dict:
         for b in blocks:
             twell.sparsify(b)
         dispatch.forget_layers()
-        out = block(x)
+        out = warm_call(block, x)
         err = rel_err_sample(out, x, block)
+        hot = hot_neurons()
         dispatch.forget_layers()
         twell_ms = per_layer(lambda b: b(x))
         w = weights(block)
@@ -219,6 +233,7 @@ def bench_point(k, n, m, density, pattern, compiled) -> dict:
             "twell_ms": twell_ms,
             "speedup": min(dense_ms, compiled_ms) / twell_ms,
             "rel_err": err,
+            "hot_neurons": hot,
             "twell_peak_mb": peak_mb(lambda: block(x)),
             "path": policy.route(m, k, block.mlp.layer_config),
             "dense_after": any(st.dense_calls_left for d in dispatch._layers.values() for st in d.values()),
@@ -235,9 +250,16 @@ def bench_point(k, n, m, density, pattern, compiled) -> dict:
                 for b in blocks:
                     forced.enter_context(twell.configure(b, route=path))
                 dispatch.forget_layers()
-                row[f"{path}_err"] = rel_err_sample(block(x), x, block)
+                row[f"{path}_err"] = rel_err_sample(warm_call(block, x), x, block)
                 dispatch.forget_layers()
                 row[f"{path}_ms"] = per_layer(lambda b: b(x)) if path == "decode" else timed(lambda: block(x), False)
+        if m >= 8192:  # the forced prefill at other hot rates (None: no dense products)
+            for rate in hot_rates:
+                with twell.configure(block, route="prefill", hot_rate=rate):
+                    dispatch.forget_layers()
+                    row[f"prefill_hot{rate}_err"] = rel_err_sample(warm_call(block, x), x, block)
+                    row[f"prefill_hot{rate}_neurons"] = hot_neurons()
+                    row[f"prefill_hot{rate}_ms"] = timed(lambda: block(x), False)
         if m >= 8192:
             row.update(prefill_stages(x, w, block.mlp.layer_config))
     return row
@@ -305,6 +327,7 @@ def main():
     parser.add_argument("--densities", default=",".join(map(str, DENSITIES)))
     parser.add_argument("--patterns", default="exact,uniform,skewed")
     parser.add_argument("--other-densities", default="0.005,0.01", help="densities of the exact and skewed patterns")
+    parser.add_argument("--hot-rates", default="", help="hot_rate values (or None) to time the forced prefill at")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -312,7 +335,7 @@ def main():
     result = {**environment(), "ceilings": ceilings(), "points": []}
     print(json.dumps(result["ceilings"]))
     path = result_path(args.out, "ffn")
-    columns = "K N M dens pat nnz max dense twell x err dec pre gateC pack fused updn TB/s ovfl memD memT"
+    columns = "K N M dens pat nnz max dense twell x err hot dec pre gateC pack fused updn TB/s ovfl memD memT"
     header = " ".join(f"{c:>7}" for c in columns.split())
     lines = [header]
     print(header, flush=True)
@@ -322,7 +345,8 @@ def main():
             for pattern in args.patterns.split(","):
                 dens = args.densities if pattern == "uniform" else args.other_densities
                 for density in map(float, dens.split(",")):
-                    row = bench_point(k, n, m, density, pattern, compiled)
+                    rates = [None if r == "None" else float(r) for r in args.hot_rates.split(",") if r]
+                    row = bench_point(k, n, m, density, pattern, compiled, rates)
                     torch.cuda.empty_cache()
                     result["points"].append(row)
                     path.write_text(json.dumps(result, indent=1))  # kept if a later point fails
@@ -330,6 +354,7 @@ def main():
                         f"{k:>5} {n:>6} {m:>7} {density:>6.3f} {pattern:>7} {row['nnz_mean']:>6.1f} "
                         f"{row['nnz_max']:>5.0f} {min(row['dense_eager_ms'], row['dense_compiled_ms']):>8.3f} "
                         f"{row['twell_ms']:>8.3f} {row['speedup']:>5.2f} {row['rel_err']:>8.1e} "
+                        f"{row['hot_neurons']:>5} "
                         f"{row.get('decode_ms', 0):>7.3f} {row.get('prefill_ms', 0):>7.3f} "
                         f"{row.get('cublas_gate_ms', 0):>6.2f} {row.get('pack_ms', 0):>5.2f} "
                         f"{row.get('fused_gate_ms', 0):>6.2f} "
@@ -337,6 +362,10 @@ def main():
                         f"{row.get('updown_l2_tb_s', 0):>5.1f} "
                         f"{row.get('overflow_tiles', 0):>6} {row['dense_peak_mb']:>7.0f} {row['twell_peak_mb']:>7.0f}"
                     )
+                    hot_cols = [
+                        f"hot{r}: {row[f'prefill_hot{r}_ms']:.3f}" for r in rates if f"prefill_hot{r}_ms" in row
+                    ]
+                    line += "  " + " ".join(hot_cols) if hot_cols else ""
                     lines.append(line)
                     print(line, flush=True)
     path.write_text(json.dumps(result, indent=1))

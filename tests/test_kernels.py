@@ -479,6 +479,71 @@ def test_dispatch_is_exact_on_every_path(m, dtype, variant, sparse_paths):
     assert rel_err(y.reshape(m, k), ref) <= TOL[dtype] * (4 if variant == "relu2" else 1)
 
 
+HOT_CASES = [
+    ("gated", torch.float32, False),
+    ("fatrelu-bias", torch.float32, True),
+    ("drelu", torch.float16, False),
+    ("relu2", torch.float16, True),
+]
+
+
+@pytest.mark.parametrize(
+    "variant,dtype,fused", HOT_CASES, ids=[f"{v}-{str(d)[6:]}-{'fused' if f else 'cublas'}" for v, d, f in HOT_CASES]
+)
+def test_hot_neurons_run_dense_and_stay_exact(variant, dtype, fused, sparse_paths, monkeypatch):
+    """After a prefill call measured the layer, its frequent neurons take dense products, and the packer
+    and the overflow recompute (the dense rows) leave them out: exact, no neuron counted twice."""
+    config = sparse_paths.replace(fused_gate=fused, hot_rate=0.05, dense_above=1.0)  # MIXED is ~13% dense
+    m, k, n = 70, 40, 200
+    gated = variant in ("gated", "fatrelu-bias", "drelu")
+    case = make_ffn(m, k, n, MIXED, dtype, DEVICE, seed=21, biases=variant == "fatrelu-bias", gated=gated)
+    threshold = 0.02 if variant == "fatrelu-bias" else 0.0
+    if gated:
+        args = [case[c] for c in ("gate_weight", "up_weight", "down_weight", "gate_bias", "up_bias", "down_bias")]
+        call = lambda: dispatch.gated_ffn(case["x"], *args, threshold, variant == "drelu", config)  # noqa: E731
+        ref = gated_ref(case, threshold, variant == "drelu")
+    else:
+        args = [case[c] for c in ("up_weight", "down_weight", "up_bias", "down_bias")]
+        call = lambda: dispatch.ffn(case["x"], *args, threshold, variant == "relu2", config)  # noqa: E731
+        ref = plain_ref(case, threshold, variant == "relu2")
+    skips = []
+    updown = dispatch.twell_up_down
+    monkeypatch.setattr(dispatch, "twell_up_down", lambda *a, **kw: skips.append(kw["skip"]) or updown(*a, **kw))
+    first = call()  # measures which neurons fire in more than 5% of the rows
+    state = dispatch.layer_state(args[0], m)
+    assert skips == [None] and state.hot is None and state.hot_pending is not None
+    second = call()  # reads the measurement, then uses it
+    # MIXED's dense rows alone make every neuron fire in 10% of the rows: the cap, 25% of N, holds
+    assert state.hot.index.tolist() == sorted(state.hot.index.tolist()) and len(state.hot.index) == 48
+    assert int(state.hot.skip.sum()) == 48 and skips[1] is state.hot.skip
+    tol = TOL[dtype] * (4 if variant == "relu2" else 1)
+    assert rel_err(first, ref) <= tol and rel_err(second, ref) <= tol
+    # the second call's density probe counts the hot neurons' active entries too
+    bias = case["gate_bias"] if gated else case["up_bias"]
+    pre = torch.nn.functional.linear(case["x"].double(), args[0].double(), bias.double() if bias is not None else None)
+    state.update(config)
+    assert state.density == pytest.approx(float((pre > threshold).double().mean()), abs=0.01)
+
+
+@pytest.mark.parametrize(
+    "counts,rate,hot",
+    [
+        ([50] * 20 + [0] * 60, 0.1, 16),  # 20 above the rate: 16, a multiple of HOT_ALIGN
+        ([50] * 40 + [0] * 40, 0.1, 16),  # capped at 25% of N = 20, rounded down
+        ([50] * 10 + [0] * 70, 0.1, 0),  # fewer than HOT_ALIGN: none
+        ([10] * 80, 0.1, 0),  # at the rate is not above it
+    ],
+)
+def test_hot_neurons_are_the_most_frequent(counts, rate, hot):
+    counts = torch.tensor(counts, dtype=torch.int32)
+    counts[:16] += torch.arange(16, dtype=torch.int32)  # the 16 most frequent are the first ones
+    chosen = dispatch._hot_neurons(counts, counts, 100, rate)
+    if hot == 0:
+        assert chosen is None
+    else:
+        assert chosen.index.tolist() == list(range(hot)) and chosen.skip.tolist() == [1] * hot + [0] * (80 - hot)
+
+
 @pytest.mark.parametrize("dense_above,falls_back", [(policy.DENSE_ABOVE, True), (0.05, False)])
 def test_dense_layers_fall_back_to_dense(dense_above, falls_back, sparse_paths):
     """A prefill call denser than the layer's dense_above sends its next calls dense (still exact)."""

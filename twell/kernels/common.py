@@ -81,3 +81,12 @@ def check_bias(name: str, b, size: int, x: torch.Tensor) -> None:
 def check_threshold(threshold) -> None:
     if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or not math.isfinite(threshold):
         raise ValueError(f"threshold must be a finite float, got {threshold!r}")
+
+
+def check_skip(skip, n: int, x: torch.Tensor) -> None:
+    """An optional neuron mask: uint8 [n] on x's device, contiguous (the kernels index it by neuron)."""
+    if skip is None:
+        return
+    check_operand("skip", skip, (n,), x, torch.uint8)
+    if n > 1 and skip.stride(0) != 1:
+        raise ValueError(f"skip must be contiguous, got stride {skip.stride(0)}")

@@ -12,10 +12,18 @@ and TwELL layout; policy.route decides.
   exact at any sparsity.
 - Otherwise dense (also for K > MAX_K, and for a down weight not stored as the kernels read it):
   twell.kernels.dense, cuBLAS with the activation and product in one pass.
-- Layer density: each prefill call queues a copy of its kept-entry count to pinned host memory; a
-  later call of the layer reads it once the copy is done (never waiting). A layer denser than its
-  dense_above then runs dense for DENSE_RETRY prefill calls and probes again: a rewrite must not make
-  a dense layer slower.
+- Hybrid by neuron (prefill, the layer's hot_rate): the layer's hot neurons, those firing in more
+  than hot_rate of its tokens, are computed by dense products over just those neurons (cuBLAS GEMMs
+  over their gathered gate and up rows, the activation, then y += h_hot W_d[hot] after the sparse
+  stage); the packers and the overflow recompute leave them out. A sparse pair costs a gather of two
+  weight rows, a hot neuron's dense columns a few FLOPs a token: neurons firing in a few percent of
+  tokens are cheaper dense. Which neurons are hot is measured on the device from a prefill call's
+  first HOT_SAMPLE rows, read on the host once landed, re-measured every DENSE_RETRY prefill calls.
+  Results never depend on which neurons are hot beyond rounding.
+- Layer density: each prefill call queues a copy of its kept-entry counts (sparse and hot) to pinned
+  host memory; a later call of the layer reads it once the copy is done (never waiting). A layer whose
+  sparse share is denser than its dense_above (less the hot neurons' dense cost) then runs dense for
+  DENSE_RETRY prefill calls and probes again: a rewrite must not make a dense layer slower.
 """
 
 from __future__ import annotations
@@ -35,23 +43,49 @@ from twell.kernels.updown import twell_up_down
 
 
 @dataclass
+class _Hot:
+    """A layer's hot neurons on its device: index [H] (int64, ascending) and skip [N] (uint8, 1: hot)."""
+
+    index: torch.Tensor
+    skip: torch.Tensor
+
+
+@dataclass
 class _LayerState:
     dense_calls_left: int = 0
-    pending: tuple | None = None  # (event or None, kept-entry count on the host, M * N)
+    pending: tuple | None = None  # (event or None, kept entries on the host: [sparse(, hot)], M * N, H / N)
     density: float | None = None  # what the last landed probe measured
+    hot: _Hot | None = None
+    hot_pending: tuple | None = None  # (event or None, neuron counts on the host, the same on the device, rows)
+    hot_calls_left: int = 0  # prefill calls before the hot neurons are measured again
 
-    def update(self, dense_above: float) -> None:
-        """Take the last probe's density into account once its copy has landed; past dense_above, the
-        layer's next prefill calls run dense."""
-        if self.pending is None:
-            return
-        ready, kept, possible = self.pending
-        if ready is not None and not ready.query():
-            return
-        self.pending = None
-        self.density = kept.item() / max(possible, 1)
-        if self.density > dense_above:
-            self.dense_calls_left = policy.DENSE_RETRY
+    def update(self, config: policy.LayerConfig) -> None:
+        """Take landed probes into account: past dense_above, the layer's next prefill calls run dense;
+        a landed neuron count sets the hot neurons."""
+        if self.pending is not None and (self.pending[0] is None or self.pending[0].query()):
+            _, kept, possible, hot_share = self.pending
+            self.pending = None
+            sparse, *hot = (v / max(possible, 1) for v in kept.tolist())
+            self.density = sparse + sum(hot)
+            # the hot neurons' dense products cost about their share of dense's up and down projections
+            if sparse > config.dense_above * (1 - hot_share):
+                self.dense_calls_left = policy.DENSE_RETRY
+        if self.hot_pending is not None and (self.hot_pending[0] is None or self.hot_pending[0].query()):
+            _, host, device, rows = self.hot_pending
+            self.hot_pending = None
+            self.hot = None if config.hot_rate is None else _hot_neurons(host, device, rows, config.hot_rate)
+
+
+def _hot_neurons(host: torch.Tensor, device: torch.Tensor, rows: int, rate: float) -> _Hot | None:
+    """The neurons that fired in more than `rate` of `rows` sampled tokens (counts on the host and the
+    same on the device), the most frequent first up to HOT_MAX_SHARE of N, in multiples of HOT_ALIGN."""
+    n = host.shape[0]
+    hot = min(int((host > rate * rows).sum()), int(n * policy.HOT_MAX_SHARE)) // policy.HOT_ALIGN * policy.HOT_ALIGN
+    if hot == 0:
+        return None
+    index = torch.sort(torch.argsort(device, descending=True, stable=True)[:hot]).values
+    skip = torch.zeros(n, dtype=torch.uint8, device=device.device).index_fill_(0, index, 1)
+    return _Hot(index, skip)
 
 
 # id(weight behind any view) -> {(shape, offset, token bucket): state}; an entry goes when its tensor is
@@ -68,7 +102,7 @@ def layer_state(weight: torch.Tensor, m: int) -> _LayerState:
     return _layers[id(base)].setdefault(key, _LayerState())
 
 
-def layer_density(weight: torch.Tensor, capturing: bool, dense_above: float) -> float | None:
+def layer_density(weight: torch.Tensor, capturing: bool, config: policy.LayerConfig) -> float | None:
     """The layer's density as its prefill calls measured it (the densest token bucket), None before any
     probe has landed; under CUDA-graph capture, what had landed before."""
     base = weight._base if weight._base is not None else weight
@@ -77,7 +111,7 @@ def layer_density(weight: torch.Tensor, capturing: bool, dense_above: float) -> 
     for key, state in _layers.get(id(base), {}).items():
         if key[:2] == where:
             if not capturing:
-                state.update(dense_above)
+                state.update(config)
             if state.density is not None:
                 densities.append(state.density)
     return max(densities, default=None)
@@ -88,15 +122,15 @@ def forget_layers() -> None:
     _layers.clear()
 
 
-def _probe(counts: torch.Tensor, possible: int) -> tuple:
-    kept = counts.sum(dtype=torch.int64)
-    if not kept.is_cuda:
-        return None, kept, possible
-    host = torch.empty((), dtype=torch.int64, pin_memory=True)
-    host.copy_(kept, non_blocking=True)
+def _to_host(t: torch.Tensor) -> tuple:
+    """(event or None, host copy of t): the copy is queued on the stream, done once the event is."""
+    if not t.is_cuda:
+        return None, t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
     ready = torch.cuda.Event()
     ready.record()
-    return ready, host, possible
+    return ready, host
 
 
 def _run(
@@ -116,12 +150,12 @@ def _run(
     # under CUDA-graph capture the layer's density state is frozen: no event queries, no new probes
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     sparse_decode = config.decode_max_m < m <= config.decode_sparse_max_m
-    density = layer_density(gate_weight, capturing, config.dense_above) if sparse_decode else None
+    density = layer_density(gate_weight, capturing, config) if sparse_decode else None
     path = policy.route(m, x2.shape[1], config, density) if wd_t.stride(1) == 1 else "dense"
     if path == "prefill":
         state = layer_state(gate_weight, m)
         if not capturing:
-            state.update(config.dense_above)
+            state.update(config)
         if state.dense_calls_left > 0:
             state.dense_calls_left -= 1
             path = "dense"
@@ -133,11 +167,29 @@ def _run(
         ).reshape(shape)
 
     tile_n, slots = config.tile_n, config.slots
+    n = gate_weight.shape[0]
+    # one density probe in flight per layer: a newer one would never land while the host runs ahead
+    probe = state.pending is None and not capturing
+    hot = state.hot if config.hot_rate is not None else None
+    skip = hot.skip if hot is not None else None
+    if hot is not None:
+        h_hot, hot_kept = _hot_hidden(
+            x2, hot.index, gate_weight, gate_bias, up_weight, up_bias, threshold, drelu, square, count=probe
+        )
+    measure = config.hot_rate is not None and not capturing and state.hot_pending is None and state.hot_calls_left == 0
+    if config.hot_rate is not None and not capturing:
+        state.hot_calls_left = policy.DENSE_RETRY if measure else max(state.hot_calls_left - 1, 0)
     if config.fused_gate and fused_gate_supported(x2, gate_weight, tile_n):
-        values, indices, counts = gate_twell(x2, gate_weight, gate_bias, threshold, tile_n, slots, square=square)
+        values, indices, counts = gate_twell(
+            x2, gate_weight, gate_bias, threshold, tile_n, slots, square=square, skip=skip
+        )
+        if measure:
+            state.hot_pending = _measure_neurons(F.linear(x2[: policy.HOT_SAMPLE], gate_weight, gate_bias), threshold)
     else:
         pre = F.linear(x2, gate_weight, gate_bias)
-        values, indices, counts = pack_dense(pre, threshold, tile_n, slots, square=square)
+        if measure:
+            state.hot_pending = _measure_neurons(pre[: policy.HOT_SAMPLE], threshold)
+        values, indices, counts = pack_dense(pre, threshold, tile_n, slots, square=square, skip=skip)
         del pre
     y = twell_up_down(
         x2,
@@ -154,11 +206,35 @@ def _run(
         threshold=threshold,
         drelu=drelu,
         square=square,
+        skip=skip,
     )
-    # one probe in flight per layer: a newer one would never land while the host runs ahead of the GPU
-    if state.pending is None and not capturing:
-        state.pending = _probe(counts, m * gate_weight.shape[0])
+    if hot is not None:
+        y.addmm_(h_hot, wd_t.index_select(0, hot.index))
+    if probe:
+        kept = counts.sum(dtype=torch.int64).reshape(1)
+        if hot is not None:
+            kept = torch.cat((kept, hot_kept.reshape(1)))
+        state.pending = (*_to_host(kept), m * n, 0.0 if hot is None else hot.index.shape[0] / n)
     return y.reshape(shape)
+
+
+def _measure_neurons(pre: torch.Tensor, threshold: float) -> tuple:
+    """Probe of the hot neurons: how many of pre's rows each neuron fires in, queued to the host."""
+    counts = (pre > threshold).sum(0, dtype=torch.int32)
+    return (*_to_host(counts), counts, pre.shape[0])
+
+
+def _hot_hidden(x, index, gate_weight, gate_bias, up_weight, up_bias, threshold, drelu, square, count) -> tuple:
+    """(h [M, H], kept): the hidden activations of the hot neurons `index` by dense products over their
+    gathered weight rows (as the dense route computes them), and (with count) how many are active."""
+
+    def columns(weight, bias):
+        return F.linear(x, weight.index_select(0, index), bias.index_select(0, index) if bias is not None else None)
+
+    g = columns(gate_weight, gate_bias)
+    kept = (g > threshold).sum() if count else None
+    u = columns(up_weight, up_bias) if up_weight is not None else None
+    return dense_route.act_mul_(g, u, threshold, drelu=drelu, square=square and u is None), kept
 
 
 def gated_ffn(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu, config):

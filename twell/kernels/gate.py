@@ -5,6 +5,10 @@ in fp32, adds the bias, and packs each row's kept entries (not <= threshold) to 
 tile's SLOTS slots with a row-wise prefix sum; the true count goes to counts[m, tile]. The dense gate
 never reaches global memory. A count above SLOTS marks the row for the hybrid dense path (the
 launchers never drop it: see twell.kernels.dispatch).
+
+skip (both launchers): a uint8 mask over the N neurons; marked neurons are never packed (their
+columns count as inactive), for a caller that computes them by dense products (the hybrid by neuron:
+twell.kernels.dispatch's hot neurons).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from twell.kernels.common import (
     check_bias,
     check_input,
     check_operand,
+    check_skip,
     check_threshold,
     check_tile,
     dot_precision,
@@ -88,15 +93,21 @@ def _pack_tile(
     vals_ptr,
     idx_ptr,
     cnt_ptr,
+    skip_ptr,
     n_tiles,
     TILE_N: tl.constexpr,
     SLOTS: tl.constexpr,
     SQUARE: tl.constexpr,
     SPLIT: tl.constexpr,
+    HAS_SKIP: tl.constexpr,
 ):
     """Pack one [BLOCK_M, TILE_N] fp32 tile into TwELL slots, in SPLIT column slices (1 or 2: fewer
-    live registers next to a GEMM accumulator). Gathering each slot by a row reduction instead was
-    2.5x slower on the H200 (benchmarks/NOTES.md)."""
+    live registers next to a GEMM accumulator), leaving out the neurons skip marks (HAS_SKIP).
+    Gathering each slot by a row reduction instead was 2.5x slower on the H200 (benchmarks/NOTES.md)."""
+    if HAS_SKIP:
+        cols = tile * TILE_N + tl.arange(0, TILE_N)
+        skipped = tl.load(skip_ptr + cols, mask=cols < N, other=0) != 0
+        acc = tl.where(skipped[None, :], float("-inf"), acc)  # never kept, NaN included
     before = tl.zeros([offs_m.shape[0]], dtype=tl.int32)
     if SPLIT == 1:
         cnt = _pack_slice(
@@ -213,6 +224,7 @@ def _gate_twell_kernel(
     vals_ptr,
     idx_ptr,
     cnt_ptr,
+    skip_ptr,
     M,
     N,
     K,
@@ -220,6 +232,7 @@ def _gate_twell_kernel(
     n_tiles,
     threshold,
     HAS_BIAS: tl.constexpr,
+    HAS_SKIP: tl.constexpr,
     SQUARE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TILE_N: tl.constexpr,
@@ -244,8 +257,9 @@ def _gate_twell_kernel(
         acc = acc.to(vals_ptr.dtype.element_ty).to(tl.float32)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         _pack_tile(
-            acc, offs_m, tile, M, N, threshold, vals_ptr, idx_ptr, cnt_ptr, n_tiles, TILE_N, SLOTS, SQUARE, SPLIT
-        )
+            acc, offs_m, tile, M, N, threshold, vals_ptr, idx_ptr, cnt_ptr, skip_ptr, n_tiles, TILE_N, SLOTS, SQUARE,
+            SPLIT, HAS_SKIP,
+        )  # fmt: skip
 
 
 PACK_CONFIGS = [
@@ -269,6 +283,7 @@ def _pack_dense_kernel(
     vals_ptr,
     idx_ptr,
     cnt_ptr,
+    skip_ptr,
     M,
     N,
     M_BUCKET,
@@ -276,6 +291,7 @@ def _pack_dense_kernel(
     threshold,
     stride_hm,
     stride_hn,
+    HAS_SKIP: tl.constexpr,
     SQUARE: tl.constexpr,
     TILE_N: tl.constexpr,
     SLOTS: tl.constexpr,
@@ -288,7 +304,10 @@ def _pack_dense_kernel(
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_n[None, :] * stride_hn
     acc = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    _pack_tile(acc, offs_m, tile, M, N, threshold, vals_ptr, idx_ptr, cnt_ptr, n_tiles, TILE_N, SLOTS, SQUARE, 1)
+    _pack_tile(
+        acc, offs_m, tile, M, N, threshold, vals_ptr, idx_ptr, cnt_ptr, skip_ptr, n_tiles, TILE_N, SLOTS, SQUARE, 1,
+        HAS_SKIP,
+    )  # fmt: skip
 
 
 def _alloc(m: int, n: int, tile_n: int, slots: int, dtype, device):
@@ -329,13 +348,14 @@ def gate_twell(
     slots: int,
     square: bool = False,
     config: tuple[int, int, int, int, int] | None = None,
+    skip: torch.Tensor | None = None,
 ):
     """TwELL arrays (values, indices, counts) of act_t(x @ weight^T + bias), x: [M, K], weight: [N, K];
     the dense gate never reaches memory.
 
     square: store act² (relu², non-gated FFNs). Counts are true counts: > slots means the row overflows.
     The operands must pass fused_gate_supported (cuBLAS + pack_dense serves the rest). config: one row
-    of GATE_CONFIGS instead of autotuning (tests, benchmarks).
+    of GATE_CONFIGS instead of autotuning (tests, benchmarks). skip: uint8 [N], neurons left out.
     """
     check_input("x", x)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -344,6 +364,7 @@ def gate_twell(
     check_operand("weight", weight, tuple(weight.shape), x)
     check_bias("bias", bias, weight.shape[0], x)
     check_threshold(threshold)
+    check_skip(skip, weight.shape[0], x)
     if not fused_gate_supported(x, weight, tile_n):
         raise ValueError(
             "gate_twell needs unit stride on K, 16-byte aligned rows and a config that fits shared memory "
@@ -375,6 +396,7 @@ def gate_twell(
         values,
         indices,
         counts,
+        skip if skip is not None else counts,
         m,
         n,
         k,
@@ -382,6 +404,7 @@ def gate_twell(
         n_tiles,
         threshold_in(threshold, x.dtype),
         HAS_BIAS=bias is not None,
+        HAS_SKIP=skip is not None,
         SQUARE=square,
         DOT_PRECISION=dot_precision(x.dtype),
         TILE_N=tile_n,
@@ -391,12 +414,16 @@ def gate_twell(
     return values, indices, counts
 
 
-def pack_dense(h: torch.Tensor, threshold: float, tile_n: int, slots: int, square: bool = False):
-    """TwELL arrays of a dense pre-activation h [M, N]: the pack pass for a cuBLAS gate."""
+def pack_dense(
+    h: torch.Tensor, threshold: float, tile_n: int, slots: int, square: bool = False, skip: torch.Tensor | None = None
+):
+    """TwELL arrays of a dense pre-activation h [M, N]: the pack pass for a cuBLAS gate. skip: uint8
+    [N], neurons left out."""
     if not isinstance(h, torch.Tensor) or h.dim() != 2:
         raise ValueError(f"pack_dense expects h [M, N], got {list(h.shape) if isinstance(h, torch.Tensor) else h}")
     check_input("h", h)
     check_threshold(threshold)
+    check_skip(skip, h.shape[1], h)
     check_tile(tile_n, slots)
     m, n = h.shape
     values, indices, counts = _alloc(m, n, tile_n, slots, h.dtype, h.device)
@@ -406,6 +433,7 @@ def pack_dense(h: torch.Tensor, threshold: float, tile_n: int, slots: int, squar
         values,
         indices,
         counts,
+        skip if skip is not None else counts,
         m,
         n,
         m_bucket(m),
@@ -413,6 +441,7 @@ def pack_dense(h: torch.Tensor, threshold: float, tile_n: int, slots: int, squar
         threshold_in(threshold, h.dtype),
         h.stride(0),
         h.stride(1),
+        HAS_SKIP=skip is not None,
         SQUARE=square,
         TILE_N=tile_n,
         SLOTS=slots,

@@ -37,6 +37,13 @@ PREFILL_MIN_M: int | None = 16384
 FUSED_GATE = False
 # Mean density above which a layer's prefill runs dense: 1.28x at 0.5%, 0.99-1.00x at 1% (NOTES.md v5/v6).
 DENSE_ABOVE = 0.008
+# Hybrid by neuron on the prefill path: neurons firing in more than this share of a layer's prefill
+# tokens (measured on the device from a call's first HOT_SAMPLE rows) are computed by dense products
+# over just those neurons (cuBLAS: gate and up columns, then their share of the down projection), the
+# rest sparse. A sparse (token, neuron) pair gathers 8 KB of weight rows at ~8 TB/s of L2 (~1 ns); a
+# neuron's dense columns cost ~3 x 2K FLOPs a token (~0.02 ns at K=2048): dense pays from a few
+# percent of tokens (benchmarks/NOTES.md v15).
+HOT_RATE: float | None = 0.02
 # Training calls (autograd recording) of at least this many tokens take the sparse training path
 # (twell.kernels.backward); None: none does. Off by default: a training step through it measured
 # 0.16-0.31x of dense at 32768 tokens (dx and dW kernels 6-7x their floors, train-20261130-234135.json).
@@ -46,6 +53,9 @@ TRAIN_MIN_M: int | None = None
 DECODE_SPARSE_DENSITY = 0.01  # "known sparse" for decode_sparse_max_m: the 1% of the measurement above
 MAX_K = 8192  # wider models run dense: the up+down kernel keeps whole x and y rows in registers
 DENSE_RETRY = 64  # dense calls before a layer past dense_above is probed again
+HOT_SAMPLE = 8192  # rows of a prefill call whose gate sets the layer's hot neurons
+HOT_ALIGN = 16  # hot neurons come in multiples of this (GEMM shapes); fewer: no dense products
+HOT_MAX_SHARE = 0.25  # at most this share of N is hot (past it the layer is dense: dense_above)
 # decode_max_m / prefill_min_m of a route that takes every call (K permitting): any token count
 EVERY = 1 << 62
 ROUTES = ("decode", "prefill", "dense")
@@ -77,6 +87,8 @@ class LayerConfig:
         prefill calls dense.
     fused_gate: the prefill gate through the TMA GEMM with the packing epilogue, where the operands
         allow (else cuBLAS + the pack pass).
+    hot_rate: on the prefill path, neurons firing in more than this share of the layer's tokens are
+        computed by dense products over just those neurons, the rest sparse (None: all sparse).
     train_min_m: training calls (autograd recording) of at least this many tokens take the sparse
         training path (None: none does).
     Every other call runs dense, as do all calls with K > MAX_K.
@@ -89,6 +101,7 @@ class LayerConfig:
     prefill_min_m: int | None = PREFILL_MIN_M
     dense_above: float = DENSE_ABOVE
     fused_gate: bool = FUSED_GATE
+    hot_rate: float | None = HOT_RATE
     train_min_m: int | None = TRAIN_MIN_M
 
     def __post_init__(self):
@@ -104,6 +117,9 @@ class LayerConfig:
             raise ValueError(f"dense_above must be a number, got {self.dense_above!r}")
         if not isinstance(self.fused_gate, bool):
             raise ValueError(f"fused_gate must be a bool, got {self.fused_gate!r}")
+        rate = self.hot_rate
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1):
+            raise ValueError(f"hot_rate must be a number in [0, 1] or None, got {rate!r}")
 
     def replace(self, *, route: str | None = None, **changes) -> LayerConfig:
         """A copy with `changes` (field values). route: "decode", "prefill" or "dense" sets the route
@@ -134,6 +150,7 @@ class LayerConfig:
             self.prefill_min_m,
             self.dense_above,
             self.fused_gate,
+            self.hot_rate,
         )
 
 
