@@ -261,7 +261,10 @@ def bench_point(k, n, m, density, pattern, compiled, hot_rates=()) -> dict:
                     row[f"prefill_hot{rate}_neurons"] = hot_neurons()
                     row[f"prefill_hot{rate}_ms"] = timed(lambda: block(x), False)
         if m >= 8192:
-            row.update(prefill_stages(x, w, block.mlp.layer_config))
+            with twell.configure(block, route="prefill"):  # the stages at the default hot_rate's neurons
+                dispatch.forget_layers()
+                warm_call(block, x)
+                row.update(prefill_stages(x, w, block.mlp.layer_config))
     return row
 
 
@@ -286,6 +289,27 @@ def prefill_stages(x, w, config) -> dict:
     pairs = int(counts.sum())
     row["updown_l2_tb_s"] = pairs * 2 * x.shape[1] * 2 / row["updown_ms"] / 1e9
     row["overflow_tiles"] = int((counts > slots).sum())
+    states = [st for d in dispatch._layers.values() for st in d.values() if st.hot]
+    hot = max((st.hot for st in states), key=lambda h: len(h.index), default=None)
+    if hot is not None:  # the pieces of the hybrid by neuron, at the layer's hot neurons
+        wu = w["up_weight"]
+        h_hot = dispatch._hot_hidden(x, hot.index, wg, bg, wu, None, 0.0, False, False, count=False)[0]
+        row["hot_hidden_ms"] = do_bench(
+            lambda: dispatch._hot_hidden(x, hot.index, wg, bg, wu, None, 0.0, False, False, count=False),
+            return_mode="median",
+        )
+        y = torch.empty_like(x)
+        row["hot_down_ms"] = do_bench(lambda: y.addmm_(h_hot, wd_t.index_select(0, hot.index)), return_mode="median")
+        row["pack_skip_ms"] = do_bench(lambda: pack_dense(pre, 0.0, tile_n, slots, skip=hot.skip), return_mode="median")
+        values, indices, counts = pack_dense(pre, 0.0, tile_n, slots, skip=hot.skip)
+        row["updown_skip_ms"] = do_bench(
+            lambda: twell_up_down(
+                x, values, indices, counts, wg, bg, w["up_weight"], None, wd_t, None, tile_n=tile_n, threshold=0.0,
+                skip=hot.skip,
+            ),
+            return_mode="median",
+        )  # fmt: skip
+        row["hot_pairs_share"] = 1 - int(counts.sum()) / pairs
     return row
 
 

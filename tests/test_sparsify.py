@@ -370,7 +370,7 @@ def _route_args_of_compiled_ops(model, ids) -> list[tuple]:
 
     def backend(gm, example_inputs):
         seen.extend(
-            tuple(n.args[-7:])
+            tuple(n.args[-len(twell.LayerConfig().op_args()) :])
             for n in gm.graph.nodes
             if n.target in ops or getattr(n.target, "_overloadpacket", None) in ops
         )
