@@ -430,7 +430,7 @@ def test_benchmark_tokens_sets_the_prefill_shape():
 def test_benchmark_cost_model_on_the_gpu(tmp_path):
     """Real timings on the GPU: cached, and twell's advantage shrinks as the density grows."""
     cost = BenchmarkCostModel(cache_dir=tmp_path)
-    shape = {"kind": "gated", "m": 8192, "k": 2048, "n": 5632, "dtype": torch.bfloat16}
+    shape = {"kind": "gated", "m": 16384, "k": 2048, "n": 5632, "dtype": torch.bfloat16}  # the prefill path
     sparse, denser = cost.time_ratio(density=0.005, **shape), cost.time_ratio(density=0.1, **shape)
     assert 0 < sparse < denser
     assert len(json.loads((tmp_path / "costs.json").read_text())) == 2

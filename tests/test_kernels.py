@@ -547,7 +547,7 @@ def test_hot_neurons_are_the_most_frequent(counts, rate, hot):
 @pytest.mark.parametrize("dense_above,falls_back", [(policy.DENSE_ABOVE, True), (0.05, False)])
 def test_dense_layers_fall_back_to_dense(dense_above, falls_back, sparse_paths):
     """A prefill call denser than the layer's dense_above sends its next calls dense (still exact)."""
-    config = sparse_paths.replace(dense_above=dense_above)
+    config = sparse_paths.replace(dense_above=dense_above, hot_rate=None)
     case = make_ffn(80, 24, 64, [0.03], torch.float32, DEVICE, seed=3)
     args = (case["gate_weight"], case["up_weight"], case["down_weight"], None, None, None, 0.0, False, config)
     first = dispatch.gated_ffn(case["x"], *args)
@@ -559,6 +559,24 @@ def test_dense_layers_fall_back_to_dense(dense_above, falls_back, sparse_paths):
     assert (state.pending is None) == falls_back  # a sparse call queues the next probe
     ref = gated_ref(case)
     assert rel_err(first, ref) <= 1e-5 and rel_err(second, ref) <= 1e-5
+
+
+def test_a_layer_dense_in_few_neurons_stays_sparse(sparse_paths, monkeypatch):
+    """A layer whose density sits in a few always-active neurons measures dense on its first call, but
+    that call also measured its hot neurons: with those dense, the rest is sparse, and so its calls stay."""
+    case = make_ffn(80, 24, 64, [0.0], torch.float32, DEVICE, seed=7)  # no other neuron fires
+    gate_bias = torch.zeros(64, device=DEVICE)
+    gate_bias[:16] = 100.0  # 16 neurons fire on every token: 25% density
+    args = (case["gate_weight"], case["up_weight"], case["down_weight"], gate_bias, None, None, 0.0, False)
+    skips = []
+    updown = dispatch.twell_up_down
+    monkeypatch.setattr(dispatch, "twell_up_down", lambda *a, **kw: skips.append(kw["skip"]) or updown(*a, **kw))
+    ys = [dispatch.gated_ffn(case["x"], *args, sparse_paths) for _ in range(3)]
+    state = dispatch.layer_state(case["gate_weight"], 80)
+    assert state.hot.index.tolist() == list(range(16)) and state.density == 0.25
+    assert len(skips) == 3 and skips[1:] == [state.hot.skip] * 2 and state.dense_calls_left == 0
+    ref = reference.gated_ffn(case["x"].double(), *(a.double() if a is not None else None for a in args[:6]))
+    assert all(rel_err(y, ref) <= 1e-5 for y in ys)
 
 
 def test_default_dispatch_runs_dense_where_kernels_lose():

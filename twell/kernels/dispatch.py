@@ -53,27 +53,30 @@ class _Hot:
 @dataclass
 class _LayerState:
     dense_calls_left: int = 0
-    pending: tuple | None = None  # (event or None, kept entries on the host: [sparse(, hot)], M * N, H / N)
+    pending: tuple | None = None  # (event or None, kept entries on the host: [sparse(, hot)], M * N, the call's _Hot)
     density: float | None = None  # what the last landed probe measured
     hot: _Hot | None = None
     hot_pending: tuple | None = None  # (event or None, neuron counts on the host, the same on the device, rows)
     hot_calls_left: int = 0  # prefill calls before the hot neurons are measured again
 
     def update(self, config: policy.LayerConfig) -> None:
-        """Take landed probes into account: past dense_above, the layer's next prefill calls run dense;
-        a landed neuron count sets the hot neurons."""
-        if self.pending is not None and (self.pending[0] is None or self.pending[0].query()):
-            _, kept, possible, hot_share = self.pending
-            self.pending = None
-            sparse, *hot = (v / max(possible, 1) for v in kept.tolist())
-            self.density = sparse + sum(hot)
-            # the hot neurons' dense products cost about their share of dense's up and down projections
-            if sparse > config.dense_above * (1 - hot_share):
-                self.dense_calls_left = policy.DENSE_RETRY
+        """Take landed probes into account: a landed neuron count sets the hot neurons; past dense_above,
+        the layer's next prefill calls run dense."""
         if self.hot_pending is not None and (self.hot_pending[0] is None or self.hot_pending[0].query()):
             _, host, device, rows = self.hot_pending
             self.hot_pending = None
             self.hot = None if config.hot_rate is None else _hot_neurons(host, device, rows, config.hot_rate)
+        if self.pending is not None and (self.pending[0] is None or self.pending[0].query()):
+            _, kept, possible, hot = self.pending
+            self.pending = None
+            sparse, *dense = (v / max(possible, 1) for v in kept.tolist())
+            self.density = sparse + sum(dense)
+            # the hot neurons' dense products cost about their share of dense's up and down projections;
+            # a call measured with other hot neurons than the layer's now does not say what the next will cost
+            hot_share = len(hot.index) / len(hot.skip) if hot is not None else 0.0
+            current = self.hot if config.hot_rate is not None else None
+            if hot is current and sparse > config.dense_above * (1 - hot_share):
+                self.dense_calls_left = policy.DENSE_RETRY
 
 
 def _hot_neurons(host: torch.Tensor, device: torch.Tensor, rows: int, rate: float) -> _Hot | None:
@@ -214,7 +217,7 @@ def _run(
         kept = counts.sum(dtype=torch.int64).reshape(1)
         if hot is not None:
             kept = torch.cat((kept, hot_kept.reshape(1)))
-        state.pending = (*_to_host(kept), m * n, 0.0 if hot is None else hot.index.shape[0] / n)
+        state.pending = (*_to_host(kept), m * n, hot)
     return y.reshape(shape)
 
 
