@@ -31,6 +31,8 @@ def poisoned_twell_buffers(monkeypatch):
         return values.fill_(float("nan")), indices.fill_(-1), counts.fill_(-1)
 
     monkeypatch.setattr(gate, "_alloc", poisoned)
+    hot = dispatch.hot_values
+    monkeypatch.setattr(dispatch, "hot_values", lambda *args: hot(*args).fill_(float("nan")))
 
 
 def _twell(values, indices, counts, shape, tile_n):
@@ -506,16 +508,17 @@ def test_hot_neurons_run_dense_and_stay_exact(variant, dtype, fused, sparse_path
         args = [case[c] for c in ("up_weight", "down_weight", "up_bias", "down_bias")]
         call = lambda: dispatch.ffn(case["x"], *args, threshold, variant == "relu2", config)  # noqa: E731
         ref = plain_ref(case, threshold, variant == "relu2")
-    skips = []
+    maps = []
     updown = dispatch.twell_up_down
-    monkeypatch.setattr(dispatch, "twell_up_down", lambda *a, **kw: skips.append(kw["skip"]) or updown(*a, **kw))
+    monkeypatch.setattr(dispatch, "twell_up_down", lambda *a, **kw: maps.append(kw["hot_pos"]) or updown(*a, **kw))
     first = call()  # measures which neurons fire in more than 5% of the rows
     state = dispatch.layer_state(args[0], m)
-    assert skips == [None] and state.hot is None and state.hot_pending is not None
+    assert maps == [None] and state.hot is None and state.hot_pending is not None
     second = call()  # reads the measurement, then uses it
     # MIXED's dense rows alone make every neuron fire in 10% of the rows: the cap, 25% of N, holds
     assert state.hot.index.tolist() == sorted(state.hot.index.tolist()) and len(state.hot.index) == 48
-    assert int(state.hot.skip.sum()) == 48 and skips[1] is state.hot.skip
+    assert state.hot.pos[state.hot.index].tolist() == list(range(48)) and maps[1] is state.hot.pos
+    assert int((state.hot.pos >= 0).sum()) == 48
     tol = TOL[dtype] * (4 if variant == "relu2" else 1)
     assert rel_err(first, ref) <= tol and rel_err(second, ref) <= tol
     # the second call's density probe counts the hot neurons' active entries too
@@ -541,7 +544,7 @@ def test_hot_neurons_are_the_most_frequent(counts, rate, hot):
     if hot == 0:
         assert chosen is None
     else:
-        assert chosen.index.tolist() == list(range(hot)) and chosen.skip.tolist() == [1] * hot + [0] * (80 - hot)
+        assert chosen.index.tolist() == list(range(hot)) and chosen.pos.tolist() == list(range(hot)) + [-1] * (80 - hot)
 
 
 @pytest.mark.parametrize("dense_above,falls_back", [(policy.DENSE_ABOVE, True), (0.05, False)])
@@ -568,13 +571,13 @@ def test_a_layer_dense_in_few_neurons_stays_sparse(sparse_paths, monkeypatch):
     gate_bias = torch.zeros(64, device=DEVICE)
     gate_bias[:16] = 100.0  # 16 neurons fire on every token: 25% density
     args = (case["gate_weight"], case["up_weight"], case["down_weight"], gate_bias, None, None, 0.0, False)
-    skips = []
+    maps = []
     updown = dispatch.twell_up_down
-    monkeypatch.setattr(dispatch, "twell_up_down", lambda *a, **kw: skips.append(kw["skip"]) or updown(*a, **kw))
+    monkeypatch.setattr(dispatch, "twell_up_down", lambda *a, **kw: maps.append(kw["hot_pos"]) or updown(*a, **kw))
     ys = [dispatch.gated_ffn(case["x"], *args, sparse_paths) for _ in range(3)]
     state = dispatch.layer_state(case["gate_weight"], 80)
     assert state.hot.index.tolist() == list(range(16)) and state.density == 0.25
-    assert len(skips) == 3 and skips[1:] == [state.hot.skip] * 2 and state.dense_calls_left == 0
+    assert len(maps) == 3 and maps[1] is maps[2] is state.hot.pos and state.dense_calls_left == 0
     ref = reference.gated_ffn(case["x"].double(), *(a.double() if a is not None else None for a in args[:6]))
     assert all(rel_err(y, ref) <= 1e-5 for y in ys)
 

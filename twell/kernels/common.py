@@ -83,10 +83,11 @@ def check_threshold(threshold) -> None:
         raise ValueError(f"threshold must be a finite float, got {threshold!r}")
 
 
-def check_skip(skip, n: int, x: torch.Tensor) -> None:
-    """An optional neuron mask: uint8 [n] on x's device, contiguous (the kernels index it by neuron)."""
-    if skip is None:
+def check_pos(pos, n: int, x: torch.Tensor) -> None:
+    """An optional hot-neuron map: int32 [n] on x's device, contiguous (the kernels index it by neuron;
+    -1: not hot). Values are the caller's: the dispatcher builds them from the hot neurons' index."""
+    if pos is None:
         return
-    check_operand("skip", skip, (n,), x, torch.uint8)
-    if n > 1 and skip.stride(0) != 1:
-        raise ValueError(f"skip must be contiguous, got stride {skip.stride(0)}")
+    check_operand("hot_pos", pos, (n,), x, torch.int32)
+    if n > 1 and pos.stride(0) != 1:
+        raise ValueError(f"hot_pos must be contiguous, got stride {pos.stride(0)}")

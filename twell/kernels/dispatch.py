@@ -13,9 +13,10 @@ and TwELL layout; policy.route decides.
 - Otherwise dense (also for K > MAX_K, and for a down weight not stored as the kernels read it):
   twell.kernels.dense, cuBLAS with the activation and product in one pass.
 - Hybrid by neuron (prefill, the layer's hot_rate): the layer's hot neurons, those firing in more
-  than hot_rate of its tokens, are computed by dense products over just those neurons (cuBLAS GEMMs
-  over their gathered gate and up rows, the activation, then y += h_hot W_d[hot] after the sparse
-  stage); the packers and the overflow recompute leave them out. A sparse pair costs a gather of two
+  than hot_rate of its tokens, are computed by dense products over just those neurons: the packers
+  leave them out of TwELL and write their gate pre-activations to an [M, H] buffer instead (the
+  overflow recompute leaves them out too); a cuBLAS GEMM over their gathered up rows, the activation,
+  then y += h_hot W_d[hot] after the sparse stage. A sparse pair costs a gather of two
   weight rows, a hot neuron's dense columns a few FLOPs a token: neurons firing in a few percent of
   tokens are cheaper dense. Which neurons are hot is measured on the device from a prefill call's
   first HOT_SAMPLE rows, read on the host once landed, re-measured every DENSE_RETRY prefill calls.
@@ -38,16 +39,17 @@ import triton
 from twell.kernels import dense as dense_route
 from twell.kernels import policy
 from twell.kernels.decode import decode_ffn
-from twell.kernels.gate import fused_gate_supported, gate_twell, pack_dense
+from twell.kernels.gate import fused_gate_supported, gate_twell, hot_values, pack_dense
 from twell.kernels.updown import twell_up_down
 
 
 @dataclass
 class _Hot:
-    """A layer's hot neurons on its device: index [H] (int64, ascending) and skip [N] (uint8, 1: hot)."""
+    """A layer's hot neurons on its device: index [H] (int64, ascending) and pos [N] (int32: the neuron's
+    place in index, -1 if not hot)."""
 
     index: torch.Tensor
-    skip: torch.Tensor
+    pos: torch.Tensor
 
 
 @dataclass
@@ -73,7 +75,7 @@ class _LayerState:
             self.density = sparse + sum(dense)
             # the hot neurons' dense products cost about their share of dense's up and down projections;
             # a call measured with other hot neurons than the layer's now does not say what the next will cost
-            hot_share = len(hot.index) / len(hot.skip) if hot is not None else 0.0
+            hot_share = len(hot.index) / len(hot.pos) if hot is not None else 0.0
             current = self.hot if config.hot_rate is not None else None
             if hot is current and sparse > config.dense_above * (1 - hot_share):
                 self.dense_calls_left = policy.DENSE_RETRY
@@ -87,8 +89,9 @@ def _hot_neurons(host: torch.Tensor, device: torch.Tensor, rows: int, rate: floa
     if hot == 0:
         return None
     index = torch.sort(torch.argsort(device, descending=True, stable=True)[:hot]).values
-    skip = torch.zeros(n, dtype=torch.uint8, device=device.device).index_fill_(0, index, 1)
-    return _Hot(index, skip)
+    pos = torch.full((n,), -1, dtype=torch.int32, device=device.device)
+    pos.index_copy_(0, index, torch.arange(hot, dtype=torch.int32, device=device.device))
+    return _Hot(index, pos)
 
 
 # id(weight behind any view) -> {(shape, offset, token bucket): state}; an entry goes when its tensor is
@@ -174,17 +177,13 @@ def _run(
     # one density probe in flight per layer: a newer one would never land while the host runs ahead
     probe = state.pending is None and not capturing
     hot = state.hot if config.hot_rate is not None else None
-    skip = hot.skip if hot is not None else None
-    if hot is not None:
-        h_hot, hot_kept = _hot_hidden(
-            x2, hot.index, gate_weight, gate_bias, up_weight, up_bias, threshold, drelu, square, count=probe
-        )
+    packed_hot = (hot.pos, hot_values(m, len(hot.index), x.dtype, x.device)) if hot is not None else None
     measure = config.hot_rate is not None and not capturing and state.hot_pending is None and state.hot_calls_left == 0
     if config.hot_rate is not None and not capturing:
         state.hot_calls_left = policy.DENSE_RETRY if measure else max(state.hot_calls_left - 1, 0)
     if config.fused_gate and fused_gate_supported(x2, gate_weight, tile_n):
         values, indices, counts = gate_twell(
-            x2, gate_weight, gate_bias, threshold, tile_n, slots, square=square, skip=skip
+            x2, gate_weight, gate_bias, threshold, tile_n, slots, square=square, hot=packed_hot
         )
         if measure:
             state.hot_pending = _measure_neurons(F.linear(x2[: policy.HOT_SAMPLE], gate_weight, gate_bias), threshold)
@@ -192,8 +191,12 @@ def _run(
         pre = F.linear(x2, gate_weight, gate_bias)
         if measure:
             state.hot_pending = _measure_neurons(pre[: policy.HOT_SAMPLE], threshold)
-        values, indices, counts = pack_dense(pre, threshold, tile_n, slots, square=square, skip=skip)
+        values, indices, counts = pack_dense(pre, threshold, tile_n, slots, square=square, hot=packed_hot)
         del pre
+    if hot is not None:
+        h_hot = packed_hot[1]
+        hot_kept = (h_hot > threshold).sum() if probe else None
+        _hot_hidden_(h_hot, x2, hot.index, up_weight, up_bias, threshold, drelu, square)
     y = twell_up_down(
         x2,
         values,
@@ -209,7 +212,7 @@ def _run(
         threshold=threshold,
         drelu=drelu,
         square=square,
-        skip=skip,
+        hot_pos=hot.pos if hot is not None else None,
     )
     if hot is not None:
         y.addmm_(h_hot, wd_t.index_select(0, hot.index))
@@ -227,17 +230,14 @@ def _measure_neurons(pre: torch.Tensor, threshold: float) -> tuple:
     return (*_to_host(counts), counts, pre.shape[0])
 
 
-def _hot_hidden(x, index, gate_weight, gate_bias, up_weight, up_bias, threshold, drelu, square, count) -> tuple:
-    """(h [M, H], kept): the hidden activations of the hot neurons `index` by dense products over their
-    gathered weight rows (as the dense route computes them), and (with count) how many are active."""
-
-    def columns(weight, bias):
-        return F.linear(x, weight.index_select(0, index), bias.index_select(0, index) if bias is not None else None)
-
-    g = columns(gate_weight, gate_bias)
-    kept = (g > threshold).sum() if count else None
-    u = columns(up_weight, up_bias) if up_weight is not None else None
-    return dense_route.act_mul_(g, u, threshold, drelu=drelu, square=square and u is None), kept
+def _hot_hidden_(g, x, index, up_weight, up_bias, threshold, drelu, square) -> torch.Tensor:
+    """In place on the hot neurons' gate pre-activations g [M, H]: their hidden activations, act(g) *
+    up(x) over the gathered up rows `index` (as the dense route computes them), or act(g) (squared)."""
+    if up_weight is None:
+        return dense_route.act_mul_(g, None, threshold, drelu=False, square=square)
+    bias = up_bias.index_select(0, index) if up_bias is not None else None
+    u = F.linear(x, up_weight.index_select(0, index), bias)
+    return dense_route.act_mul_(g, u, threshold, drelu=drelu, square=False)
 
 
 def gated_ffn(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu, config):

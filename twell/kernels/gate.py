@@ -6,9 +6,10 @@ tile's SLOTS slots with a row-wise prefix sum; the true count goes to counts[m, 
 never reaches global memory. A count above SLOTS marks the row for the hybrid dense path (the
 launchers never drop it: see twell.kernels.dispatch).
 
-skip (both launchers): a uint8 mask over the N neurons; marked neurons are never packed (their
-columns count as inactive), for a caller that computes them by dense products (the hybrid by neuron:
-twell.kernels.dispatch's hot neurons).
+hot (both launchers): (hot_pos, hot_values) for a caller that computes some neurons by dense products
+(the hybrid by neuron: twell.kernels.dispatch's hot neurons). hot_pos: int32 [N], neuron n's column in
+hot_values [M, H] or -1; those neurons are never packed (their columns count as inactive), and their
+pre-activations (bias added, rounded to the output dtype, before any activation) go to hot_values.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from twell.kernels.common import (
     check_bias,
     check_input,
     check_operand,
-    check_skip,
+    check_pos,
     check_threshold,
     check_tile,
     dot_precision,
@@ -93,21 +94,27 @@ def _pack_tile(
     vals_ptr,
     idx_ptr,
     cnt_ptr,
-    skip_ptr,
+    pos_ptr,
+    hot_ptr,
+    n_hot,
     n_tiles,
     TILE_N: tl.constexpr,
     SLOTS: tl.constexpr,
     SQUARE: tl.constexpr,
     SPLIT: tl.constexpr,
-    HAS_SKIP: tl.constexpr,
+    HAS_HOT: tl.constexpr,
 ):
     """Pack one [BLOCK_M, TILE_N] fp32 tile into TwELL slots, in SPLIT column slices (1 or 2: fewer
-    live registers next to a GEMM accumulator), leaving out the neurons skip marks (HAS_SKIP).
-    Gathering each slot by a row reduction instead was 2.5x slower on the H200 (benchmarks/NOTES.md)."""
-    if HAS_SKIP:
+    live registers next to a GEMM accumulator); with HAS_HOT, the hot neurons' columns go to hot_ptr
+    [M, n_hot] instead. Gathering each slot by a row reduction instead was 2.5x slower on the H200
+    (benchmarks/NOTES.md)."""
+    if HAS_HOT:
         cols = tile * TILE_N + tl.arange(0, TILE_N)
-        skipped = tl.load(skip_ptr + cols, mask=cols < N, other=0) != 0
-        acc = tl.where(skipped[None, :], float("-inf"), acc)  # never kept, NaN included
+        pos = tl.load(pos_ptr + cols, mask=cols < N, other=-1)
+        hot = (pos >= 0)[None, :]
+        hot_off = offs_m.to(tl.int64)[:, None] * n_hot + pos[None, :]
+        tl.store(hot_ptr + hot_off, acc.to(hot_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & hot)
+        acc = tl.where(hot, float("-inf"), acc)  # never kept, NaN included
     before = tl.zeros([offs_m.shape[0]], dtype=tl.int32)
     if SPLIT == 1:
         cnt = _pack_slice(
@@ -224,7 +231,9 @@ def _gate_twell_kernel(
     vals_ptr,
     idx_ptr,
     cnt_ptr,
-    skip_ptr,
+    pos_ptr,
+    hot_ptr,
+    n_hot,
     M,
     N,
     K,
@@ -232,7 +241,7 @@ def _gate_twell_kernel(
     n_tiles,
     threshold,
     HAS_BIAS: tl.constexpr,
-    HAS_SKIP: tl.constexpr,
+    HAS_HOT: tl.constexpr,
     SQUARE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TILE_N: tl.constexpr,
@@ -257,8 +266,8 @@ def _gate_twell_kernel(
         acc = acc.to(vals_ptr.dtype.element_ty).to(tl.float32)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         _pack_tile(
-            acc, offs_m, tile, M, N, threshold, vals_ptr, idx_ptr, cnt_ptr, skip_ptr, n_tiles, TILE_N, SLOTS, SQUARE,
-            SPLIT, HAS_SKIP,
+            acc, offs_m, tile, M, N, threshold, vals_ptr, idx_ptr, cnt_ptr, pos_ptr, hot_ptr, n_hot, n_tiles, TILE_N,
+            SLOTS, SQUARE, SPLIT, HAS_HOT,
         )  # fmt: skip
 
 
@@ -283,7 +292,9 @@ def _pack_dense_kernel(
     vals_ptr,
     idx_ptr,
     cnt_ptr,
-    skip_ptr,
+    pos_ptr,
+    hot_ptr,
+    n_hot,
     M,
     N,
     M_BUCKET,
@@ -291,7 +302,7 @@ def _pack_dense_kernel(
     threshold,
     stride_hm,
     stride_hn,
-    HAS_SKIP: tl.constexpr,
+    HAS_HOT: tl.constexpr,
     SQUARE: tl.constexpr,
     TILE_N: tl.constexpr,
     SLOTS: tl.constexpr,
@@ -305,8 +316,8 @@ def _pack_dense_kernel(
     ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_n[None, :] * stride_hn
     acc = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     _pack_tile(
-        acc, offs_m, tile, M, N, threshold, vals_ptr, idx_ptr, cnt_ptr, skip_ptr, n_tiles, TILE_N, SLOTS, SQUARE, 1,
-        HAS_SKIP,
+        acc, offs_m, tile, M, N, threshold, vals_ptr, idx_ptr, cnt_ptr, pos_ptr, hot_ptr, n_hot, n_tiles, TILE_N, SLOTS,
+        SQUARE, 1, HAS_HOT,
     )  # fmt: skip
 
 
@@ -316,6 +327,33 @@ def _alloc(m: int, n: int, tile_n: int, slots: int, dtype, device):
     indices = torch.empty(m, n_tiles, slots, dtype=torch.int16, device=device)
     counts = torch.empty(m, n_tiles, dtype=torch.int32, device=device)
     return values, indices, counts
+
+
+def hot_values(m: int, n_hot: int, dtype, device) -> torch.Tensor:
+    """The [M, H] buffer the packers fill with the hot neurons' pre-activations."""
+    return torch.empty(m, n_hot, dtype=dtype, device=device)
+
+
+def _hot_args(hot, dummy) -> tuple:
+    """(pos_ptr, hot_ptr, n_hot) kernel arguments."""
+    if hot is None:
+        return dummy, dummy, 0
+    return hot[0], hot[1], hot[1].shape[1]
+
+
+def check_hot(hot, m: int, n: int, x: torch.Tensor) -> None:
+    """An optional (hot_pos int32 [N], hot_values [M, H] in x's dtype, contiguous) pair."""
+    if hot is None:
+        return
+    if not isinstance(hot, tuple) or len(hot) != 2:
+        raise ValueError("hot must be a (hot_pos, hot_values) pair")
+    pos, values = hot
+    check_pos(pos, n, x)
+    if not isinstance(values, torch.Tensor) or values.dim() != 2:
+        raise ValueError(f"hot_values must be a tensor [{m}, H], got {type(values).__name__}")
+    check_operand("hot_values", values, (m, values.shape[1]), x)
+    if not values.is_contiguous():
+        raise ValueError(f"hot_values must be contiguous, got strides {values.stride()}")
 
 
 def _programs(device: torch.device) -> int:
@@ -348,14 +386,15 @@ def gate_twell(
     slots: int,
     square: bool = False,
     config: tuple[int, int, int, int, int] | None = None,
-    skip: torch.Tensor | None = None,
+    hot: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """TwELL arrays (values, indices, counts) of act_t(x @ weight^T + bias), x: [M, K], weight: [N, K];
     the dense gate never reaches memory.
 
     square: store act² (relu², non-gated FFNs). Counts are true counts: > slots means the row overflows.
     The operands must pass fused_gate_supported (cuBLAS + pack_dense serves the rest). config: one row
-    of GATE_CONFIGS instead of autotuning (tests, benchmarks). skip: uint8 [N], neurons left out.
+    of GATE_CONFIGS instead of autotuning (tests, benchmarks). hot: (hot_pos, hot_values), module
+    docstring.
     """
     check_input("x", x)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -364,7 +403,7 @@ def gate_twell(
     check_operand("weight", weight, tuple(weight.shape), x)
     check_bias("bias", bias, weight.shape[0], x)
     check_threshold(threshold)
-    check_skip(skip, weight.shape[0], x)
+    check_hot(hot, x.shape[0], weight.shape[0], x)
     if not fused_gate_supported(x, weight, tile_n):
         raise ValueError(
             "gate_twell needs unit stride on K, 16-byte aligned rows and a config that fits shared memory "
@@ -396,7 +435,7 @@ def gate_twell(
         values,
         indices,
         counts,
-        skip if skip is not None else counts,
+        *_hot_args(hot, counts),
         m,
         n,
         k,
@@ -404,7 +443,7 @@ def gate_twell(
         n_tiles,
         threshold_in(threshold, x.dtype),
         HAS_BIAS=bias is not None,
-        HAS_SKIP=skip is not None,
+        HAS_HOT=hot is not None,
         SQUARE=square,
         DOT_PRECISION=dot_precision(x.dtype),
         TILE_N=tile_n,
@@ -415,15 +454,20 @@ def gate_twell(
 
 
 def pack_dense(
-    h: torch.Tensor, threshold: float, tile_n: int, slots: int, square: bool = False, skip: torch.Tensor | None = None
+    h: torch.Tensor,
+    threshold: float,
+    tile_n: int,
+    slots: int,
+    square: bool = False,
+    hot: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
-    """TwELL arrays of a dense pre-activation h [M, N]: the pack pass for a cuBLAS gate. skip: uint8
-    [N], neurons left out."""
+    """TwELL arrays of a dense pre-activation h [M, N]: the pack pass for a cuBLAS gate. hot:
+    (hot_pos, hot_values), module docstring."""
     if not isinstance(h, torch.Tensor) or h.dim() != 2:
         raise ValueError(f"pack_dense expects h [M, N], got {list(h.shape) if isinstance(h, torch.Tensor) else h}")
     check_input("h", h)
     check_threshold(threshold)
-    check_skip(skip, h.shape[1], h)
+    check_hot(hot, h.shape[0], h.shape[1], h)
     check_tile(tile_n, slots)
     m, n = h.shape
     values, indices, counts = _alloc(m, n, tile_n, slots, h.dtype, h.device)
@@ -433,7 +477,7 @@ def pack_dense(
         values,
         indices,
         counts,
-        skip if skip is not None else counts,
+        *_hot_args(hot, counts),
         m,
         n,
         m_bucket(m),
@@ -441,7 +485,7 @@ def pack_dense(
         threshold_in(threshold, h.dtype),
         h.stride(0),
         h.stride(1),
-        HAS_SKIP=skip is not None,
+        HAS_HOT=hot is not None,
         SQUARE=square,
         TILE_N=tile_n,
         SLOTS=slots,

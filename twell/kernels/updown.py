@@ -17,8 +17,8 @@ into SPLITS parts (entry ranges and overflowing tiles), each part an fp32 partia
 part to finish sums the partials in part order (deterministic). Rows past the partials' capacity are
 taken whole by one part. Neither path needs a dense backup buffer or the host.
 W_d is read as rows of down_weight^T ([N, K]): pass down_weight.t() with unit stride on K.
-skip: the neurons the packer left out (twell.kernels.gate's skip mask); recomputed tiles leave them
-out too.
+hot_pos: the neurons the packer left out (twell.kernels.gate's hot map, -1: packed); recomputed
+tiles leave them out too.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from twell.kernels.common import (
     check_bias,
     check_input,
     check_operand,
-    check_skip,
+    check_pos,
     check_threshold,
     check_tile,
     m_bucket,
@@ -241,7 +241,7 @@ def _heavy_part(
     wu_ptr,
     bu_ptr,
     wd_ptr,
-    skip_ptr,
+    pos_ptr,
     g_row,
     n_row,
     N,
@@ -255,7 +255,7 @@ def _heavy_part(
     stride_dk,
     HAS_UP: tl.constexpr,
     HAS_GATE_BIAS: tl.constexpr,
-    HAS_SKIP: tl.constexpr,
+    HAS_HOT: tl.constexpr,
     HAS_UP_BIAS: tl.constexpr,
     DRELU: tl.constexpr,
     SQUARE: tl.constexpr,
@@ -304,8 +304,8 @@ def _heavy_part(
                     g += tl.load(bg_ptr + cols, mask=ok, other=0.0).to(tl.float32)
                 g = g.to(OUT_DTYPE).to(tl.float32)  # the dense gate's rounding
                 kept = ((g > threshold) | (g != g)) & ok  # not (g <= t): NaN kept, as by relu
-                if HAS_SKIP:
-                    kept = kept & (tl.load(skip_ptr + cols, mask=ok, other=0) == 0)
+                if HAS_HOT:
+                    kept = kept & (tl.load(pos_ptr + cols, mask=ok, other=-1) < 0)
                 if SQUARE:
                     g = (g * g).to(OUT_DTYPE).to(tl.float32)
                 slot = tl.cumsum(kept.to(tl.int32), axis=0) - 1
@@ -336,7 +336,7 @@ def _heavy_kernel(
     bu_ptr,
     wd_ptr,
     bd_ptr,
-    skip_ptr,
+    pos_ptr,
     y_ptr,
     g_ptr,
     n_ptr,
@@ -359,7 +359,7 @@ def _heavy_kernel(
     HAS_GATE_BIAS: tl.constexpr,
     HAS_UP_BIAS: tl.constexpr,
     HAS_DOWN_BIAS: tl.constexpr,
-    HAS_SKIP: tl.constexpr,
+    HAS_HOT: tl.constexpr,
     DRELU: tl.constexpr,
     SQUARE: tl.constexpr,
     TILE_N: tl.constexpr,
@@ -392,8 +392,8 @@ def _heavy_kernel(
         for p in range(tl.where(split, part, 0), tl.where(split, part + 1, SPLITS)):
             y_p = _heavy_part(
                 xv, offs_k, k_ok, m, p, SPLITS, vals_ptr, idx_ptr, cnt_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr,
-                wd_ptr, skip_ptr, g_row, n_row, N, n_tiles, threshold, stride_gn, stride_gk, stride_un, stride_uk,
-                stride_dn, stride_dk, HAS_UP, HAS_GATE_BIAS, HAS_SKIP, HAS_UP_BIAS, DRELU, SQUARE,
+                wd_ptr, pos_ptr, g_row, n_row, N, n_tiles, threshold, stride_gn, stride_gk, stride_un, stride_uk,
+                stride_dn, stride_dk, HAS_UP, HAS_GATE_BIAS, HAS_HOT, HAS_UP_BIAS, DRELU, SQUARE,
                 y_ptr.dtype.element_ty,
                 TILE_N, SLOTS, TILES_PAD, WIDTH, CHUNK, RECOMPUTE, BLOCK_K,
             )  # fmt: skip
@@ -437,7 +437,7 @@ def twell_up_down(
     square: bool = False,
     out: torch.Tensor | None = None,
     order: bool = True,
-    skip: torch.Tensor | None = None,
+    hot_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [M, K] from x [M, K] and the TwELL arrays of act(x gate_weight^T + gate_bias).
 
@@ -445,8 +445,8 @@ def twell_up_down(
     read only for overflowing tiles (count > slots), whose entries are recomputed; down_weight_t:
     [N, K] (= down_weight.t()). threshold: the activation's (as given to the gate). K <= policy.MAX_K:
     whole rows are held in registers. order: rows heaviest first (an argsort of the row totals on the
-    device; it changes which program takes a row, never the row's result). skip: uint8 [N], the
-    neurons the arrays were packed without (the packer's skip): overflowing tiles leave them out too.
+    device; it changes which program takes a row, never the row's result). hot_pos: int32 [N], the
+    packer's hot map (neurons >= 0 were packed without): overflowing tiles leave them out too.
     """
     check_input("x", x)
     check_threshold(threshold)
@@ -485,7 +485,7 @@ def twell_up_down(
         raise ValueError("up_bias needs up_weight (a plain FFN has its bias as gate_bias)")
     for name, b, size in (("gate_bias", gate_bias, n), ("up_bias", up_bias, n), ("down_bias", down_bias, k)):
         check_bias(name, b, size, x)
-    check_skip(skip, n, x)
+    check_pos(hot_pos, n, x)
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.device != x.device):
         raise ValueError(
             f"out must be {list(x.shape)} {x.dtype} on {x.device}, got {list(out.shape)} {out.dtype} on {out.device}"
@@ -533,9 +533,9 @@ def twell_up_down(
     _heavy_kernel[(programs,)](
         x, values, indices, counts, heavy, heavy[1 + m :], partials, gate_weight,
         gate_bias if gate_bias is not None else dummy, *up, down_weight_t, down_bias,
-        skip if skip is not None else counts, y, g_scratch, n_scratch, n, k, n_tiles, capacity,
+        hot_pos if hot_pos is not None else counts, y, g_scratch, n_scratch, n, k, n_tiles, capacity,
         threshold_in(threshold, x.dtype), x.stride(0), x.stride(1), gate_weight.stride(0), gate_weight.stride(1),
-        *strides, HAS_GATE_BIAS=gate_bias is not None, HAS_SKIP=skip is not None, SQUARE=square, CHUNK=CHUNK,
+        *strides, HAS_GATE_BIAS=gate_bias is not None, HAS_HOT=hot_pos is not None, SQUARE=square, CHUNK=CHUNK,
         RECOMPUTE=recompute, SPLITS=SPLITS, num_warps=4, **flags,
     )  # fmt: skip
     return y
