@@ -84,42 +84,6 @@ def _pack_finish(cnt, offs_m, tile, M, vals_ptr, idx_ptr, cnt_ptr, n_tiles, SLOT
 
 
 @triton.jit
-def _hand_over_hot(acc, offs_m, tile, M, N, pos_ptr, hot_ptr, n_hot, TILE_N: tl.constexpr):
-    """The tile with its hot neurons' columns stored to hot_ptr [M, n_hot] and then masked out."""
-    cols = tile * TILE_N + tl.arange(0, TILE_N)
-    pos = tl.load(pos_ptr + cols, mask=cols < N, other=-1)
-    hot = (pos >= 0)[None, :]
-    hot_off = offs_m.to(tl.int64)[:, None] * n_hot + pos[None, :]
-    tl.store(hot_ptr + hot_off, acc.to(hot_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & hot)
-    return tl.where(hot, float("-inf"), acc)  # never kept, NaN included
-
-
-@triton.jit
-def _pack_rounds(
-    acc, offs_m, tile, M, N, threshold, h_row, stride_hn, vals_ptr, idx_ptr, cnt_ptr, n_tiles,
-    TILE_N: tl.constexpr, SLOTS: tl.constexpr, SQUARE: tl.constexpr,
-):  # fmt: skip
-    """_pack_tile by rounds instead of a prefix sum and whole-tile scatters: each round takes every
-    row's first kept column left (a min over the tile), reads its value back from h_row + column and
-    stores one slot per row; as many rounds as the tile's fullest row has entries (up to SLOTS)."""
-    offs_c = tl.arange(0, TILE_N)
-    row_ok = offs_m < M
-    keep = ((acc > threshold) | (acc != acc)) & row_ok[:, None] & ((tile * TILE_N + offs_c) < N)[None, :]
-    cnt = tl.sum(keep.to(tl.int32), axis=1)
-    slot0 = (offs_m.to(tl.int64) * n_tiles + tile) * SLOTS
-    for s in range(0, tl.minimum(tl.max(cnt, axis=0), SLOTS)):
-        first = tl.min(tl.where(keep, offs_c[None, :], TILE_N), axis=1)
-        stored = row_ok & (first < TILE_N)
-        v = tl.load(h_row + first * stride_hn, mask=stored, other=0.0).to(tl.float32)
-        if SQUARE:
-            v = v * v
-        tl.store(vals_ptr + slot0 + s, v.to(vals_ptr.dtype.element_ty), mask=stored)
-        tl.store(idx_ptr + slot0 + s, first.to(tl.int16), mask=stored)
-        keep = keep & (offs_c[None, :] != first[:, None])
-    _pack_finish(cnt, offs_m, tile, M, vals_ptr, idx_ptr, cnt_ptr, n_tiles, SLOTS)
-
-
-@triton.jit
 def _pack_tile(
     acc,
     offs_m,
@@ -145,7 +109,12 @@ def _pack_tile(
     [M, n_hot] instead. Gathering each slot by a row reduction instead was 2.5x slower on the H200
     (benchmarks/NOTES.md)."""
     if HAS_HOT:
-        acc = _hand_over_hot(acc, offs_m, tile, M, N, pos_ptr, hot_ptr, n_hot, TILE_N)
+        cols = tile * TILE_N + tl.arange(0, TILE_N)
+        pos = tl.load(pos_ptr + cols, mask=cols < N, other=-1)
+        hot = (pos >= 0)[None, :]
+        hot_off = offs_m.to(tl.int64)[:, None] * n_hot + pos[None, :]
+        tl.store(hot_ptr + hot_off, acc.to(hot_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & hot)
+        acc = tl.where(hot, float("-inf"), acc)  # never kept, NaN included
     before = tl.zeros([offs_m.shape[0]], dtype=tl.int32)
     if SPLIT == 1:
         cnt = _pack_slice(
@@ -303,22 +272,17 @@ def _gate_twell_kernel(
 
 
 PACK_CONFIGS = [
-    # (BLOCK_M, ROUNDS, num_warps, num_stages): a memory-bound pass, so small tiles and many programs;
-    # ROUNDS: _pack_rounds instead of _pack_tile
-    (8, False, 4, 1),
-    (4, False, 2, 1),
-    (16, False, 4, 1),
-    (32, False, 4, 1),
-    (16, False, 8, 1),
-    (8, True, 4, 1),
-    (16, True, 4, 1),
-    (32, True, 4, 1),
-    (32, True, 8, 1),
+    # (BLOCK_M, num_warps, num_stages): a memory-bound pass, so small tiles and many programs
+    (8, 4, 1),
+    (4, 2, 1),
+    (16, 4, 1),
+    (32, 4, 1),
+    (16, 8, 1),
 ]
 
 
 @triton.autotune(
-    configs=autotune_configs(PACK_CONFIGS, lambda bm, rounds, w, s: {"BLOCK_M": bm, "ROUNDS": rounds}),
+    configs=autotune_configs(PACK_CONFIGS, lambda bm, w, s: {"BLOCK_M": bm}),
     key=["M_BUCKET", "N", "TILE_N", "SLOTS"],
     cache_results=True,
 )
@@ -343,7 +307,6 @@ def _pack_dense_kernel(
     TILE_N: tl.constexpr,
     SLOTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    ROUNDS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     tile = tl.program_id(1)
@@ -352,19 +315,10 @@ def _pack_dense_kernel(
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_n[None, :] * stride_hn
     acc = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    if ROUNDS:
-        if HAS_HOT:
-            acc = _hand_over_hot(acc, offs_m, tile, M, N, pos_ptr, hot_ptr, n_hot, TILE_N)
-        h_row = h_ptr + offs_m.to(tl.int64) * stride_hm + tile * TILE_N * stride_hn
-        _pack_rounds(
-            acc, offs_m, tile, M, N, threshold, h_row, stride_hn, vals_ptr, idx_ptr, cnt_ptr, n_tiles, TILE_N, SLOTS,
-            SQUARE,
-        )  # fmt: skip
-    else:
-        _pack_tile(
-            acc, offs_m, tile, M, N, threshold, vals_ptr, idx_ptr, cnt_ptr, pos_ptr, hot_ptr, n_hot, n_tiles, TILE_N,
-            SLOTS, SQUARE, 1, HAS_HOT,
-        )  # fmt: skip
+    _pack_tile(
+        acc, offs_m, tile, M, N, threshold, vals_ptr, idx_ptr, cnt_ptr, pos_ptr, hot_ptr, n_hot, n_tiles, TILE_N, SLOTS,
+        SQUARE, 1, HAS_HOT,
+    )  # fmt: skip
 
 
 def _alloc(m: int, n: int, tile_n: int, slots: int, dtype, device):
@@ -506,10 +460,9 @@ def pack_dense(
     slots: int,
     square: bool = False,
     hot: tuple[torch.Tensor, torch.Tensor] | None = None,
-    config: tuple[int, bool, int, int] | None = None,
 ):
     """TwELL arrays of a dense pre-activation h [M, N]: the pack pass for a cuBLAS gate. hot:
-    (hot_pos, hot_values), module docstring. config: one row of PACK_CONFIGS instead of autotuning."""
+    (hot_pos, hot_values), module docstring."""
     if not isinstance(h, torch.Tensor) or h.dim() != 2:
         raise ValueError(f"pack_dense expects h [M, N], got {list(h.shape) if isinstance(h, torch.Tensor) else h}")
     check_input("h", h)
@@ -519,12 +472,7 @@ def pack_dense(
     m, n = h.shape
     values, indices, counts = _alloc(m, n, tile_n, slots, h.dtype, h.device)
     n_tiles = counts.shape[1]
-    kernel, meta = _pack_dense_kernel, {}
-    if config is not None:
-        block_m, rounds, warps, stages = config
-        meta = {"BLOCK_M": block_m, "ROUNDS": rounds, "num_warps": warps, "num_stages": stages}
-        kernel = _pack_dense_kernel.fn
-    kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), n_tiles)](
+    _pack_dense_kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), n_tiles)](
         h,
         values,
         indices,
@@ -541,6 +489,5 @@ def pack_dense(
         SQUARE=square,
         TILE_N=tile_n,
         SLOTS=slots,
-        **meta,
     )
     return values, indices, counts
