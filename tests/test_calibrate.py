@@ -223,6 +223,27 @@ def test_layout_choice_and_decision():
     assert loose["blocks.1"].overflow_rows == pytest.approx(13 / 256)
 
 
+@pytest.mark.parametrize("hot_rate", [policy.HOT_RATE, None], ids=["hot", "no-hot"])
+def test_hot_neurons_enter_the_prediction(hot_rate):
+    """A layer 3.3% dense, most of it in 32 neurons that fire on every other token: with those computed
+    densely (the prefill path's hot neurons) the rest is 0.2% dense and the layer pays; without, not."""
+    model = Stack(GatedFFN(512, 512, identity_gate=True))
+    x = sparse_input(2048, 512, 0.002, seed=4)
+    x[::2, ::16] = 1.0  # 8 per 128-wide tile: no row overflows
+    decision = calibrate(model, [candidate_of(model, 0)], [{"x": x}], config=FAST, layer_config={"hot_rate": hot_rate})
+    decision = decision["blocks.0"]
+    assert decision.stats["prefill"]["density"] > 0.03 and decision.overflow_rows == 0.0
+    if hot_rate is None:
+        assert not decision.rewrite and "hot_neurons" not in decision.stats["prefill"]
+    else:
+        assert decision.rewrite and decision.stats["prefill"]["hot_neurons"] == 32
+        cold = decision.stats["prefill"]["density"] - int((x[:, ::16] > 0).sum()) / x.numel()
+        expected = AnalyticCostModel().time_ratio(
+            kind="gated", m=policy.PREFILL_MIN_M, k=512, n=512, density=cold, dtype=torch.float32
+        )
+        assert decision.predicted_speedup["prefill"] == pytest.approx(1 / (expected + 32 / 512))
+
+
 @dataclass
 class FixedCost:
     ratio: float

@@ -592,15 +592,19 @@ def _decide(
     config = decision.layer_config(changes)  # what the layer will run with
     for phase, counter in recorder.phases.items():
         stats = decision.stats[phase]
+        m = _predicted_tokens(cfg, phase, stats["rows_per_call_median"], config)
+        density, hot_share = _sparse_share(counter, config, stats, m, decision.model_size)
         ratio = cost.time_ratio(
             kind=candidate.kind,
-            m=_predicted_tokens(cfg, phase, stats["rows_per_call_median"], config),
+            m=m,
             k=decision.model_size,
             n=-(-decision.hidden_size // recorder.shards),  # the width each rank runs
-            density=stats["density"],
+            density=density,
             dtype=dtype,
             config=config,
         )
+        if ratio < 1.0:  # the hot neurons' dense products cost about their share of the dense FFN
+            ratio = min(1.0, ratio + hot_share)
         # Overflow rows run dense inside the hybrid format.
         overflow = counter.overflow_fraction(decision.tile_n, decision.compression)
         decision.predicted_speedup[phase] = 1.0 / ((1.0 - overflow) * ratio + overflow)
@@ -614,6 +618,26 @@ def _decide(
         f"{verdict} the {cfg.min_speedup:.2f}x threshold"
     )
     return decision
+
+
+# Fewer calibration rows than this give no hot-neuron estimate: from a few rows a neuron's rate cannot
+# tell 2% from 0 (the dispatcher measures from up to policy.HOT_SAMPLE rows of a prefill call).
+HOT_MIN_ROWS = 1024
+
+
+def _sparse_share(counter: _PhaseCounter, config: LayerConfig, stats: dict, m: int, k: int) -> tuple[float, float]:
+    """(density left to the sparse kernels, hot neurons / N) for calls of m tokens: on the prefill path
+    the layer's hot neurons (policy.hot_count over the calibration rows) run as dense products;
+    stats["hot_neurons"] records how many."""
+    density, rows = stats["density"], counter.rows
+    if config.hot_rate is None or rows < HOT_MIN_ROWS or policy.route(m, k, config) != "prefill":
+        return density, 0.0
+    hot = policy.hot_count(counter.neuron_counts, rows, config.hot_rate)
+    stats["hot_neurons"] = hot
+    if hot == 0:
+        return density, 0.0
+    hot_pairs = int(counter.neuron_counts.sort(descending=True).values[:hot].sum())
+    return max(density - hot_pairs / (rows * counter.n), 0.0), hot / counter.n
 
 
 def _predicted_tokens(cfg: CalibrationConfig, phase: str, observed: int, config: LayerConfig) -> int:

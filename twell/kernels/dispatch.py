@@ -82,10 +82,10 @@ class _LayerState:
 
 
 def _hot_neurons(host: torch.Tensor, device: torch.Tensor, rows: int, rate: float) -> _Hot | None:
-    """The neurons that fired in more than `rate` of `rows` sampled tokens (counts on the host and the
-    same on the device), the most frequent first up to HOT_MAX_SHARE of N, in multiples of HOT_ALIGN."""
+    """The policy.hot_count most frequent neurons of `rows` sampled tokens (counts on the host and the
+    same on the device)."""
     n = host.shape[0]
-    hot = min(int((host > rate * rows).sum()), int(n * policy.HOT_MAX_SHARE)) // policy.HOT_ALIGN * policy.HOT_ALIGN
+    hot = policy.hot_count(host, rows, rate)
     if hot == 0:
         return None
     index = torch.sort(torch.argsort(device, descending=True, stable=True)[:hot]).values

@@ -178,6 +178,14 @@ def route(m: int, k: int, config: LayerConfig, density: float | None = None) -> 
     return "dense"
 
 
+def hot_count(counts, rows: int, rate: float) -> int:
+    """How many neurons a layer's prefill calls compute by dense products: those that fired in more than
+    `rate` of `rows` tokens (counts: per neuron, a tensor), at most HOT_MAX_SHARE of them, in multiples
+    of HOT_ALIGN (0: none). The dispatcher takes the most frequent that many; calibration predicts so."""
+    n = counts.shape[0]
+    return min(int((counts > rate * rows).sum()), int(n * HOT_MAX_SHARE)) // HOT_ALIGN * HOT_ALIGN
+
+
 def train_width(n: int) -> int:
     """Record slots per token row of the sparse training path for N hidden neurons: a power of two
     >= N/32 (>= 3% density, several times the 0.5-1% a trained sparse model keeps, so only unusually
