@@ -37,7 +37,7 @@ from triton.testing import do_bench
 
 import twell
 from twell.kernels import dispatch, policy, reference
-from twell.kernels.gate import PACK_CONFIGS, _pack_dense_kernel, gate_twell, pack_dense
+from twell.kernels.gate import gate_twell, pack_dense
 from twell.kernels.updown import _twell_up_down_kernel as updown_kernel
 from twell.kernels.updown import twell_up_down
 
@@ -276,11 +276,6 @@ def prefill_stages(x, w, config) -> dict:
     row = {"cublas_gate_ms": do_bench(lambda: F.linear(x, wg, bg), return_mode="median")}
     pre = F.linear(x, wg, bg)
     row["pack_ms"] = do_bench(lambda: pack_dense(pre, 0.0, tile_n, slots), return_mode="median")
-    row["pack_config"] = str(_pack_dense_kernel.best_config)
-    row["pack_config_ms"] = {
-        str(c): do_bench(lambda c=c: pack_dense(pre, 0.0, tile_n, slots, config=c), return_mode="median")
-        for c in PACK_CONFIGS
-    }
     row["fused_gate_ms"] = do_bench(lambda: gate_twell(x, wg, bg, 0.0, tile_n, slots), return_mode="median")
     values, indices, counts = gate_twell(x, wg, bg, 0.0, tile_n, slots)
     wd_t = w["down_weight"].t()

@@ -272,22 +272,17 @@ def _gate_twell_kernel(
 
 
 PACK_CONFIGS = [
-    # (BLOCK_M, ROW_MAJOR, num_warps, num_stages): a memory-bound pass, so small tiles and many
-    # programs; ROW_MAJOR: consecutive programs take one row block's tiles (contiguous reads and
-    # writes), else one tile's row blocks
-    (8, False, 4, 1),
-    (4, False, 2, 1),
-    (16, False, 4, 1),
-    (32, False, 4, 1),
-    (16, False, 8, 1),
-    (8, True, 4, 1),
-    (4, True, 2, 1),
-    (16, True, 4, 1),
+    # (BLOCK_M, num_warps, num_stages): a memory-bound pass, so small tiles and many programs
+    (8, 4, 1),
+    (4, 2, 1),
+    (16, 4, 1),
+    (32, 4, 1),
+    (16, 8, 1),
 ]
 
 
 @triton.autotune(
-    configs=autotune_configs(PACK_CONFIGS, lambda bm, row_major, w, s: {"BLOCK_M": bm, "ROW_MAJOR": row_major}),
+    configs=autotune_configs(PACK_CONFIGS, lambda bm, w, s: {"BLOCK_M": bm}),
     key=["M_BUCKET", "N", "TILE_N", "SLOTS"],
     cache_results=True,
 )
@@ -312,13 +307,9 @@ def _pack_dense_kernel(
     TILE_N: tl.constexpr,
     SLOTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    ROW_MAJOR: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    if ROW_MAJOR:
-        pid_m, tile = pid // n_tiles, pid % n_tiles
-    else:
-        pid_m, tile = pid % tl.cdiv(M, BLOCK_M), pid // tl.cdiv(M, BLOCK_M)
+    pid_m = tl.program_id(0)
+    tile = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tile * TILE_N + tl.arange(0, TILE_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -469,10 +460,9 @@ def pack_dense(
     slots: int,
     square: bool = False,
     hot: tuple[torch.Tensor, torch.Tensor] | None = None,
-    config: tuple[int, bool, int, int] | None = None,
 ):
     """TwELL arrays of a dense pre-activation h [M, N]: the pack pass for a cuBLAS gate. hot:
-    (hot_pos, hot_values), module docstring. config: one row of PACK_CONFIGS instead of autotuning."""
+    (hot_pos, hot_values), module docstring."""
     if not isinstance(h, torch.Tensor) or h.dim() != 2:
         raise ValueError(f"pack_dense expects h [M, N], got {list(h.shape) if isinstance(h, torch.Tensor) else h}")
     check_input("h", h)
@@ -482,12 +472,7 @@ def pack_dense(
     m, n = h.shape
     values, indices, counts = _alloc(m, n, tile_n, slots, h.dtype, h.device)
     n_tiles = counts.shape[1]
-    kernel, meta = _pack_dense_kernel, {}
-    if config is not None:
-        block_m, row_major, warps, stages = config
-        meta = {"BLOCK_M": block_m, "ROW_MAJOR": row_major, "num_warps": warps, "num_stages": stages}
-        kernel = _pack_dense_kernel.fn
-    kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * n_tiles,)](
+    _pack_dense_kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), n_tiles)](
         h,
         values,
         indices,
@@ -504,6 +489,5 @@ def pack_dense(
         SQUARE=square,
         TILE_N=tile_n,
         SLOTS=slots,
-        **meta,
     )
     return values, indices, counts
