@@ -12,11 +12,10 @@ decode wins at every density up to 5% for 1-8 tokens (1.03-1.85x at K=2048, 1.22
 gpu_check-decode-20261130-165108.json) and loses at 16 tokens and 5% (0.85x), so it serves up to 8,
 and up to 16 on layers whose prefill calls measured them at most 1% dense.
 Prefill wins from 16384 tokens at 0.5% (1.20-1.40x at K=2048 by pattern, ffn-20261130-184434.json;
-1.01-1.32x at K=4096, ffn-20261130-184835.json). At 8192 its GPU time wins (CUDA-graph replays
-0.63-0.79 ms against dense 0.86 ms) but an eager call spends 0.8-1.1 ms on the host (Triton's launch
-path for four kernels with ~40 arguments each, and the dispatcher's small torch ops), so eager timings
-swing between 1.21x and 0.65x from run to run (ffn-20261130-231225.json, ffn-20261130-234316.json):
-those calls stay dense.
+1.01-1.32x at K=4096, ffn-20261130-184835.json). Below that, calls stay dense: an eager prefill call
+spends 1.25-1.27 ms on the host (Triton's launch path with ~40 arguments a kernel, the autotuner, the
+dispatcher's small torch ops) against dense's 0.14-0.18, and its kernels as graph replays take 0.457 /
+0.792 ms at 4096 / 8192 tokens against dense 0.436 / 0.851 (host_time-20261201-091757.json).
 """
 
 from __future__ import annotations
