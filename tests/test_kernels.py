@@ -62,6 +62,29 @@ def test_pack_dense_matches_the_spec(m, n, tile_n, slots, square, dtype):
     assert torch.equal(values.cpu(), spec.values)
 
 
+def test_pack_dense_hands_over_hot_columns():
+    """Hot neurons' columns go to hot_values whole (pre-activations, NaN included) and never into TwELL;
+    a position past hot_values packs its neuron instead of storing outside the buffer."""
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(37, 300, generator=g)
+    h[1::5] += 5.0  # dense rows: overflow
+    h[2, 7] = float("nan")
+    index = torch.tensor([0, 7, 64, 65, 200, 299])
+    pos = torch.full((300,), -1, dtype=torch.int32)
+    pos[index] = torch.arange(len(index), dtype=torch.int32)
+    hot = (pos.to(DEVICE), torch.full((37, len(index)), float("nan"), device=DEVICE))
+    values, indices, counts = pack_dense(h.to(DEVICE), 0.0, 64, 8, hot=hot)
+    assert torch.allclose(hot[1].cpu(), h[:, index], rtol=0, atol=0, equal_nan=True)
+    cold = h.clone()
+    cold[:, index] = -1.0
+    spec = twell.pack(cold, tile_n=64, compression=8, threshold=0.0)
+    assert torch.equal(counts.cpu(), spec.counts) and torch.equal(indices.cpu(), spec.indices)
+    assert torch.equal(values.cpu(), spec.values)
+    bad = (pos.clone().index_fill_(0, torch.tensor([299]), 99).to(DEVICE), torch.zeros(37, len(index), device=DEVICE))
+    bad_counts = pack_dense(h.to(DEVICE), 0.0, 64, 8, hot=bad)[2]
+    assert int(bad_counts.sum()) == int(counts.sum()) + int((h[:, 299] > 0).sum())
+
+
 def test_dispatch_reads_strided_biases(sparse_paths):
     case = make_ffn(100, 40, 96, MIXED, torch.float32, DEVICE, seed=7, biases=True)
     strided = {k: torch.stack([b, b], 1)[:, 0] for k, b in case.items() if k.endswith("bias")}

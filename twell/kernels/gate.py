@@ -10,6 +10,8 @@ hot (both launchers): (hot_pos, hot_values) for a caller that computes some neur
 (the hybrid by neuron: twell.kernels.dispatch's hot neurons). hot_pos: int32 [N], neuron n's column in
 hot_values [M, H] or -1; those neurons are never packed (their columns count as inactive), and their
 pre-activations (bias added, rounded to the output dtype, before any activation) go to hot_values.
+Positions are not checked on the host (that would wait for the device); one outside [0, H) makes its
+neuron a packed one, never a store outside hot_values.
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ def _pack_tile(
     if HAS_HOT:
         cols = tile * TILE_N + tl.arange(0, TILE_N)
         pos = tl.load(pos_ptr + cols, mask=cols < N, other=-1)
-        hot = (pos >= 0)[None, :]
+        hot = ((pos >= 0) & (pos < n_hot))[None, :]  # a position past hot_values is no store
         hot_off = offs_m.to(tl.int64)[:, None] * n_hot + pos[None, :]
         tl.store(hot_ptr + hot_off, acc.to(hot_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & hot)
         acc = tl.where(hot, float("-inf"), acc)  # never kept, NaN included
