@@ -187,9 +187,16 @@ def warm_call(block, x):
     return block(x)
 
 
+def largest_hot():
+    """The largest set of hot neurons (computed by dense products) of any layer state the dispatcher
+    holds, or None."""
+    hots = [st.hot for d in dispatch._layers.values() for st in d.values() if st.hot is not None]
+    return max(hots, key=lambda h: len(h.index), default=None)
+
+
 def hot_neurons() -> int:
-    """The most hot neurons (computed by dense products) of any layer state the dispatcher holds."""
-    return max((len(st.hot.index) for d in dispatch._layers.values() for st in d.values() if st.hot), default=0)
+    hot = largest_hot()
+    return 0 if hot is None else len(hot.index)
 
 
 def bench_point(k, n, m, density, pattern, compiled, hot_rates=()) -> dict:
@@ -289,8 +296,7 @@ def prefill_stages(x, w, config) -> dict:
     pairs = int(counts.sum())
     row["updown_l2_tb_s"] = pairs * 2 * x.shape[1] * 2 / row["updown_ms"] / 1e9
     row["overflow_tiles"] = int((counts > slots).sum())
-    states = [st for d in dispatch._layers.values() for st in d.values() if st.hot]
-    hot = max((st.hot for st in states), key=lambda h: len(h.index), default=None)
+    hot = largest_hot()
     if hot is not None:  # the pieces of the hybrid by neuron, at the layer's hot neurons
         packed_hot = (hot.pos, dispatch.hot_values(x.shape[0], len(hot.index), x.dtype, x.device))
         row["pack_hot_ms"] = do_bench(lambda: pack_dense(pre, 0.0, tile_n, slots, hot=packed_hot), return_mode="median")

@@ -356,8 +356,24 @@ def test_up_down_checks_its_twell_arrays(change, match):
         (lambda x, w, b: gate_twell(x, w, b, float("inf"), 32, 8), "threshold must be a finite float"),
         (lambda x, w, b: pack_dense((x @ w.T).int(), 0.0, 32, 8), "h must be float32, float16 or bfloat16"),
         (lambda x, w, b: pack_dense(x @ w.T, float("nan"), 32, 8), "threshold must be a finite float"),
+        (lambda x, w, b: pack_dense(x @ w.T, 0.0, 32, 8, hot=(w[:, 0].int(),)), r"hot must be a \(hot_pos"),
+        (
+            lambda x, w, b: pack_dense(x @ w.T, 0.0, 32, 8, hot=(w[:, 0].long(), x)),
+            r"hot_pos must be \[64\] torch.int32",
+        ),
+        (lambda x, w, b: gate_twell(x, w, b, 0.0, 32, 8, hot=(w[:, 0].int(), x[:2])), r"hot_values must be \[4, 16\]"),
     ],
-    ids=["gate-x-dtype", "gate-weight-dtype", "gate-bias-size", "gate-threshold", "pack-dtype", "pack-threshold"],
+    ids=[
+        "gate-x-dtype",
+        "gate-weight-dtype",
+        "gate-bias-size",
+        "gate-threshold",
+        "pack-dtype",
+        "pack-threshold",
+        "pack-hot-pair",
+        "pack-hot-pos-dtype",
+        "gate-hot-values-rows",
+    ],  # fmt: skip
 )
 def test_gate_launchers_check_their_inputs(call, match):
     case = make_ffn(4, 16, 64, [0.1], torch.float32, DEVICE, biases=True)
