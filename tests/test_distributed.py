@@ -13,6 +13,7 @@ import faulthandler
 import gc
 import os
 import socket
+import sys
 
 import pytest
 import torch
@@ -60,6 +61,12 @@ def _bootstrap(rank: int, worker, port: int) -> None:
         # freed at interpreter shutdown instead, they abort the process.
         gc.collect()
         dist.destroy_process_group()
+    # Skip the interpreter's teardown: C++ destructors that run at exit (gloo's and the store's threads)
+    # have aborted a rank that had passed, under load in CI (the destruction-order problem of
+    # pytorch/pytorch#90848). A failure has raised above, so exiting here only ever reports a pass.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @contextlib.contextmanager
