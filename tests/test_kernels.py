@@ -54,12 +54,14 @@ def test_pack_dense_matches_the_spec(m, n, tile_n, slots, square, dtype):
     h[1::5] += 5.0  # fully dense rows: overflow
     h = h.to(dtype)
     h[0, :3] = 0.3  # exactly the rounded threshold: dropped, as torch drops it
+    h[0, -2] = float("nan")  # kept, as by relu
     values, indices, counts = pack_dense(h.to(DEVICE), 0.3, tile_n, slots, square=square)
     kept = torch.where(kept_mask(h, 0.3), h * h, 0.0) if square else h
     spec = twell.pack(kept, tile_n=tile_n, compression=tile_n // slots, threshold=0.0 if square else 0.3)
     assert torch.equal(counts.cpu(), spec.counts)
     assert torch.equal(indices.cpu(), spec.indices)
-    assert torch.equal(values.cpu(), spec.values)
+    assert torch.allclose(values.cpu(), spec.values, rtol=0, atol=0, equal_nan=True)
+    assert values.isnan().sum() == 1
 
 
 def test_pack_dense_hands_over_hot_columns():
