@@ -356,6 +356,92 @@ def test_analytic_model_routes_with_the_layer_config():
     assert model.time_ratio(density=0.009, **shape, config=early.replace(dense_above=0.01)) < 1.0
 
 
+def test_analytic_model_reproduces_the_decode_measurements():
+    """ffn-20261201-044252.json, H200, K=2048, N=5632, graph replays: one token 0.487-0.522 of dense at
+    0.5%, 0.578 at 5%; 16 tokens 0.81-0.83 at 0.5%, 0.86-0.91 at 1% (16 tokens past 1% route dense);
+    128 tokens, forced to the decode kernels, twice dense's time."""
+    model = AnalyticCostModel()
+    shape = {"kind": "gated", "k": 2048, "n": 5632, "dtype": torch.bfloat16}
+    for m, density, low, high in (
+        (1, 0.005, 0.48, 0.53),
+        (1, 0.05, 0.57, 0.61),
+        (16, 0.005, 0.8, 0.84),
+        (16, 0.01, 0.85, 0.92),
+    ):
+        assert low <= model.time_ratio(m=m, density=density, **shape) <= high, (m, density)
+    assert model.time_ratio(m=16, density=0.02, **shape) == 1.0  # the route: dense
+    assert model.time_ratio(m=4, density=0.005, **shape) < model.time_ratio(m=8, density=0.005, **shape) < 0.83
+    assert model.time_ratio(m=128, density=0.005, **shape, config=LayerConfig().replace(route="decode")) > 1.0
+
+
+class PhaseCost(FixedCost):
+    """ratio[0] for prefill-sized calls, ratio[1] for decode-sized ones."""
+
+    def time_ratio(self, **shape) -> float:
+        return self.ratio[shape["m"] <= policy.DECODE_SPARSE_MAX_M]
+
+
+@pytest.mark.parametrize(
+    ("ratios", "rewrite", "dense_phases"),
+    [
+        ((0.5, 1.25), True, ["decode"]),
+        ((1.25, 0.5), True, ["prefill"]),
+        ((0.99, 1.01), False, []),
+        ((0.9, 1.0), True, []),
+    ],
+    ids=["prefill-pays", "decode-pays", "neither", "decode-even"],
+)
+def test_a_phase_slower_than_dense_runs_dense(ratios, rewrite, dense_phases):
+    """Rewritten when either phase reaches min_speedup; a phase predicted slower than dense gets its
+    route turned off in the layer's config, and its predicted speedup reads 1."""
+    model = Stack(GatedFFN(32, 64, identity_gate=True))
+    batches = [{"x": sparse_input(3 * 7, 32, 0.02).view(3, 7, 32)}, {"x": torch.ones(4, 1, 32)}]
+    config = {**FAST, "cost_model": PhaseCost(ratios)}
+    decision = calibrate(model, [candidate_of(model, 0)], batches, config=config)["blocks.0"]
+    assert decision.rewrite is rewrite and decision.dense_phases == dense_phases
+    speedups = {p: 1 / r for p, r in zip(("prefill", "decode"), ratios, strict=True)}
+    best = max(speedups, key=speedups.get)
+    assert decision.reason.startswith(f"predicted {speedups[best]:.2f}x ({best}, ")
+    for phase in ("prefill", "decode"):
+        slower = phase in dense_phases
+        assert decision.predicted_speedup[phase] == pytest.approx(1.0 if slower else speedups[phase])
+        assert (f"{phase} calls run dense (predicted {speedups[phase]:.2f}x)" in decision.reason) is slower
+    layer = decision.layer_config()
+    assert (layer.decode_max_m, layer.decode_sparse_max_m) == ((0, 0) if "decode" in dense_phases else (8, 16))
+    assert layer.prefill_min_m == (None if "prefill" in dense_phases else policy.PREFILL_MIN_M)
+    assert decision.layer_config({"prefill_min_m": 4096}).prefill_min_m == 4096  # sparsify's changes come last
+    assert Decision.from_dict(json.loads(json.dumps(decision.to_dict()))) == decision
+
+
+def test_decode_calls_are_timed_as_graph_replays(tmp_path):
+    """Decode-routed calls: both sides through graph_timer (the key says so); a capture that fails times
+    both eagerly; prefill-sized calls are timed eagerly."""
+    used = []
+
+    def timer(name, seconds):
+        return lambda fn: used.append(name) or fn() is not None and seconds
+
+    cost = BenchmarkCostModel(
+        device="cpu", timer=timer("eager", 1.0), graph_timer=timer("graph", 0.5), device_name="x", cache_dir=tmp_path
+    )
+    shape = {"kind": "gated", "k": 32, "n": 96, "density": 0.01, "dtype": torch.float32}
+    assert cost.time_ratio(m=4, **shape) == 1.0 and used == ["graph", "graph"]
+    assert cost.time_ratio(m=64, **shape, config=LayerConfig(prefill_min_m=64)) == 1.0
+    assert used == ["graph", "graph", "eager", "eager"]
+    cache = json.loads((tmp_path / "costs.json").read_text())
+    assert sorted(entry["timing"] for entry in cache.values()) == ["eager", "graph"]
+    assert [key.endswith("|graph") for key in sorted(cache, key=lambda k: "|M4|" not in k)] == [True, False]
+
+    def failing(fn):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    used.clear()
+    eager = BenchmarkCostModel(
+        device="cpu", timer=timer("eager", 1.0), graph_timer=failing, device_name="y", cache_dir=tmp_path
+    )
+    assert eager.time_ratio(m=2, **shape) == 1.0 and used == ["eager", "eager"]
+
+
 def test_benchmark_cost_model_times_once_and_caches(tmp_path):
     calls = []
 
@@ -457,6 +543,8 @@ def test_benchmark_cost_model_on_the_gpu(tmp_path):
     assert len(json.loads((tmp_path / "costs.json").read_text())) == 2
     plain = cost.time_ratio(density=0.005, **{**shape, "kind": "plain"})
     assert plain > 0
+    one_token = cost.timings(**{**shape, "m": 1}, density=0.005)  # the decode kernels, captured in a graph
+    assert one_token["timing"] == "graph" and 0 < one_token["twell_s"] < one_token["dense_s"]
 
     model = Stack(GatedFFN(256, 1024, identity_gate=True)).cuda().to(torch.bfloat16)
     batch = {"x": sparse_input(2048, 256, 0.01).view(4, 512, 256).cuda().to(torch.bfloat16)}
@@ -549,6 +637,17 @@ def test_bad_plan_files(tmp_path, calibrated, content, message):
         load_plan(path, calibrated[1])
     with pytest.raises(ValueError, match="cannot read plan"):
         load_plan(tmp_path / "missing.json", calibrated[1])
+
+
+def test_plan_with_unknown_dense_phases_is_refused(tmp_path, calibrated):
+    _, candidates, decisions = calibrated
+    path = tmp_path / "plan.json"
+    save_plan(decisions, candidates, path)
+    plan = json.loads(path.read_text())
+    plan["decisions"]["blocks.0"]["dense_phases"] = ["training"]
+    path.write_text(json.dumps(plan))
+    with pytest.raises(ValueError, match="dense_phases must be a list of"):
+        load_plan(path, candidates)
 
 
 def test_plan_with_an_invalid_layout_is_refused(tmp_path, calibrated):

@@ -14,7 +14,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
     ("script", "expected"),
     [
         ("sparsify_hf_model.py", "logits match"),
-        ("calibrate_and_save_plan.py", "re-applied after reloading: 3 FFNs rewritten, logits match"),
+        ("calibrate_and_save_plan.py", "re-applied after reloading: 4 FFNs rewritten, logits match"),
         ("compile_with_backend.py", "logits match"),
     ],
 )

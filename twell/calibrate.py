@@ -14,10 +14,13 @@ decode steps after each batch) are kept apart. Separately, the model and each FF
 it received) are timed on the first batch, for the FFN share of model time.
 
 Decision, per layer: the TwELL layout (tile width, compression) with the fewest slots whose overflow
-rows stay under ``max_overflow``; then the cost model's predicted FFN speedup at the measured density,
-for the layer as it would run: its LayerConfig (Decision.layer_config: that layout, the default route
-limits, and sparsify's layer_config changes), routed by twell.kernels.policy.route as the dispatcher
-routes it; rewrite when it reaches ``min_speedup``. A rewritten layer runs with that same LayerConfig.
+rows stay under ``max_overflow``; then, per phase, the cost model's predicted FFN speedup at the
+phase's measured density and tokens per call, for the layer as it would run: its LayerConfig
+(Decision.layer_config: that layout, the default route limits, and sparsify's layer_config changes),
+routed by twell.kernels.policy.route as the dispatcher routes it; rewrite when either phase's
+prediction reaches ``min_speedup``. A phase of a rewritten layer predicted slower than dense runs
+dense (Decision.dense_phases: its route limits turned off). A rewritten layer runs with that same
+LayerConfig.
 
 Sharded models (FSDP2, tensor parallelism; every rank calls calibrate): a column-wise sharded gate's
 slices are gathered, so each layer is measured over all its neurons (tiles counted within each rank's
@@ -26,14 +29,17 @@ their own; and rank 0's decisions are broadcast, so every rank rewrites the same
 
 Cost models:
 
-- ``AnalyticCostModel`` (CPU, or no GPU): a documented density threshold. Calls the dispatcher runs
-  dense (twell.kernels.policy.route with the layer's LayerConfig: too few tokens, decode, K too wide,
-  density past its dense_above, 0.8% by default) have ratio 1. Otherwise the twell/dense time ratio is
-  ``a + b * density``, fitted to twell's own kernels on an H200 (benchmarks/NOTES.md, K=2048, N=5632,
-  131072 tokens: ratio 0.83 at 0.5% density, mean of two timings 0.78 and 0.88; 1.00 at 1%). The fit
-  is for K=2048: at K=4096, N=14336 the measured ratio at 0.5% is 0.95 (1.05x), so it is optimistic
-  for wider models. With the default ``min_speedup`` of 1.05, prefill-dominated layers at or under
-  0.8% are rewritten. On the CPU twell runs plain PyTorch, so this predicts GPU behaviour, not CPU time.
+- ``AnalyticCostModel`` (CPU, or no GPU): documented fits. Calls the dispatcher runs dense
+  (twell.kernels.policy.route with the layer's LayerConfig: too few tokens for prefill, K too wide,
+  density past its dense_above, 0.8% by default) have ratio 1. Prefill calls: the twell/dense time
+  ratio is ``a + b * density``, fitted to twell's own kernels on an H200 (benchmarks/NOTES.md, K=2048,
+  N=5632, 131072 tokens: ratio 0.83 at 0.5% density, mean of two timings 0.78 and 0.88; 1.00 at 1%).
+  The fit is for K=2048: at K=4096, N=14336 the measured ratio at 0.5% is 0.95 (1.05x), so it is
+  optimistic for wider models. Decode calls: the same form with intercept and slope measured at one
+  token (0.50 + 2.0 * density) and at 16 (0.78 + 10.4 * density), linear in log2(tokens) between.
+  With the default ``min_speedup`` of 1.05, layers at or under 0.8% are rewritten for prefill, and
+  layers up to several percent for their decode steps. On the CPU twell runs plain PyTorch, so this
+  predicts GPU behaviour, not CPU time.
 - ``BenchmarkCostModel`` (CUDA): times dense PyTorch against ``torch.ops.twell.*`` at the layer's shape
   and measured density (synthetic inputs: a gate threshold at the normal quantile that keeps that
   density) with the layer's LayerConfig, cached on disk per GPU name / dtype / shape / density bucket
@@ -298,24 +304,39 @@ class CostModel(Protocol):
 
 @dataclass
 class AnalyticCostModel:
-    """time ratio = intercept + slope * density: twell's prefill kernels on an H200 (see module doc).
+    """time ratio = intercept + slope * density, fitted to twell's kernels on an H200 (see module doc).
 
-    The intercept is the dense gate GEMM plus the pack pass and fixed overheads (0.66 of the dense
-    FFN), the slope the sparse up/down stage per unit density. Fitted on prefill-sized calls; applied
-    to decode too.
+    Prefill calls: the intercept is the dense gate GEMM plus the pack pass and fixed overheads (0.66 of
+    the dense FFN), the slope the sparse up/down stage per unit density. Decode calls: (intercept, slope)
+    measured at one token (decode_one) and at 16 (decode_16), between them linear in log2(tokens).
     """
 
     intercept: float = 0.66
     slope: float = 34.0
+    # K=2048, N=5632, CUDA-graph replays against the faster dense (ffn-20261201-044252.json): one token
+    # 0.487-0.522 of dense at 0.5% (by pattern) to 0.578 at 5%; 16 tokens 0.81-0.83 at 0.5%, 1.03 at 2%,
+    # 1.29 at 5% (4 tokens fall between, gpu_check-decode-20261201-024429.json). K=4096 measured faster.
+    decode_one: tuple[float, float] = (0.50, 2.0)
+    decode_16: tuple[float, float] = (0.78, 10.4)
     name: str = "analytic (density threshold, twell kernels on H200)"
 
     def time_ratio(
         self, *, kind: str, m: int, k: int, n: int, density: float, dtype: torch.dtype, config=policy.DEFAULT
     ) -> float:
+        path = policy.route(m, k, config, density)
+        if path == "decode":
+            return self.decode_ratio(m, density)
         # calls the dispatcher sends to the dense route cost what dense costs (eager parity, measured)
-        if policy.route(m, k, config) != "prefill" or density > config.dense_above:
+        if path != "prefill" or density > config.dense_above:
             return 1.0
         return self.intercept + self.slope * density
+
+    def decode_ratio(self, m: int, density: float) -> float:
+        """The decode kernels' time ratio for calls of m tokens (past 16 extrapolated, pessimistically
+        rather than not: 128 tokens measured twice dense's time)."""
+        f = math.log2(max(m, 1)) / 4
+        (a1, b1), (a16, b16) = self.decode_one, self.decode_16
+        return a1 + (a16 - a1) * f + (b1 + (b16 - b1) * f) * density
 
     def break_even_density(self, speedup: float = 1.0) -> float:
         """Largest density at which the predicted speedup is at least `speedup`."""
@@ -345,17 +366,38 @@ def cuda_median_time(fn: Callable[[], Any], warmup: int = 3, reps: int = 15) -> 
     return statistics.median(times)
 
 
+def cuda_graph_time(fn: Callable[[], Any], calls: int = 8) -> float:
+    """Median seconds of one fn() as a CUDA-graph replay (`calls` of them captured in one graph, so the
+    replay's launch is shared): how decode steps run when served (static cache, compiled with
+    reduce-overhead); timed eagerly, calls this small measure the host's launches."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # compiles and autotunes outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return cuda_median_time(graph.replay) / calls
+
+
 class BenchmarkCostModel:
     """Micro-benchmark of dense vs twell at a layer's shape and density, cached on disk.
 
     Cache key: GPU name, twell version, kind, dtype, M bucketed to the next power of two, K, N, the
     density bucketed to quarter octaves (the benchmark runs at the bucket's centre), and the layer's
-    LayerConfig (the op runs with it), so a model's layers share timings and reruns are free. Inputs
+    LayerConfig (the op runs with it), and "graph" for calls timed as graph replays (below), so a
+    model's layers share timings and reruns are free. Inputs
     are synthetic: x ~ N(0, 1), gate weights ~ N(0, 1/K), and the gate threshold at the normal quantile
     keeping `density` (uniform, not a real model's skewed neurons: a conservative estimate).
 
-    timer: fn -> seconds (default: cuda_median_time); device_name: the cache's GPU name (default: the
-    CUDA device's). Both injectable, so the model is testable on the CPU.
+    Calls the layer's route sends to the decode kernels are timed as CUDA-graph replays, both sides
+    (graph_timer); if either cannot be captured, both are timed eagerly.
+
+    timer, graph_timer: fn -> seconds (defaults: cuda_median_time, cuda_graph_time); device_name: the
+    cache's GPU name (default: the CUDA device's). All injectable, so the model is testable on the CPU.
     """
 
     def __init__(
@@ -363,11 +405,13 @@ class BenchmarkCostModel:
         *,
         device: str | torch.device = "cuda",
         timer: Callable[[Callable[[], Any]], float] | None = None,
+        graph_timer: Callable[[Callable[[], Any]], float] | None = None,
         device_name: str | None = None,
         cache_dir: str | os.PathLike | None = None,
     ):
         self.device = torch.device(device)
         self.timer = timer or cuda_median_time
+        self.graph_timer = graph_timer or cuda_graph_time
         if device_name is None:
             if self.device.type != "cuda":
                 raise ValueError("BenchmarkCostModel needs a CUDA device, or an explicit device_name and timer")
@@ -408,9 +452,10 @@ class BenchmarkCostModel:
         dtype_name = str(dtype).removeprefix("torch.")
         bucket_m, bucket_d = self.tokens_bucket(m), self.density_bucket(density)
         route = ",".join(map(str, config.op_args()))
+        graph = "|graph" if policy.route(bucket_m, k, config, bucket_d) == "decode" else ""
         return (
             f"{self.device_name}|twell {twell.__version__}|{kind}|{dtype_name}|M{bucket_m}|K{k}|N{n}|d{bucket_d:.6g}"
-            f"|{route}"
+            f"|{route}{graph}"
         )
 
     def timings(
@@ -421,7 +466,15 @@ class BenchmarkCostModel:
         if key not in self._cache:
             bucket_m, bucket_d = self.tokens_bucket(m), self.density_bucket(density)
             dense_fn, twell_fn = self._cases(kind, bucket_m, k, n, bucket_d, dtype, config)
-            self._cache[key] = {"dense_s": float(self.timer(dense_fn)), "twell_s": float(self.timer(twell_fn))}
+            entry = None
+            if key.endswith("|graph"):
+                try:
+                    entry = {"dense_s": self.graph_timer(dense_fn), "twell_s": self.graph_timer(twell_fn)}
+                    entry["timing"] = "graph"
+                except RuntimeError:  # a capture that fails: both sides eager, as for other calls
+                    entry = None
+            entry = entry or {"dense_s": self.timer(dense_fn), "twell_s": self.timer(twell_fn), "timing": "eager"}
+            self._cache[key] = {**entry, "dense_s": float(entry["dense_s"]), "twell_s": float(entry["twell_s"])}
             self._write_cache()
         return self._cache[key]
 
@@ -485,7 +538,9 @@ class Decision:
     ("prefill", "decode") the counts of _PhaseCounter.summary. predicted_speedup: FFN time dense / twell,
     per phase. time_share: fraction of model time spent in this FFN, per phase (dense; for an FFN
     written inline in a bigger module, the time of its linears). min_speedup: the threshold the
-    predicted speedup was held against (None when nothing was predicted).
+    predicted speedups were held against (None when nothing was predicted). dense_phases: the phases of
+    a rewritten FFN whose calls run dense because twell was predicted slower there (their
+    predicted_speedup is then 1).
     """
 
     path: str
@@ -505,18 +560,28 @@ class Decision:
     stats: dict[str, dict] = field(default_factory=dict)
     cost_model: str | None = None
     min_speedup: float | None = None
+    dense_phases: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         """JSON-serialisable dict (round-trips through from_dict)."""
         return dataclasses.asdict(self)
 
     def layer_config(self, changes: Mapping | None = None) -> LayerConfig:
-        """The LayerConfig the FFN runs with once rewritten, and the cost model predicted with: this
-        decision's layout (the defaults without one), then `changes` (checked by layer_changes)."""
+        """The LayerConfig the FFN runs with once rewritten: this decision's layout (the defaults without
+        one) and its dense phases' routes turned off, then `changes` (checked by layer_changes)."""
         config = policy.DEFAULT
         if self.tile_n is not None:
             config = config.replace(tile_n=self.tile_n, slots=self.tile_n // self.compression)
-        return config.replace(**(changes or {}))
+        return config.replace(**{**self.route_changes(), **(changes or {})})
+
+    def route_changes(self) -> dict:
+        """LayerConfig changes that send the dense phases' calls to the dense route."""
+        changes = {}
+        if "decode" in self.dense_phases:
+            changes.update(decode_max_m=0, decode_sparse_max_m=0)
+        if "prefill" in self.dense_phases:
+            changes["prefill_min_m"] = None
+        return changes
 
     @classmethod
     def from_dict(cls, data: Mapping) -> Decision:
@@ -525,6 +590,8 @@ class Decision:
         if missing:
             raise ValueError(f"decision is missing {sorted(missing)}")
         decision = cls(**{k: v for k, v in data.items() if k in known})
+        if not isinstance(decision.dense_phases, list) or not set(decision.dense_phases) <= set(PHASES):
+            raise ValueError(f"decision for {decision.path}: dense_phases must be a list of {PHASES}")
         if decision.tile_n is not None or decision.compression is not None:
             try:
                 check_layout(decision.tile_n, decision.compression)
@@ -608,15 +675,22 @@ def _decide(
         # Overflow rows run dense inside the hybrid format.
         overflow = counter.overflow_fraction(decision.tile_n, decision.compression)
         decision.predicted_speedup[phase] = 1.0 / ((1.0 - overflow) * ratio + overflow)
-    main_phase = "prefill" if "prefill" in decision.predicted_speedup else "decode"
-    speedup = decision.predicted_speedup[main_phase]
+    # Rewrite where any phase pays; a phase twell would slow down then runs dense (its route turned
+    # off), so no phase of a rewritten FFN is predicted slower than dense.
+    speedups = decision.predicted_speedup
+    best = max(speedups, key=speedups.get)
     decision.min_speedup = float(cfg.min_speedup)
-    decision.rewrite = speedup >= cfg.min_speedup
+    decision.rewrite = speedups[best] >= cfg.min_speedup
     verdict = "reaching" if decision.rewrite else "below"
     decision.reason = (
-        f"predicted {speedup:.2f}x ({main_phase}, {decision.stats[main_phase]['density']:.2%} dense), "
+        f"predicted {speedups[best]:.2f}x ({best}, {decision.stats[best]['density']:.2%} dense), "
         f"{verdict} the {cfg.min_speedup:.2f}x threshold"
     )
+    if decision.rewrite:
+        decision.dense_phases = [p for p in PHASES if speedups.get(p, 1.0) < 1.0]
+        for phase in decision.dense_phases:
+            decision.reason += f"; {phase} calls run dense (predicted {speedups[phase]:.2f}x)"
+            speedups[phase] = 1.0
     return decision
 
 
