@@ -97,6 +97,7 @@ class Report:
         from rich import box
         from rich.markup import escape
 
+        from twell.calibrate import PHASES
         from twell.rendering import Column, Notes, fitted_table, note_for
 
         summary = self.summary()
@@ -106,7 +107,7 @@ class Report:
             decision = r.decision or {}
             density = decision.get("density")
             speedups = decision.get("predicted_speedup") or {}
-            speedup = speedups.get("prefill", speedups.get("decode"))
+            speedup = "/".join(f"{speedups[p]:.2f}x" if p in speedups else "-" for p in PHASES) if speedups else "-"
             rewritten = "[green]yes[/]" if r.rewritten else "[red]no[/]"
             if r.reason and not r.rewritten:
                 rewritten += " " + escape(notes.mark(note_for(r.reason, r.decision)))
@@ -117,7 +118,7 @@ class Report:
                     r.activation or "-",
                     f"{r.hidden_size}x{r.model_size}" if r.hidden_size else "-",
                     f"{density:.1%}" if isinstance(density, float) else "-",
-                    f"{speedup:.2f}x" if speedup is not None else "-",
+                    speedup,
                     rewritten,
                 ]
             )
@@ -127,7 +128,7 @@ class Report:
             Column("activation", level=1),
             Column("N x K", level=1, justify="right"),
             Column("density", justify="right"),
-            Column("speedup", justify="right"),
+            Column("speedup pre/decode", justify="right"),
             Column("rewritten"),
         ]
         title = f"twell: {summary['rewritten']} of {summary['candidates']} FFNs rewritten"
