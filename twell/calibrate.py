@@ -389,9 +389,9 @@ class BenchmarkCostModel:
     Cache key: GPU name, twell version, kind, dtype, M bucketed to the next power of two, K, N, the
     density bucketed to quarter octaves (the benchmark runs at the bucket's centre), and the layer's
     LayerConfig (the op runs with it), and "graph" for calls timed as graph replays (below), so a
-    model's layers share timings and reruns are free. Inputs
-    are synthetic: x ~ N(0, 1), gate weights ~ N(0, 1/K), and the gate threshold at the normal quantile
-    keeping `density` (uniform, not a real model's skewed neurons: a conservative estimate).
+    model's layers share timings and reruns are free. Inputs are synthetic: x ~ N(0, 1), gate weights
+    ~ N(0, 1/K), and the gate threshold at the normal quantile keeping `density` (uniform, not a real
+    model's skewed neurons: a conservative estimate).
 
     Calls the layer's route sends to the decode kernels are timed as CUDA-graph replays, both sides
     (graph_timer); if either cannot be captured, both are timed eagerly.
@@ -469,14 +469,16 @@ class BenchmarkCostModel:
             entry = None
             if key.endswith("|graph"):
                 try:
-                    entry = {"dense_s": self.graph_timer(dense_fn), "twell_s": self.graph_timer(twell_fn)}
-                    entry["timing"] = "graph"
+                    entry = self._measure(self.graph_timer, dense_fn, twell_fn, "graph")
                 except RuntimeError:  # a capture that fails: both sides eager, as for other calls
-                    entry = None
-            entry = entry or {"dense_s": self.timer(dense_fn), "twell_s": self.timer(twell_fn), "timing": "eager"}
-            self._cache[key] = {**entry, "dense_s": float(entry["dense_s"]), "twell_s": float(entry["twell_s"])}
+                    pass
+            self._cache[key] = entry or self._measure(self.timer, dense_fn, twell_fn, "eager")
             self._write_cache()
         return self._cache[key]
+
+    @staticmethod
+    def _measure(timer, dense_fn, twell_fn, timing: str) -> dict:
+        return {"dense_s": float(timer(dense_fn)), "twell_s": float(timer(twell_fn)), "timing": timing}
 
     def time_ratio(
         self, *, kind: str, m: int, k: int, n: int, density: float, dtype: torch.dtype, config=policy.DEFAULT

@@ -180,6 +180,7 @@ def _record_row(record: dict, notes) -> list[str]:
     from rich.markup import escape
 
     from twell.calibrate import PHASES
+    from twell.rendering import phase_speedups
 
     decision = record["decision"] or {}
     stats = decision.get("stats") or {}
@@ -188,7 +189,6 @@ def _record_row(record: dict, notes) -> list[str]:
     dead = "—"
     if decision.get("dead_neurons") is not None:
         dead = f"{decision['dead_neurons']} ({decision['dead_neurons'] / record['hidden_size']:.0%})"
-    speedups = decision.get("predicted_speedup") or {}
     shape = f"{record['hidden_size']}×{record['model_size']}" if record["hidden_size"] else "—"
     tile_n = decision.get("tile_n")
     return [
@@ -201,7 +201,7 @@ def _record_row(record: dict, notes) -> list[str]:
         "—" if tile_n is None else f"{tile_n}/{decision['compression']}",
         _pct(decision.get("overflow_rows"), 1),
         _pct((decision.get("time_share") or {}).get("prefill"), 0),
-        "/".join(f"{speedups[p]:.2f}x" if p in speedups else "—" for p in PHASES),
+        phase_speedups(decision),
         _decision_cell(record, notes),
     ]
 

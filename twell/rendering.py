@@ -44,6 +44,15 @@ class Notes:
         return grid
 
 
+def phase_speedups(decision: dict | None, missing: str = "—") -> str:
+    """A decision's predicted speedups as "prefill/decode" (decision: Decision.to_dict() or None),
+    `missing` for a phase it has none for."""
+    from twell.calibrate import PHASES
+
+    speedups = (decision or {}).get("predicted_speedup") or {}
+    return "/".join(f"{speedups[p]:.2f}x" if p in speedups else missing for p in PHASES)
+
+
 def note_for(reason: str, decision: dict | None) -> str:
     """The note for an FFN left as it is: one text for every FFN held back for the same cause (each
     one's numbers are table columns, and in the JSON). decision: Decision.to_dict() or None."""

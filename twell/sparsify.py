@@ -97,8 +97,7 @@ class Report:
         from rich import box
         from rich.markup import escape
 
-        from twell.calibrate import PHASES
-        from twell.rendering import Column, Notes, fitted_table, note_for
+        from twell.rendering import Column, Notes, fitted_table, note_for, phase_speedups
 
         summary = self.summary()
         notes = Notes()
@@ -106,8 +105,6 @@ class Report:
         for r in self.records:
             decision = r.decision or {}
             density = decision.get("density")
-            speedups = decision.get("predicted_speedup") or {}
-            speedup = "/".join(f"{speedups[p]:.2f}x" if p in speedups else "-" for p in PHASES) if speedups else "-"
             rewritten = "[green]yes[/]" if r.rewritten else "[red]no[/]"
             if r.reason and not r.rewritten:
                 rewritten += " " + escape(notes.mark(note_for(r.reason, r.decision)))
@@ -118,7 +115,7 @@ class Report:
                     r.activation or "-",
                     f"{r.hidden_size}x{r.model_size}" if r.hidden_size else "-",
                     f"{density:.1%}" if isinstance(density, float) else "-",
-                    speedup,
+                    phase_speedups(r.decision, "-") if decision.get("predicted_speedup") else "-",
                     rewritten,
                 ]
             )
