@@ -5,23 +5,27 @@
     ncu --import OUT/prof.ncu-rep --page details > OUT/details.txt
 
 Cases: `decode` (the two decode kernels at each --tokens), `pack` (the pack pass of a cuBLAS gate,
---rows tokens), `updown` (the prefill up+down stage after that pack). Inputs are random with a gate
-bias that keeps --density of the gate outputs (g ~ N(0, 1) before the bias), so no weight file is
-needed. Every kernel runs three times before the range (Triton compiles and autotunes there), once
-inside it. ncu flushes caches before each profiled kernel by default: its durations are cold-cache
-ones, longer than a CUDA-graph replay's (benchmarks/gpu_check.py times those).
+--rows tokens), `updown` (the prefill up+down stage after that pack). Inputs: benchmarks/ffn.py's
+make_inputs, --pattern at --density. Every kernel runs three times before the range (Triton compiles
+and autotunes there), once inside it. ncu flushes caches before each profiled kernel by default: its
+durations are cold-cache ones, longer than a CUDA-graph replay's (benchmarks/gpu_check.py times those).
 """
 
 from __future__ import annotations
 
 import argparse
-from statistics import NormalDist
+import os
+import sys
 
 import torch
+import torch.nn.functional as F
 
 from twell.kernels.decode import decode_ffn
 from twell.kernels.gate import pack_dense
 from twell.kernels.updown import twell_up_down
+
+sys.path.insert(0, os.path.dirname(__file__))
+from ffn import make_inputs, weights  # noqa: E402
 
 
 def main() -> None:
@@ -30,22 +34,27 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=2048)
     parser.add_argument("--n", type=int, default=5632)
     parser.add_argument("--density", type=float, default=0.005)
+    parser.add_argument("--pattern", choices=["exact", "uniform", "skewed"], default="uniform")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16], help="decode: tokens per call")
     parser.add_argument("--rows", type=int, default=131072, help="pack, updown: tokens")
     parser.add_argument("--tile", type=int, nargs=2, default=[128, 16], metavar=("TILE_N", "SLOTS"))
     args = parser.parse_args()
-    torch.manual_seed(0)
-    dev, dt, k, n = "cuda", torch.bfloat16, args.k, args.n
-    wg, wu = ((torch.randn(n, k, device=dev) / k**0.5).to(dt) for _ in range(2))
-    wd_t = (torch.randn(n, k, device=dev) / n**0.5).to(dt)
-    bg = torch.full((n,), -NormalDist().inv_cdf(1 - args.density), device=dev, dtype=dt)
     tile_n, slots = args.tile
+
+    def inputs(m):
+        x, block = make_inputs(m, args.k, args.n, args.density, args.pattern)
+        w = weights(block)
+        wd_t = w["down_weight"].t().contiguous()  # the layout sparsify stores: unit stride on K
+        return x, w["gate_weight"], w["gate_bias"], w["up_weight"], wd_t
+
     if args.case == "decode":
-        xs = [torch.randn(m, k, device=dev, dtype=dt) for m in args.tokens]
-        calls = [lambda x=x: decode_ffn(x, wg, bg, wu, None, wd_t, None, 0.0) for x in xs]
+        calls = []
+        for m in args.tokens:
+            x, wg, bg, wu, wd_t = inputs(m)
+            calls.append(lambda x=x, wg=wg, bg=bg, wu=wu, wd_t=wd_t: decode_ffn(x, wg, bg, wu, None, wd_t, None, 0.0))
     else:
-        x = torch.randn(args.rows, k, device=dev, dtype=dt)
-        gate = torch.addmm(bg, x, wg.t())
+        x, wg, bg, wu, wd_t = inputs(args.rows)
+        gate = F.linear(x, wg, bg)
         if args.case == "pack":
             calls = [lambda: pack_dense(gate, 0.0, tile_n, slots)]
         else:
