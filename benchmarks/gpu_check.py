@@ -163,6 +163,69 @@ def kernel_times(k, n, m, pattern, layer_config=None) -> dict:
     return {"K": k, "N": n, "M": m, "pattern": pattern, "kernel_us": times}
 
 
+def graph_kernel_us(fn, replays=20) -> dict:
+    """Mean CUDA time per replay of each kernel of fn captured in one CUDA graph (torch.profiler):
+    the kernels' own durations where the graph runs them, launch gaps excluded."""
+    fn()
+    graph_obj = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph_obj):
+        fn()
+    for _ in range(3):
+        graph_obj.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph_obj.replay()
+        torch.cuda.synchronize()
+    times = {}
+    for event in prof.key_averages():
+        us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if us:
+            times[event.key[:50]] = us / replays
+    return times
+
+
+def floors_point(k, n, m) -> dict:
+    """Per layer of an 8-layer graph at 0.5% uniform: dense, cuBLAS's gate GEMV alone and with its
+    ReLU, two tiny kernels (the cost of a launch in a graph), the decode kernels, the decode kernels
+    without the up phase (non-gated: gate GEMV + down), and each kernel's time inside the graph."""
+    x, block = make_inputs(m, k, n, 0.005, "uniform", seed=m + n)
+    blocks = [block] + [neuron_permuted(block, i) for i in range(1, LAYERS_PER_GRAPH)]
+
+    def per_layer(fn):
+        return timed(lambda: [fn(b) for b in blocks], True) / len(blocks) * 1e3
+
+    out = {"K": k, "N": n, "M": m}
+    with torch.no_grad():
+        out["dense_us"] = per_layer(lambda b: b(x))
+        out["dense_kernels_us"] = graph_kernel_us(lambda: [b(x) for b in blocks])
+        for b in blocks:
+            twell.sparsify(b)
+        ws = {id(b): weights(b) for b in blocks}
+        small = torch.zeros(k, device="cuda")
+        out["two_tiny_kernels_us"] = per_layer(lambda b: small.add(1.0).mul(2.0))
+        out["cublas_gate_us"] = per_layer(lambda b: F.linear(x, ws[id(b)]["gate_weight"], ws[id(b)]["gate_bias"]))
+        out["cublas_gate_relu_us"] = per_layer(
+            lambda b: F.relu(F.linear(x, ws[id(b)]["gate_weight"], ws[id(b)]["gate_bias"]))
+        )
+
+        def run(b, up=True, **kw):
+            w = ws[id(b)]
+            return decode.decode_ffn(
+                x, w["gate_weight"], w["gate_bias"], w["up_weight"] if up else None, None, w["down_weight"].t(),
+                None, 0.0, **kw,
+            )  # fmt: skip
+
+        out["decode_us"] = per_layer(run)
+        out["decode_no_up_us"] = per_layer(lambda b: run(b, up=False))
+        out["decode_cublas_gate_us"] = per_layer(lambda b: run(b, cublas_gate=True))
+        out["decode_cublas_gate_err"] = rel_err_sample(run(block, cublas_gate=True), x, block)
+        out["decode_kernels_us"] = graph_kernel_us(lambda: [run(b) for b in blocks])
+        out["decode_cublas_gate_kernels_us"] = graph_kernel_us(lambda: [run(b, cublas_gate=True) for b in blocks])
+    print(json.dumps(out), flush=True)
+    return out
+
+
 def first_call_seconds() -> dict:
     """Wall time of the first call of a new shape in this process (compilation and autotuning)."""
     out = {}
@@ -185,7 +248,7 @@ def first_call_seconds() -> dict:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("part", choices=["decode", "prefill", "profile"])
+    parser.add_argument("part", choices=["decode", "prefill", "profile", "floors"])
     parser.add_argument("--shapes", default="2048x5632,4096x14336")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
@@ -213,6 +276,11 @@ def main():
             for density in (0.01, 0.05):
                 result["rows"] += decode_point(k, n, 4, density, [{}])
             path.write_text(json.dumps(result, indent=1))  # kept if a later shape runs out of time
+    elif args.part == "floors":
+        for shape in args.shapes.split(","):
+            k, n = map(int, shape.split("x"))
+            for m in (1, 16, 64):
+                result["rows"].append(floors_point(k, n, m))
     elif args.part == "profile":
         for k, n, m, pattern in ((2048, 5632, 1, "uniform"), (2048, 5632, 16, "uniform"), (4096, 14336, 16, "uniform")):
             # the decode kernels, whatever the shipped threshold

@@ -94,6 +94,7 @@ def _active_rows_times_x(
 @triton.jit
 def _decode_gate_up_kernel(
     x_ptr,
+    pre_ptr,
     wg_ptr,
     bg_ptr,
     wu_ptr,
@@ -114,6 +115,7 @@ def _decode_gate_up_kernel(
     stride_un,
     stride_uk,
     HAS_UP: tl.constexpr,
+    PRE_GATE: tl.constexpr,
     HAS_GATE_BIAS: tl.constexpr,
     HAS_UP_BIAS: tl.constexpr,
     DRELU: tl.constexpr,
@@ -141,13 +143,17 @@ def _decode_gate_up_kernel(
     cols = offs_n.to(tl.int64)
     dtype = h_ptr.dtype.element_ty
 
-    acc = _rows_times_x(
-        x_ptr, wg_ptr, rows, cols, m_ok, n_ok, K, stride_xm, stride_xk, stride_gn, stride_gk,
-        DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, EACH,
-    )  # fmt: skip
-    if HAS_GATE_BIAS:
-        acc += tl.load(bg_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    g = acc.to(dtype).to(tl.float32)  # the dense gate's rounding
+    if PRE_GATE:  # the gate (bias included) computed by cuBLAS, [M, N] contiguous
+        g = tl.load(pre_ptr + rows[:, None] * N + cols[None, :], mask=m_ok[:, None] & n_ok[None, :], other=0.0)
+        g = g.to(tl.float32)
+    else:
+        acc = _rows_times_x(
+            x_ptr, wg_ptr, rows, cols, m_ok, n_ok, K, stride_xm, stride_xk, stride_gn, stride_gk,
+            DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, EACH,
+        )  # fmt: skip
+        if HAS_GATE_BIAS:
+            acc += tl.load(bg_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        g = acc.to(dtype).to(tl.float32)  # the dense gate's rounding
     kept = ((g > threshold) | (g != g)) & m_ok[:, None] & n_ok[None, :]  # not (g <= t): NaN kept, as by relu
     h = tl.where(kept, g, 0.0)
     if SQUARE:
@@ -290,13 +296,15 @@ def decode_ffn(
     square: bool = False,
     gate_up_config: tuple[int, int, int, int] | None = None,
     down_config: tuple[int, int, int, int] | None = None,
+    cublas_gate: bool = False,
 ) -> torch.Tensor:
     """y [M, K] in the dtype of x: down(act(gate(x)) * up(x)), or down(act(gate(x))) without up_weight
     (act² with square).
 
     x: [M, K]; gate_weight, up_weight: [N, K]; down_weight_t: [N, K] (= down_weight.t(), unit stride on K
     for coalesced row loads); biases contiguous. Exact at any density: a dense call reads every row.
-    The configs override GATE_UP_CONFIG(_WIDE) / DOWN_CONFIG (tests, benchmarks).
+    The configs override GATE_UP_CONFIG(_WIDE) / DOWN_CONFIG (tests, benchmarks). cublas_gate: the gate
+    GEMM runs as F.linear (a third launch) and kernel 1 reads its output.
     """
     check_input("x", x)
     check_threshold(threshold)
@@ -326,8 +334,10 @@ def decode_ffn(
     sems = torch.empty(max(k_blocks * m_blocks, 1), dtype=torch.int32, device=x.device)
     parts = torch.empty(n_groups if n_groups > 1 else 0, m, k, dtype=torch.float32, device=x.device)
     y = torch.empty_like(x)
+    pre = torch.nn.functional.linear(x, gate_weight, gate_bias) if cublas_gate else x
     _decode_gate_up_kernel[(n_blocks, m_blocks)](
         x,
+        pre,
         gate_weight,
         gate_bias if gate_bias is not None else x,
         up_weight if up_weight is not None else x,
@@ -347,6 +357,7 @@ def decode_ffn(
         gate_weight.stride(1),
         *(up_weight.stride() if up_weight is not None else (0, 0)),
         HAS_UP=up_weight is not None,
+        PRE_GATE=cublas_gate,
         HAS_GATE_BIAS=gate_bias is not None,
         HAS_UP_BIAS=up_bias is not None,
         DRELU=drelu,
