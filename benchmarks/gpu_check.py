@@ -26,16 +26,20 @@ from twell.kernels import decode, gate, updown
 from twell.kernels.gate import pack_dense
 
 # decode_ffn keyword arguments to compare ({}: the launcher's choice), per tokens per call, each timed at
-# 0.5%, 1% and 5%: (BLOCK_K, GROUP, CHUNK, num_warps) of the down kernel. Entries a program walks come in
-# CHUNKs, one dependent gather round each; GROUP neuron blocks a program (more groups: fewer rounds, a
-# last-arriver sum of partials). The gate+up configs were compared in gpu_check-decode-20261201-024429.json.
+# 0.5%, 1% and 5%: (BLOCK_K, SPLITS, CHUNK, SPLIT_MIN, num_warps) of the down kernel; cublas_gate: the
+# gate GEMM by cuBLAS, kernel 1 reads it.
 DECODE_VARIANTS = {
     1: [{}] + [{"down_config": dn} for dn in [
-        (64, 512, 64, 4), (64, 512, 128, 8), (32, 512, 64, 4), (64, 32, 16, 4), (64, 64, 32, 4), (64, 32, 64, 4),
+        (64, 4, 64, 64, 4), (16, 4, 64, 64, 4), (32, 1, 64, 64, 4), (32, 4, 32, 32, 4), (32, 8, 64, 32, 4),
+        (32, 4, 128, 128, 4),
     ]],
-    16: [{}] + [{"down_config": dn} for dn in [
-        (64, 8, 16, 4), (128, 8, 64, 4), (64, 8, 64, 4), (128, 16, 64, 8), (32, 128, 64, 4), (64, 128, 64, 4),
-        (64, 4, 32, 4), (128, 4, 64, 4),
+    16: [{}, {"cublas_gate": True}] + [{"down_config": dn} for dn in [
+        (32, 4, 64, 128, 4), (64, 1, 64, 128, 4), (64, 8, 64, 64, 4), (128, 4, 64, 128, 4), (64, 4, 32, 128, 4),
+        (64, 4, 128, 256, 8),
+    ]],
+    64: [{}, {"cublas_gate": True}] + [{"down_config": dn} for dn in [
+        (32, 4, 64, 128, 4), (64, 1, 64, 128, 4), (64, 8, 64, 256, 4), (128, 4, 64, 128, 8), (64, 4, 32, 128, 4),
+        (64, 4, 128, 256, 8),
     ]],
 }  # fmt: skip
 
@@ -273,8 +277,6 @@ def main():
             for m, variants in DECODE_VARIANTS.items():
                 for density in (0.005, 0.01, 0.05):
                     result["rows"] += decode_point(k, n, m, density, variants)
-            for density in (0.01, 0.05):
-                result["rows"] += decode_point(k, n, 4, density, [{}])
             path.write_text(json.dumps(result, indent=1))  # kept if a later shape runs out of time
     elif args.part == "floors":
         for shape in args.shapes.split(","):

@@ -398,12 +398,12 @@ def poisoned_empty(monkeypatch):
 
 DECODE_CASES = {
     # m, k, n, densities, gate_up_config, down_config (None: the launcher's choice)
-    "m1": (1, 16, 64, MIXED[1:2], (16, 16, 4, 1, False), (16, 2, 16, 4)),
+    "m1": (1, 16, 64, MIXED[1:2], (16, 16, 4, 1, False), (16, 2, 16, 4, 4)),
     "m1-each": (1, 40, 100, [1.0], (16, 16, 4, 1, True), None),
-    "m1-empty": (1, 40, 100, [0.0], (16, 32, 4, 1, False), (16, 2, 16, 4)),
-    "m16-groups": (16, 40, 200, MIXED, (16, 32, 4, 1, False), (32, 2, 16, 4)),
-    "m70-blocks": (70, 130, 100, MIXED, (32, 64, 4, 1, True), (64, 1, 16, 4)),
-    "m3-dense": (3, 24, 48, [1.0], (16, 16, 4, 1, False), (16, 2, 16, 4)),
+    "m1-empty": (1, 40, 100, [0.0], (16, 32, 4, 1, False), (16, 2, 16, 4, 4)),
+    "m16-splits": (16, 40, 200, MIXED, (16, 32, 4, 1, False), (32, 3, 16, 8, 4)),
+    "m70-blocks": (70, 130, 100, MIXED, (32, 64, 4, 1, True), (64, 1, 16, 16, 4)),
+    "m3-dense": (3, 24, 48, [1.0], (16, 16, 4, 1, False), (16, 2, 16, 16, 4)),
 }
 
 
@@ -441,7 +441,7 @@ def test_decode_is_deterministic():
     case = make_ffn(16, 40, 200, MIXED, torch.float32, DEVICE, seed=5, biases=True)
     args = (case["x"], case["gate_weight"], case["gate_bias"], case["up_weight"], case["up_bias"])
     runs = [
-        decode_ffn(*args, case["down_weight"].t(), case["down_bias"], 0.0, down_config=(32, 2, 16, 4)) for _ in "ab"
+        decode_ffn(*args, case["down_weight"].t(), case["down_bias"], 0.0, down_config=(32, 4, 16, 8, 4)) for _ in "ab"
     ]
     assert torch.equal(runs[0], runs[1])
 

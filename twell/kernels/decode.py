@@ -99,7 +99,7 @@ def _decode_gate_up_kernel(
     bg_ptr,
     wu_ptr,
     bu_ptr,
-    h_ptr,
+    hc_ptr,
     ids_ptr,
     cnt_ptr,
     sem_ptr,
@@ -141,7 +141,7 @@ def _decode_gate_up_kernel(
     n_ok = offs_n < N
     rows = offs_m.to(tl.int64)
     cols = offs_n.to(tl.int64)
-    dtype = h_ptr.dtype.element_ty
+    dtype = hc_ptr.dtype.element_ty
 
     if PRE_GATE:  # the gate (bias included) computed by cuBLAS, [M, N] contiguous
         g = tl.load(pre_ptr + rows[:, None] * N + cols[None, :], mask=m_ok[:, None] & n_ok[None, :], other=0.0)
@@ -178,16 +178,18 @@ def _decode_gate_up_kernel(
             if DRELU:
                 u = tl.where(u <= 0.0, 0.0, u)
             h = tl.where(kept, h * u, 0.0)
-    tl.store(h_ptr + rows[:, None] * N + cols[None, :], h.to(dtype), mask=m_ok[:, None] & n_ok[None, :])
     slot = tl.cumsum(active.to(tl.int32), axis=0) - 1
     seg = pid_m.to(tl.int64) * n_blocks * BLOCK_N + pid_n * BLOCK_N
     tl.store(ids_ptr + seg + slot, offs_n, mask=active)
+    # the block's active columns of h, compacted like ids: entry e holds h[token block, ids[e]]
+    local_m = tl.arange(0, BLOCK_M)
+    tl.store(hc_ptr + (seg + slot)[None, :] * BLOCK_M + local_m[:, None], h.to(dtype), mask=active[None, :])
     tl.store(cnt_ptr + pid_m * n_blocks + pid_n, n_active)
 
 
 @triton.jit
 def _decode_down_kernel(
-    h_ptr,
+    hc_ptr,
     ids_ptr,
     cnt_ptr,
     wd_ptr,
@@ -196,7 +198,6 @@ def _decode_down_kernel(
     part_ptr,
     sem_ptr,
     M,
-    N,
     K,
     n_blocks,
     stride_dn,
@@ -208,62 +209,70 @@ def _decode_down_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    GROUP: tl.constexpr,
+    NB: tl.constexpr,
     CHUNK: tl.constexpr,
+    SPLIT_MIN: tl.constexpr,
 ):
     pid_k = tl.program_id(0)
-    pid_g = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    n_groups = tl.num_programs(1)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    max_splits = tl.num_programs(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     k_ok = offs_k < K
     rows = offs_m.to(tl.int64)
-    # this group's neuron blocks and their active counts; entry e lies in the first block whose
-    # inclusive count exceeds e
-    offs_b = tl.arange(0, GROUP)
-    blk = pid_g * GROUP + offs_b
-    cnt = tl.load(cnt_ptr + pid_m * n_blocks + blk, mask=blk < n_blocks, other=0)
+    # the token block's entries, in neuron-block order: entry e lies in the first block whose inclusive
+    # count exceeds e
+    offs_b = tl.arange(0, NB)
+    cnt = tl.load(cnt_ptr + pid_m * n_blocks + offs_b, mask=offs_b < n_blocks, other=0)
     incl = tl.cumsum(cnt, axis=0)
     total = tl.sum(cnt, axis=0)
-    seg = pid_m.to(tl.int64) * n_blocks * BLOCK_N
-    acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    for c0 in range(0, total, CHUNK):
-        e = c0 + tl.arange(0, CHUNK)
-        valid = e < total
-        local = tl.sum((incl[None, :] <= e[:, None]).to(tl.int32), axis=1)
-        start = tl.sum(tl.where(offs_b[None, :] == local[:, None], (incl - cnt)[None, :], 0), axis=1)
-        neuron = tl.load(ids_ptr + seg + (pid_g * GROUP + local) * BLOCK_N + (e - start), mask=valid, other=0)
-        neuron = neuron.to(tl.int64)
-        hv = tl.load(h_ptr + rows[:, None] * N + neuron[None, :], mask=m_ok[:, None] & valid[None, :], other=0.0)
-        wd = tl.load(
-            wd_ptr + neuron[:, None] * stride_dn + offs_k[None, :] * stride_dk, valid[:, None] & k_ok[None, :], 0.0
-        )
-        if BLOCK_M == 1:  # one token: no 16-row padding
-            acc += tl.sum(hv.to(tl.float32)[:, :, None] * wd.to(tl.float32)[None, :, :], axis=1)
-        else:
-            acc = tl.dot(hv, wd, acc, input_precision=DOT_PRECISION)
-    out_mask = m_ok[:, None] & k_ok[None, :]
-    y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_k[None, :] * stride_yk
-    if n_groups == 1:
-        if HAS_DOWN_BIAS:
-            acc += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        part = part_ptr + rows[:, None] * K + offs_k[None, :]
-        tl.store(part + pid_g * M * K, acc, mask=out_mask)
-        tl.debug_barrier()  # every thread's partial is stored before the arrival is published
-        sem = sem_ptr + pid_m * tl.num_programs(0) + pid_k
-        arrived = tl.atomic_add(sem, 1, sem="acq_rel")
-        if arrived == n_groups - 1:  # the last group of this tile: sum the partials in group order
-            total_acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-            for grp in range(0, n_groups):
-                total_acc += tl.load(part + grp * M * K, mask=out_mask, other=0.0, cache_modifier=".cg")
+    # as many splits of the entries as they fill (SPLIT_MIN each), at most the launched ones: one split
+    # (the common case at low density) writes y with no partials
+    splits = tl.minimum(tl.maximum(tl.cdiv(total, SPLIT_MIN), 1), max_splits)
+    if pid_s < splits:
+        e_lo = total * pid_s // splits
+        e_hi = total * (pid_s + 1) // splits
+        seg = pid_m.to(tl.int64) * n_blocks * BLOCK_N
+        acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        for c0 in range(e_lo, e_hi, CHUNK):
+            e = c0 + tl.arange(0, CHUNK)
+            valid = e < e_hi
+            before = incl[None, :] <= e[:, None]  # [CHUNK, NB]: blocks wholly before entry e
+            local = tl.sum(before.to(tl.int32), axis=1)
+            pos = seg + local * BLOCK_N + e - tl.sum(tl.where(before, cnt[None, :], 0), axis=1)
+            neuron = tl.load(ids_ptr + pos, mask=valid, other=0).to(tl.int64)
+            wd = tl.load(
+                wd_ptr + neuron[:, None] * stride_dn + offs_k[None, :] * stride_dk, valid[:, None] & k_ok[None, :], 0.0
+            )
+            if BLOCK_M == 1:  # one token: no 16-row padding
+                hv = tl.load(hc_ptr + pos, mask=valid, other=0.0)
+                acc += tl.sum(hv.to(tl.float32)[:, None] * wd.to(tl.float32), axis=0)[None, :]
+            else:
+                local_m = tl.arange(0, BLOCK_M)
+                hv = tl.load(hc_ptr + pos[:, None] * BLOCK_M + local_m[None, :], mask=valid[:, None], other=0.0)
+                acc = tl.dot(tl.trans(hv), wd, acc, input_precision=DOT_PRECISION)
+        out_mask = m_ok[:, None] & k_ok[None, :]
+        y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_k[None, :] * stride_yk
+        if splits == 1:
             if HAS_DOWN_BIAS:
-                total_acc += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptrs, total_acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(sem, 0)  # ready for a rerun of this kernel alone (autotuning, replays)
+                acc += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            part = part_ptr + rows[:, None] * K + offs_k[None, :]
+            tl.store(part + pid_s * M * K, acc, mask=out_mask)
+            tl.debug_barrier()  # every thread's partial is stored before the arrival is published
+            sem = sem_ptr + pid_m * tl.num_programs(0) + pid_k
+            arrived = tl.atomic_add(sem, 1, sem="acq_rel")
+            if arrived == splits - 1:  # the last split of this tile: sum the partials in split order
+                total_acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+                for split in range(0, splits):
+                    total_acc += tl.load(part + split * M * K, mask=out_mask, other=0.0, cache_modifier=".cg")
+                if HAS_DOWN_BIAS:
+                    total_acc += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+                tl.store(y_ptrs, total_acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+                tl.atomic_xchg(sem, 0)  # ready for a rerun of this kernel alone (autotuning, replays)
 
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, EACH) of the gate + up kernel, (BLOCK_K, GROUP, CHUNK,
@@ -274,12 +283,9 @@ GATE_UP_CONFIG = {1: (16, 512, 4, 3, False), 2: (64, 128, 4, 4, False)}
 # the config above, more of W_g in flight): 44.7 against 48.7 us per layer at K=4096; 14.9 against
 # 14.1 us at K=2048 (gpu_check-decode-20261130-231118.json).
 GATE_UP_CONFIG_WIDE = (16, 256, 4, 3, True)
-# One token: 32 neuron blocks a group (11 groups at N=5632), whatever N. One group of every block (no
-# partials, no last-arriver pass) was 0.8 us faster at 0.5% uniform but walks every entry in one
-# program per K block, one gather round per 16-32 entries: at K=2048 it took 14.1 / 14.5 / 28.6 us a
-# layer at 0.5 / 1 / 5% against 14.9 / 15.4 / 17.6 us with 11 groups (gpu_check-decode-20261201-043811.json),
-# and a model's decode tokens fire more neurons than its average (benchmarks/step_profile.py).
-DOWN_CONFIG = {1: (64, 32, 16, 4), 2: (128, 8, 16, 4)}
+# (BLOCK_K, SPLITS, CHUNK, SPLIT_MIN, num_warps) of the down kernel: the entries of a token block are
+# cut into as many splits as hold SPLIT_MIN entries each, at most SPLITS (one split: no partials).
+DOWN_CONFIG = {1: (32, 4, 64, 64, 4), 2: (64, 4, 64, 128, 4)}
 
 
 def decode_ffn(
@@ -322,17 +328,16 @@ def decode_ffn(
     default = GATE_UP_CONFIG_WIDE if m == 1 and k > 2048 else GATE_UP_CONFIG[min(m, 2)]
     block_n, block_k, warps, stages, each = gate_up_config or default
     n_blocks = triton.cdiv(n, block_n)
-    down_k, group, chunk, down_warps = down_config or DOWN_CONFIG[min(m, 2)]
+    down_k, splits, chunk, split_min, down_warps = down_config or DOWN_CONFIG[min(m, 2)]
     block_m = 1 if m == 1 else min(max(triton.next_power_of_2(m), 16), 64)
     m_blocks = triton.cdiv(m, block_m)
     k_blocks = triton.cdiv(k, down_k)
-    n_groups = triton.cdiv(n_blocks, group)
     precision = dot_precision(x.dtype)
-    hidden = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    hc = torch.empty(m_blocks * n_blocks * block_n, block_m, dtype=x.dtype, device=x.device)
     ids = torch.empty(m_blocks * n_blocks * block_n, dtype=torch.int32, device=x.device)
     counts = torch.empty(m_blocks * n_blocks, dtype=torch.int32, device=x.device)
     sems = torch.empty(max(k_blocks * m_blocks, 1), dtype=torch.int32, device=x.device)
-    parts = torch.empty(n_groups if n_groups > 1 else 0, m, k, dtype=torch.float32, device=x.device)
+    parts = torch.empty(splits if splits > 1 else 0, m, k, dtype=torch.float32, device=x.device)
     y = torch.empty_like(x)
     pre = torch.nn.functional.linear(x, gate_weight, gate_bias) if cublas_gate else x
     _decode_gate_up_kernel[(n_blocks, m_blocks)](
@@ -342,7 +347,7 @@ def decode_ffn(
         gate_bias if gate_bias is not None else x,
         up_weight if up_weight is not None else x,
         up_bias if up_bias is not None else x,
-        hidden,
+        hc,
         ids,
         counts,
         sems,
@@ -372,8 +377,8 @@ def decode_ffn(
         num_warps=warps,
         num_stages=stages,
     )
-    _decode_down_kernel[(k_blocks, n_groups, m_blocks)](
-        hidden,
+    _decode_down_kernel[(k_blocks, m_blocks, splits)](
+        hc,
         ids,
         counts,
         down_weight_t,
@@ -382,7 +387,6 @@ def decode_ffn(
         parts,
         sems,
         m,
-        n,
         k,
         n_blocks,
         down_weight_t.stride(0),
@@ -394,8 +398,9 @@ def decode_ffn(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=down_k,
-        GROUP=group,
+        NB=triton.next_power_of_2(n_blocks),
         CHUNK=chunk,
+        SPLIT_MIN=split_min,
         num_warps=down_warps,
     )
     return y
