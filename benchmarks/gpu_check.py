@@ -28,16 +28,17 @@ from twell.kernels.gate import pack_dense
 # decode_ffn keyword arguments to compare ({}: the launcher's choice), per tokens per call, each timed at
 # 0.5%, 1% and 5%: (BLOCK_K, SPLITS, CHUNK, SPLIT_MIN, num_warps) of the down kernel; cublas_gate: the
 # gate GEMM by cuBLAS, kernel 1 reads it.
+CUBLAS_GATE = [{"cublas_gate": True}, {"cublas_gate": True, "gate_up_config": (16, 128, 4, 3, False)}]
 DECODE_VARIANTS = {
     1: [{}] + [{"down_config": dn} for dn in [
         (64, 4, 64, 64, 4), (16, 4, 64, 64, 4), (32, 1, 64, 64, 4), (32, 4, 32, 32, 4), (32, 8, 64, 32, 4),
         (32, 4, 128, 128, 4),
     ]],
-    16: [{}, {"cublas_gate": True}] + [{"down_config": dn} for dn in [
+    16: [{}, *CUBLAS_GATE] + [{"down_config": dn} for dn in [
         (32, 4, 64, 128, 4), (64, 1, 64, 128, 4), (64, 8, 64, 64, 4), (128, 4, 64, 128, 4), (64, 4, 32, 128, 4),
         (64, 4, 128, 256, 8),
     ]],
-    64: [{}, {"cublas_gate": True}] + [{"down_config": dn} for dn in [
+    64: [{}, *CUBLAS_GATE] + [{"down_config": dn} for dn in [
         (32, 4, 64, 128, 4), (64, 1, 64, 128, 4), (64, 8, 64, 256, 4), (128, 4, 64, 128, 8), (64, 4, 32, 128, 4),
         (64, 4, 128, 256, 8),
     ]],
