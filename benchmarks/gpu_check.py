@@ -26,22 +26,13 @@ from twell.kernels import decode, gate, updown
 from twell.kernels.gate import pack_dense
 
 # decode_ffn keyword arguments to compare ({}: the launcher's choice), per tokens per call, each timed at
-# 0.5%, 1% and 5%: (BLOCK_K, SPLITS, CHUNK, SPLIT_MIN, num_warps) of the down kernel; cublas_gate: the
-# gate GEMM by cuBLAS, kernel 1 reads it.
-CUBLAS_GATE = [{"cublas_gate": True}, {"cublas_gate": True, "gate_up_config": (16, 128, 4, 3, False)}]
+# 0.5%, 1% and 5%: (BLOCK_K, SPLITS, CHUNK, SPLIT_MIN, num_warps) of the down kernel.
 DECODE_VARIANTS = {
-    1: [{}] + [{"down_config": dn} for dn in [
-        (64, 4, 64, 64, 4), (16, 4, 64, 64, 4), (32, 1, 64, 64, 4), (32, 4, 32, 32, 4), (32, 8, 64, 32, 4),
-        (32, 4, 128, 128, 4),
+    1: [{}] + [{"down_config": dn} for dn in [(64, 4, 64, 64, 4), (32, 4, 32, 32, 4), (32, 2, 64, 128, 4)]],
+    16: [{}] + [{"down_config": dn} for dn in [
+        (64, 8, 64, 64, 4), (64, 4, 32, 128, 4), (128, 4, 64, 128, 4), (32, 8, 64, 64, 4),
     ]],
-    16: [{}, *CUBLAS_GATE] + [{"down_config": dn} for dn in [
-        (32, 4, 64, 128, 4), (64, 1, 64, 128, 4), (64, 8, 64, 64, 4), (128, 4, 64, 128, 4), (64, 4, 32, 128, 4),
-        (64, 4, 128, 256, 8),
-    ]],
-    64: [{}, *CUBLAS_GATE] + [{"down_config": dn} for dn in [
-        (32, 4, 64, 128, 4), (64, 1, 64, 128, 4), (64, 8, 64, 256, 4), (128, 4, 64, 128, 8), (64, 4, 32, 128, 4),
-        (64, 4, 128, 256, 8),
-    ]],
+    64: [{}] + [{"down_config": dn} for dn in [(64, 8, 64, 256, 4), (64, 4, 128, 256, 8), (128, 8, 64, 128, 4)]],
 }  # fmt: skip
 
 
@@ -214,19 +205,16 @@ def floors_point(k, n, m) -> dict:
             lambda b: F.relu(F.linear(x, ws[id(b)]["gate_weight"], ws[id(b)]["gate_bias"]))
         )
 
-        def run(b, up=True, **kw):
+        def run(b, up=True):
             w = ws[id(b)]
             return decode.decode_ffn(
                 x, w["gate_weight"], w["gate_bias"], w["up_weight"] if up else None, None, w["down_weight"].t(),
-                None, 0.0, **kw,
+                None, 0.0,
             )  # fmt: skip
 
         out["decode_us"] = per_layer(run)
         out["decode_no_up_us"] = per_layer(lambda b: run(b, up=False))
-        out["decode_cublas_gate_us"] = per_layer(lambda b: run(b, cublas_gate=True))
-        out["decode_cublas_gate_err"] = rel_err_sample(run(block, cublas_gate=True), x, block)
         out["decode_kernels_us"] = graph_kernel_us(lambda: [run(b) for b in blocks])
-        out["decode_cublas_gate_kernels_us"] = graph_kernel_us(lambda: [run(b, cublas_gate=True) for b in blocks])
     print(json.dumps(out), flush=True)
     return out
 

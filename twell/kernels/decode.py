@@ -94,7 +94,6 @@ def _active_rows_times_x(
 @triton.jit
 def _decode_gate_up_kernel(
     x_ptr,
-    pre_ptr,
     wg_ptr,
     bg_ptr,
     wu_ptr,
@@ -115,7 +114,6 @@ def _decode_gate_up_kernel(
     stride_un,
     stride_uk,
     HAS_UP: tl.constexpr,
-    PRE_GATE: tl.constexpr,
     HAS_GATE_BIAS: tl.constexpr,
     HAS_UP_BIAS: tl.constexpr,
     DRELU: tl.constexpr,
@@ -143,17 +141,13 @@ def _decode_gate_up_kernel(
     cols = offs_n.to(tl.int64)
     dtype = hc_ptr.dtype.element_ty
 
-    if PRE_GATE:  # the gate (bias included) computed by cuBLAS, [M, N] contiguous
-        g = tl.load(pre_ptr + rows[:, None] * N + cols[None, :], mask=m_ok[:, None] & n_ok[None, :], other=0.0)
-        g = g.to(tl.float32)
-    else:
-        acc = _rows_times_x(
-            x_ptr, wg_ptr, rows, cols, m_ok, n_ok, K, stride_xm, stride_xk, stride_gn, stride_gk,
-            DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, EACH,
-        )  # fmt: skip
-        if HAS_GATE_BIAS:
-            acc += tl.load(bg_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        g = acc.to(dtype).to(tl.float32)  # the dense gate's rounding
+    acc = _rows_times_x(
+        x_ptr, wg_ptr, rows, cols, m_ok, n_ok, K, stride_xm, stride_xk, stride_gn, stride_gk,
+        DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, EACH,
+    )  # fmt: skip
+    if HAS_GATE_BIAS:
+        acc += tl.load(bg_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    g = acc.to(dtype).to(tl.float32)  # the dense gate's rounding
     kept = ((g > threshold) | (g != g)) & m_ok[:, None] & n_ok[None, :]  # not (g <= t): NaN kept, as by relu
     h = tl.where(kept, g, 0.0)
     if SQUARE:
@@ -210,6 +204,7 @@ def _decode_down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NB: tl.constexpr,
+    SUPER: tl.constexpr,
     CHUNK: tl.constexpr,
     SPLIT_MIN: tl.constexpr,
 ):
@@ -223,11 +218,17 @@ def _decode_down_kernel(
     k_ok = offs_k < K
     rows = offs_m.to(tl.int64)
     # the token block's entries, in neuron-block order: entry e lies in the first block whose inclusive
-    # count exceeds e
-    offs_b = tl.arange(0, NB)
-    cnt = tl.load(cnt_ptr + pid_m * n_blocks + offs_b, mask=offs_b < n_blocks, other=0)
-    incl = tl.cumsum(cnt, axis=0)
-    total = tl.sum(cnt, axis=0)
+    # count exceeds e. Found in two steps, so that no [CHUNK, NB] table is formed: the super-block of
+    # SUPER blocks (compares against NB / SUPER inclusive counts), then the block within it (its SUPER
+    # counts loaded again per entry: cache hits).
+    cnt_row = cnt_ptr + pid_m * n_blocks
+    offs_s = tl.arange(0, NB // SUPER)
+    offs_w = tl.arange(0, SUPER)
+    blk2 = offs_s[:, None] * SUPER + offs_w[None, :]
+    cnt2 = tl.load(cnt_row + blk2, mask=blk2 < n_blocks, other=0)
+    super_cnt = tl.sum(cnt2, axis=1)
+    super_incl = tl.cumsum(super_cnt, axis=0)
+    total = tl.sum(super_cnt, axis=0)
     # as many splits of the entries as they fill (SPLIT_MIN each), at most the launched ones: one split
     # (the common case at low density) writes y with no partials
     splits = tl.minimum(tl.maximum(tl.cdiv(total, SPLIT_MIN), 1), max_splits)
@@ -239,9 +240,14 @@ def _decode_down_kernel(
         for c0 in range(e_lo, e_hi, CHUNK):
             e = c0 + tl.arange(0, CHUNK)
             valid = e < e_hi
-            before = incl[None, :] <= e[:, None]  # [CHUNK, NB]: blocks wholly before entry e
-            local = tl.sum(before.to(tl.int32), axis=1)
-            pos = seg + local * BLOCK_N + e - tl.sum(tl.where(before, cnt[None, :], 0), axis=1)
+            before_s = super_incl[None, :] <= e[:, None]  # [CHUNK, NB / SUPER]
+            sup = tl.sum(before_s.to(tl.int32), axis=1)
+            rest = e - tl.sum(tl.where(before_s, super_cnt[None, :], 0), axis=1)  # entry's rank in its super-block
+            blk = sup[:, None] * SUPER + offs_w[None, :]  # [CHUNK, SUPER]
+            cnt_w = tl.load(cnt_row + blk, mask=valid[:, None] & (blk < n_blocks), other=0)
+            before = tl.cumsum(cnt_w, axis=1) <= rest[:, None]
+            local = sup * SUPER + tl.sum(before.to(tl.int32), axis=1)
+            pos = seg + local * BLOCK_N + rest - tl.sum(tl.where(before, cnt_w, 0), axis=1)
             neuron = tl.load(ids_ptr + pos, mask=valid, other=0).to(tl.int64)
             wd = tl.load(
                 wd_ptr + neuron[:, None] * stride_dn + offs_k[None, :] * stride_dk, valid[:, None] & k_ok[None, :], 0.0
@@ -302,15 +308,13 @@ def decode_ffn(
     square: bool = False,
     gate_up_config: tuple[int, int, int, int] | None = None,
     down_config: tuple[int, int, int, int] | None = None,
-    cublas_gate: bool = False,
 ) -> torch.Tensor:
     """y [M, K] in the dtype of x: down(act(gate(x)) * up(x)), or down(act(gate(x))) without up_weight
     (act² with square).
 
     x: [M, K]; gate_weight, up_weight: [N, K]; down_weight_t: [N, K] (= down_weight.t(), unit stride on K
     for coalesced row loads); biases contiguous. Exact at any density: a dense call reads every row.
-    The configs override GATE_UP_CONFIG(_WIDE) / DOWN_CONFIG (tests, benchmarks). cublas_gate: the gate
-    GEMM runs as F.linear (a third launch) and kernel 1 reads its output.
+    The configs override GATE_UP_CONFIG(_WIDE) / DOWN_CONFIG (tests, benchmarks).
     """
     check_input("x", x)
     check_threshold(threshold)
@@ -339,10 +343,8 @@ def decode_ffn(
     sems = torch.empty(max(k_blocks * m_blocks, 1), dtype=torch.int32, device=x.device)
     parts = torch.empty(splits if splits > 1 else 0, m, k, dtype=torch.float32, device=x.device)
     y = torch.empty_like(x)
-    pre = torch.nn.functional.linear(x, gate_weight, gate_bias) if cublas_gate else x
     _decode_gate_up_kernel[(n_blocks, m_blocks)](
         x,
-        pre,
         gate_weight,
         gate_bias if gate_bias is not None else x,
         up_weight if up_weight is not None else x,
@@ -362,7 +364,6 @@ def decode_ffn(
         gate_weight.stride(1),
         *(up_weight.stride() if up_weight is not None else (0, 0)),
         HAS_UP=up_weight is not None,
-        PRE_GATE=cublas_gate,
         HAS_GATE_BIAS=gate_bias is not None,
         HAS_UP_BIAS=up_bias is not None,
         DRELU=drelu,
@@ -398,7 +399,8 @@ def decode_ffn(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=down_k,
-        NB=triton.next_power_of_2(n_blocks),
+        NB=max(triton.next_power_of_2(n_blocks), 32),
+        SUPER=32,
         CHUNK=chunk,
         SPLIT_MIN=split_min,
         num_warps=down_warps,
