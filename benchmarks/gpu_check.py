@@ -26,13 +26,15 @@ from twell.kernels import decode, gate, updown
 from twell.kernels.gate import pack_dense
 
 # decode_ffn keyword arguments to compare ({}: the launcher's choice), per tokens per call, each timed at
-# 0.5%, 1% and 5%: (BLOCK_K, SPLITS, CHUNK, SPLIT_MIN, num_warps) of the down kernel.
+# 0.5%, 1% and 5%: (BLOCK_K, SPLITS, CHUNK, SPLIT_MIN, num_warps) of the down kernel (decode.DOWN_CONFIG).
 DECODE_VARIANTS = {
-    1: [{}] + [{"down_config": dn} for dn in [(64, 4, 64, 64, 4), (32, 4, 32, 32, 4), (32, 2, 64, 128, 4)]],
+    1: [{}] + [{"down_config": dn} for dn in [(32, 4, 32, 32, 4), (32, 8, 64, 32, 4)]],
     16: [{}] + [{"down_config": dn} for dn in [
-        (64, 8, 64, 64, 4), (64, 4, 32, 128, 4), (128, 4, 64, 128, 4), (32, 8, 64, 64, 4),
+        (64, 8, 16, 0, 4), (128, 8, 64, 0, 4), (128, 4, 32, 0, 4), (128, 16, 32, 0, 4), (64, 8, 64, 64, 4),
     ]],
-    64: [{}] + [{"down_config": dn} for dn in [(64, 8, 64, 256, 4), (64, 4, 128, 256, 8), (128, 8, 64, 128, 4)]],
+    64: [{}] + [{"down_config": dn} for dn in [
+        (128, 4, 16, 0, 4), (128, 16, 32, 0, 4), (64, 8, 32, 0, 4), (64, 8, 64, 256, 4),
+    ]],
 }  # fmt: skip
 
 

@@ -402,8 +402,9 @@ DECODE_CASES = {
     "m1-each": (1, 40, 100, [1.0], (16, 16, 4, 1, True), None),
     "m1-empty": (1, 40, 100, [0.0], (16, 32, 4, 1, False), (16, 2, 16, 4, 4)),
     "m16-splits": (16, 40, 200, MIXED, (16, 32, 4, 1, False), (32, 3, 16, 8, 4)),
+    "m16-groups": (16, 40, 200, MIXED, (16, 32, 4, 1, False), (32, 2, 16, 0, 4)),
     "m70-blocks": (70, 130, 100, MIXED, (32, 64, 4, 1, True), (64, 1, 16, 16, 4)),
-    "m3-dense": (3, 24, 48, [1.0], (16, 16, 4, 1, False), (16, 2, 16, 16, 4)),
+    "m3-dense": (3, 24, 48, [1.0], (16, 16, 4, 1, False), None),
     "m2-super-blocks": (2, 24, 1100, [0.0, 0.01, 0.3, 0.0, 0.02], (16, 16, 4, 1, False), (16, 3, 16, 8, 4)),
 }
 
@@ -412,8 +413,9 @@ DECODE_CASES = {
 @pytest.mark.parametrize("variant", ["gated", "drelu", "plain", "relu2", "nobias"])
 @pytest.mark.parametrize("case_id", list(DECODE_CASES))
 def test_decode_matches_reference(case_id, dtype, variant, poisoned_empty):
-    """Several neuron groups (partials summed by the last program) and token blocks, empty and full
-    active lists, awkward K and N; every output and scratch element poisoned before the kernels run."""
+    """Several splits by entries and by neuron-block groups (partials summed by the last program),
+    several super-blocks and token blocks, empty and full active lists, awkward K and N; every output
+    and scratch element poisoned before the kernels run."""
     m, k, n, densities, gate_up_config, down_config = DECODE_CASES[case_id]
     gated = variant in ("gated", "drelu", "nobias")
     case = make_ffn(m, k, n, densities, dtype, DEVICE, seed=m * k, biases=variant != "nobias", gated=gated)
@@ -438,7 +440,7 @@ def test_decode_matches_reference(case_id, dtype, variant, poisoned_empty):
 
 
 def test_decode_is_deterministic():
-    """Partials of several neuron groups are summed in a fixed order: the same bits on every call."""
+    """Partials of several splits are summed in a fixed order: the same bits on every call."""
     case = make_ffn(16, 40, 200, MIXED, torch.float32, DEVICE, seed=5, biases=True)
     args = (case["x"], case["gate_weight"], case["gate_bias"], case["up_weight"], case["up_bias"])
     runs = [

@@ -3,14 +3,16 @@
 Two kernels per call, no host synchronisation and no memset (CUDA graphs capture it):
 1. gate + up, one program per (block of BLOCK_N neurons, block of tokens): g = x W_g[blk]^T (+ bias),
    kept = not (g <= threshold); the block's active neurons (kept for some token of the block) load
-   their W_u rows (masked loads of inactive rows move no bytes) and h = act(g) * u is written, rounded
-   like the dense FFN rounds it. The block's active neuron ids are compacted to the front of its
-   segment of `ids`, their number to `counts`.
-2. down, one program per (K block, group of GROUP neuron blocks, token block): the group's active
-   entries are flattened (prefix sum over GROUP counts), y_part = h[:, ids] W_d^T[ids, kblk] in fp32.
-   With one group the program writes y directly; otherwise partials go to a scratch buffer and the
-   last program of each (K block, token block) to arrive (a counter, zeroed by kernel 1 and reset by
-   that program) sums them in group order: deterministic, no atomics on data.
+   their W_u rows (masked loads of inactive rows move no bytes) and h = act(g) * u, rounded like the
+   dense FFN rounds it. The block's active neuron ids are compacted to the front of its segment of
+   `ids`, their h columns likewise to `hc` (BLOCK_M contiguous values an entry), their number to
+   `counts`.
+2. down, one program per (K block, token block, split): y_part = hc[entries] W_d^T[ids, kblk] in fp32
+   over the split's entries, walked in neuron-block order. A split is either a run-time share of the
+   token block's entries (sized by their number: one split at low density) or a static group of
+   neuron blocks. With one split the program writes y directly; otherwise partials go to a scratch
+   buffer and the last program of each (K block, token block) to arrive (a counter, zeroed by kernel 1
+   and reset by that program) sums them in split order: deterministic, no atomics on data.
 """
 
 from __future__ import annotations
@@ -218,36 +220,47 @@ def _decode_down_kernel(
     k_ok = offs_k < K
     rows = offs_m.to(tl.int64)
     # the token block's entries, in neuron-block order: entry e lies in the first block whose inclusive
-    # count exceeds e. Found in two steps, so that no [CHUNK, NB] table is formed: the super-block of
-    # SUPER blocks (compares against NB / SUPER inclusive counts), then the block within it (its SUPER
-    # counts loaded again per entry: cache hits).
+    # count exceeds e
     cnt_row = cnt_ptr + pid_m * n_blocks
-    offs_s = tl.arange(0, NB // SUPER)
-    offs_w = tl.arange(0, SUPER)
-    blk2 = offs_s[:, None] * SUPER + offs_w[None, :]
-    cnt2 = tl.load(cnt_row + blk2, mask=blk2 < n_blocks, other=0)
-    super_cnt = tl.sum(cnt2, axis=1)
-    super_incl = tl.cumsum(super_cnt, axis=0)
-    total = tl.sum(super_cnt, axis=0)
-    # as many splits of the entries as they fill (SPLIT_MIN each), at most the launched ones: one split
-    # (the common case at low density) writes y with no partials
-    splits = tl.minimum(tl.maximum(tl.cdiv(total, SPLIT_MIN), 1), max_splits)
-    if pid_s < splits:
+    seg = pid_m.to(tl.int64) * n_blocks * BLOCK_N
+    if SPLIT_MIN > 0:
+        # splits of the entries: as many as hold SPLIT_MIN entries each, at most the launched ones (one
+        # split, the common case at low density, writes y with no partials). An entry's block is found in
+        # two steps, so that no [CHUNK, n_blocks] table is formed: its super-block of SUPER blocks, then
+        # the block inside it (that super-block's counts loaded again per entry: cache hits).
+        offs_w = tl.arange(0, SUPER)
+        blk2 = tl.arange(0, NB // SUPER)[:, None] * SUPER + offs_w[None, :]
+        super_cnt = tl.sum(tl.load(cnt_row + blk2, mask=blk2 < n_blocks, other=0), axis=1)
+        super_incl = tl.cumsum(super_cnt, axis=0)
+        total = tl.sum(super_cnt, axis=0)
+        splits = tl.minimum(tl.maximum(tl.cdiv(total, SPLIT_MIN), 1), max_splits)
         e_lo = total * pid_s // splits
         e_hi = total * (pid_s + 1) // splits
-        seg = pid_m.to(tl.int64) * n_blocks * BLOCK_N
+    else:  # split s takes the entries of neuron blocks [s * SUPER, (s + 1) * SUPER)
+        offs_b = tl.arange(0, SUPER)
+        cnt = tl.load(cnt_row + pid_s * SUPER + offs_b, mask=pid_s * SUPER + offs_b < n_blocks, other=0)
+        incl = tl.cumsum(cnt, axis=0)
+        splits = max_splits
+        e_lo = 0
+        e_hi = tl.sum(cnt, axis=0)
+    if pid_s < splits:
         acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
         for c0 in range(e_lo, e_hi, CHUNK):
             e = c0 + tl.arange(0, CHUNK)
             valid = e < e_hi
-            before_s = super_incl[None, :] <= e[:, None]  # [CHUNK, NB / SUPER]
-            sup = tl.sum(before_s.to(tl.int32), axis=1)
-            rest = e - tl.sum(tl.where(before_s, super_cnt[None, :], 0), axis=1)  # entry's rank in its super-block
-            blk = sup[:, None] * SUPER + offs_w[None, :]  # [CHUNK, SUPER]
-            cnt_w = tl.load(cnt_row + blk, mask=valid[:, None] & (blk < n_blocks), other=0)
-            before = tl.cumsum(cnt_w, axis=1) <= rest[:, None]
-            local = sup * SUPER + tl.sum(before.to(tl.int32), axis=1)
-            pos = seg + local * BLOCK_N + rest - tl.sum(tl.where(before, cnt_w, 0), axis=1)
+            if SPLIT_MIN > 0:
+                before_s = super_incl[None, :] <= e[:, None]  # [CHUNK, NB / SUPER]
+                sup = tl.sum(before_s.to(tl.int32), axis=1)
+                rest = e - tl.sum(tl.where(before_s, super_cnt[None, :], 0), axis=1)  # rank in the super-block
+                blk = sup[:, None] * SUPER + offs_w[None, :]  # [CHUNK, SUPER]
+                cnt_w = tl.load(cnt_row + blk, mask=valid[:, None] & (blk < n_blocks), other=0)
+                before = tl.cumsum(cnt_w, axis=1) <= rest[:, None]
+                local = sup * SUPER + tl.sum(before.to(tl.int32), axis=1)
+                pos = seg + local * BLOCK_N + rest - tl.sum(tl.where(before, cnt_w, 0), axis=1)
+            else:
+                before = incl[None, :] <= e[:, None]  # [CHUNK, SUPER]
+                local = pid_s * SUPER + tl.sum(before.to(tl.int32), axis=1)
+                pos = seg + local * BLOCK_N + e - tl.sum(tl.where(before, cnt[None, :], 0), axis=1)
             neuron = tl.load(ids_ptr + pos, mask=valid, other=0).to(tl.int64)
             wd = tl.load(
                 wd_ptr + neuron[:, None] * stride_dn + offs_k[None, :] * stride_dk, valid[:, None] & k_ok[None, :], 0.0
@@ -281,17 +294,21 @@ def _decode_down_kernel(
                 tl.atomic_xchg(sem, 0)  # ready for a rerun of this kernel alone (autotuning, replays)
 
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages, EACH) of the gate + up kernel, (BLOCK_K, GROUP, CHUNK,
-# num_warps) of the down kernel, for one token and for more; the fastest at both of K=2048/N=5632 and
-# K=4096/N=14336 on an H200 (gpu_check-decode-20261130-161902.json, -230248.json, -231118.json).
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, EACH) of the gate + up kernel for one token and for more;
+# the fastest at both of K=2048/N=5632 and K=4096/N=14336 on an H200 (gpu_check-decode-20261130-161902.json,
+# -230248.json, -231118.json).
 GATE_UP_CONFIG = {1: (16, 512, 4, 3, False), 2: (64, 128, 4, 4, False)}
 # One token with K > 2048: 256-wide K steps reduced each step (72 registers, ~3x the programs per SM of
 # the config above, more of W_g in flight): 44.7 against 48.7 us per layer at K=4096; 14.9 against
 # 14.1 us at K=2048 (gpu_check-decode-20261130-231118.json).
 GATE_UP_CONFIG_WIDE = (16, 256, 4, 3, True)
-# (BLOCK_K, SPLITS, CHUNK, SPLIT_MIN, num_warps) of the down kernel: the entries of a token block are
-# cut into as many splits as hold SPLIT_MIN entries each, at most SPLITS (one split: no partials).
-DOWN_CONFIG = {1: (32, 4, 64, 64, 4), 2: (64, 4, 64, 128, 4)}
+# (BLOCK_K, SPLITS, CHUNK, SPLIT_MIN, num_warps) of the down kernel. SPLIT_MIN > 0: a token block's
+# entries are cut at run time into as many splits as hold SPLIT_MIN entries each, at most SPLITS (one
+# split: no partials); one token at K=2048 / 4096 took 13.8 / 40.6 us a layer against 15.4 / 44.8 with
+# static groups (gpu_check-decode-20261201-114215.json). SPLIT_MIN = 0: split s takes the entries of
+# neuron blocks [s * SPLITS, (s + 1) * SPLITS), a static group: faster for token blocks of 16-64, where
+# the entries per split were 2-4x slower to walk (same file; v20 in benchmarks/NOTES.md).
+DOWN_CONFIG = {1: (32, 4, 64, 64, 4), 2: (128, 8, 16, 0, 4)}
 
 
 def decode_ffn(
@@ -336,6 +353,8 @@ def decode_ffn(
     block_m = 1 if m == 1 else min(max(triton.next_power_of_2(m), 16), 64)
     m_blocks = triton.cdiv(m, block_m)
     k_blocks = triton.cdiv(k, down_k)
+    if split_min == 0:  # static groups of `splits` neuron blocks
+        group, splits = splits, triton.cdiv(n_blocks, splits)
     precision = dot_precision(x.dtype)
     hc = torch.empty(m_blocks * n_blocks * block_n, block_m, dtype=x.dtype, device=x.device)
     ids = torch.empty(m_blocks * n_blocks * block_n, dtype=torch.int32, device=x.device)
@@ -400,7 +419,7 @@ def decode_ffn(
         BLOCK_N=block_n,
         BLOCK_K=down_k,
         NB=max(triton.next_power_of_2(n_blocks), 32),
-        SUPER=32,
+        SUPER=32 if split_min > 0 else group,
         CHUNK=chunk,
         SPLIT_MIN=split_min,
         num_warps=down_warps,
