@@ -302,13 +302,14 @@ GATE_UP_CONFIG = {1: (16, 512, 4, 3, False), 2: (64, 128, 4, 4, False)}
 # the config above, more of W_g in flight): 44.7 against 48.7 us per layer at K=4096; 14.9 against
 # 14.1 us at K=2048 (gpu_check-decode-20261130-231118.json).
 GATE_UP_CONFIG_WIDE = (16, 256, 4, 3, True)
-# (BLOCK_K, SPLITS, CHUNK, SPLIT_MIN, num_warps) of the down kernel. SPLIT_MIN > 0: a token block's
-# entries are cut at run time into as many splits as hold SPLIT_MIN entries each, at most SPLITS (one
-# split: no partials); one token at K=2048 / 4096 took 13.8 / 40.6 us a layer against 15.4 / 44.8 with
-# static groups (gpu_check-decode-20261201-114215.json). SPLIT_MIN = 0: split s takes the entries of
-# neuron blocks [s * SPLITS, (s + 1) * SPLITS), a static group: faster for token blocks of 16-64, where
-# the entries per split were 2-4x slower to walk (same file; v20 in benchmarks/NOTES.md).
-DOWN_CONFIG = {1: (32, 4, 64, 64, 4), 2: (128, 8, 16, 0, 4)}
+# (BLOCK_K, SPLITS, CHUNK, SPLIT_MIN, num_warps) of the down kernel by token block (BLOCK_M). SPLIT_MIN
+# > 0: a token block's entries are cut at run time into as many splits as hold SPLIT_MIN entries each,
+# at most SPLITS (one split: no partials); one token at K=2048 / 4096 took 13.8 / 40.3 us a layer
+# against 15.4 / 44.8 with static groups. SPLIT_MIN = 0: split s takes the entries of neuron blocks
+# [s * SPLITS, (s + 1) * SPLITS), a static group: 2-4x faster than run-time splits for 16-64 tokens,
+# where the chain of loads per chunk (counts, ids, then hc and W_d) is not overlapped; 64 tokens gain
+# from smaller K blocks (34.6 against 40.6 us at K=2048). gpu_check-decode-20261201-114215.json, -114635.json.
+DOWN_CONFIG = {1: (32, 4, 64, 64, 4), 16: (128, 8, 16, 0, 4), 32: (128, 8, 16, 0, 4), 64: (64, 8, 32, 0, 4)}
 
 
 def decode_ffn(
@@ -349,8 +350,8 @@ def decode_ffn(
     default = GATE_UP_CONFIG_WIDE if m == 1 and k > 2048 else GATE_UP_CONFIG[min(m, 2)]
     block_n, block_k, warps, stages, each = gate_up_config or default
     n_blocks = triton.cdiv(n, block_n)
-    down_k, splits, chunk, split_min, down_warps = down_config or DOWN_CONFIG[min(m, 2)]
     block_m = 1 if m == 1 else min(max(triton.next_power_of_2(m), 16), 64)
+    down_k, splits, chunk, split_min, down_warps = down_config or DOWN_CONFIG[block_m]
     m_blocks = triton.cdiv(m, block_m)
     k_blocks = triton.cdiv(k, down_k)
     if split_min == 0:  # static groups of `splits` neuron blocks
