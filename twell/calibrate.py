@@ -313,11 +313,11 @@ class AnalyticCostModel:
 
     intercept: float = 0.66
     slope: float = 34.0
-    # K=2048, N=5632, CUDA-graph replays against the faster dense (ffn-20261201-044252.json): one token
-    # 0.487-0.522 of dense at 0.5% (by pattern) to 0.578 at 5%; 16 tokens 0.81-0.83 at 0.5%, 1.03 at 2%,
-    # 1.29 at 5% (4 tokens fall between, gpu_check-decode-20261201-024429.json). K=4096 measured faster.
-    decode_one: tuple[float, float] = (0.50, 2.0)
-    decode_16: tuple[float, float] = (0.78, 10.4)
+    # K=2048, N=5632, CUDA-graph replays against the faster dense (ffn-20261201-114900.json): one token
+    # 0.442-0.476 of dense at 0.5% (by pattern), 0.462 at 1%, 0.569 at 5%; 16 tokens 0.81-0.84 at 0.5%,
+    # 0.90 at 1%, 1.20 at 5%. K=4096 measured faster (one token 0.40-0.42 at 0.5%, 16 tokens 0.69-0.73).
+    decode_one: tuple[float, float] = (0.45, 2.6)
+    decode_16: tuple[float, float] = (0.79, 8.2)
     name: str = "analytic (density threshold, twell kernels on H200)"
 
     def time_ratio(
@@ -332,8 +332,8 @@ class AnalyticCostModel:
         return self.intercept + self.slope * density
 
     def decode_ratio(self, m: int, density: float) -> float:
-        """The decode kernels' time ratio for calls of m tokens (past 16 extrapolated, pessimistically
-        rather than not: 128 tokens measured twice dense's time)."""
+        """The decode kernels' time ratio for calls of m tokens (past 16 extrapolated: 64 tokens, forced,
+        measured 1.00 / 1.10 of dense's time at 0.5 / 1%, the extrapolation 1.02 / 1.07)."""
         f = math.log2(max(m, 1)) / 4
         (a1, b1), (a16, b16) = self.decode_one, self.decode_16
         return a1 + (a16 - a1) * f + (b1 + (b16 - b1) * f) * density
