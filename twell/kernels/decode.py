@@ -21,7 +21,15 @@ import torch
 import triton
 import triton.language as tl
 
-from twell.kernels.common import check_bias, check_input, check_operand, check_threshold, dot_precision, threshold_in
+from twell.kernels.common import (
+    check_bias,
+    check_input,
+    check_operand,
+    check_threshold,
+    dot_precision,
+    interpreting,
+    threshold_in,
+)
 
 
 @triton.jit
@@ -94,12 +102,31 @@ def _active_rows_times_x(
 
 
 @triton.jit
+def _prefetch_rows_to_l2(ptr, rows, wanted, K, stride_n, LINE: tl.constexpr, LINES: tl.constexpr):
+    """Asks L2 for rows[wanted] of a [N, K] array (unit stride on K), LINE elements a 128-byte line, and
+    waits for nothing: the kernel that reads them next finds them in L2. GPU only (PTX prefetch)."""
+    line = tl.arange(0, LINES) * LINE
+    ptrs = ptr + rows.to(tl.int64)[:, None] * stride_n + line[None, :]
+    ask = (wanted[:, None] & (line[None, :] < K)).to(tl.int32)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        "=r,l,r",
+        [ptrs, ask],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
 def _decode_gate_up_kernel(
     x_ptr,
     wg_ptr,
     bg_ptr,
     wu_ptr,
     bu_ptr,
+    wd_ptr,
+    stride_dn,
     hc_ptr,
     ids_ptr,
     cnt_ptr,
@@ -127,6 +154,8 @@ def _decode_gate_up_kernel(
     EACH: tl.constexpr,
     UP_K: tl.constexpr,
     SEM_BLOCK: tl.constexpr,
+    PREFETCH_LINE: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -156,6 +185,8 @@ def _decode_gate_up_kernel(
         h = (h * h).to(dtype).to(tl.float32)
     active = tl.max(kept.to(tl.int32), axis=0) > 0
     n_active = tl.sum(active.to(tl.int32), axis=0)
+    if PREFETCH_LINES > 0:  # the down kernel's W_d rows, from HBM to L2 while this kernel runs on
+        _prefetch_rows_to_l2(wd_ptr, offs_n, active, K, stride_dn, PREFETCH_LINE, PREFETCH_LINES)
     if HAS_UP:
         if n_active > 0:
             if BLOCK_M == 1:
@@ -325,14 +356,16 @@ def decode_ffn(
     drelu: bool = False,
     square: bool = False,
     gate_up_config: tuple[int, int, int, int] | None = None,
-    down_config: tuple[int, int, int, int] | None = None,
+    down_config: tuple[int, int, int, int, int] | None = None,
+    prefetch: bool = True,
 ) -> torch.Tensor:
     """y [M, K] in the dtype of x: down(act(gate(x)) * up(x)), or down(act(gate(x))) without up_weight
     (act² with square).
 
     x: [M, K]; gate_weight, up_weight: [N, K]; down_weight_t: [N, K] (= down_weight.t(), unit stride on K
     for coalesced row loads); biases contiguous. Exact at any density: a dense call reads every row.
-    The configs override GATE_UP_CONFIG(_WIDE) / DOWN_CONFIG (tests, benchmarks).
+    The configs override GATE_UP_CONFIG(_WIDE) / DOWN_CONFIG (tests, benchmarks); prefetch=False leaves
+    out kernel 1's L2 prefetch of the active W_d rows (benchmarks).
     """
     check_input("x", x)
     check_threshold(threshold)
@@ -363,12 +396,17 @@ def decode_ffn(
     sems = torch.empty(max(k_blocks * m_blocks, 1), dtype=torch.int32, device=x.device)
     parts = torch.empty(splits if splits > 1 else 0, m, k, dtype=torch.float32, device=x.device)
     y = torch.empty_like(x)
+    # PTX prefetch of the active W_d rows into L2: on the GPU, rows with unit stride on K
+    prefetch = prefetch and x.is_cuda and not interpreting() and down_weight_t.stride(1) == 1
+    line = 128 // x.element_size()
     _decode_gate_up_kernel[(n_blocks, m_blocks)](
         x,
         gate_weight,
         gate_bias if gate_bias is not None else x,
         up_weight if up_weight is not None else x,
         up_bias if up_bias is not None else x,
+        down_weight_t,
+        down_weight_t.stride(0),
         hc,
         ids,
         counts,
@@ -395,6 +433,8 @@ def decode_ffn(
         EACH=each,
         UP_K=min(triton.next_power_of_2(k), 4096),
         SEM_BLOCK=256,
+        PREFETCH_LINE=line,
+        PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(k, line)) if prefetch else 0,
         num_warps=warps,
         num_stages=stages,
     )
