@@ -27,11 +27,11 @@ from twell.kernels.gate import pack_dense
 
 # decode_ffn keyword arguments to compare ({}: the launcher's choice), per tokens per call, each timed at
 # 0.5%, 1% and 5%: (BLOCK_K, SPLITS, CHUNK, SPLIT_MIN, num_warps) of the down kernel (decode.DOWN_CONFIG);
-# gate_up_config: (BLOCK_N, BLOCK_K, num_warps, num_stages, EACH[, UP_K]) of kernel 1.
+# prefetch=False: kernel 1 leaves the W_d rows in HBM.
 DECODE_VARIANTS = {
-    1: [{}],
-    16: [{}, {"gate_up_config": (64, 128, 4, 4, False, 128)}, {"gate_up_config": (32, 128, 4, 4, False, 256)}],
-    64: [{}, {"gate_up_config": (64, 128, 4, 4, False, 64)}],
+    1: [{}, {"prefetch": False}],
+    16: [{}, {"prefetch": False}, {"down_config": (64, 8, 16, 0, 4)}],
+    64: [{}, {"prefetch": False}],
 }
 
 

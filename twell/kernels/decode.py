@@ -102,45 +102,6 @@ def _active_rows_times_x(
 
 
 @triton.jit
-def _active_rows_dot(
-    x_ptr, w_ptr, bu_ptr, seg_ptr, rows, m_ok, offs_n, active, n_active, K, stride_xm, stride_xk, stride_wn,
-    stride_wk, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, UP_K: tl.constexpr,
-    SLOTS: tl.constexpr,
-):  # fmt: skip
-    """x[rows] . w[n] (+ bias[n]) for the block's active neurons n, rounded to seg_ptr's dtype, [BLOCK_M,
-    BLOCK_N] (0 elsewhere), a token block: SLOTS active rows at a time, each read whole in UP_K-wide
-    steps (not the block's masked [BLOCK_N, BLOCK_K] tiles, whose steps are K / BLOCK_K dependent
-    rounds). The products go back to the block's column layout through seg_ptr (the block's segment of
-    hc, [BLOCK_N, BLOCK_M], overwritten later with h)."""
-    dtype = seg_ptr.dtype.element_ty
-    slot = tl.cumsum(active.to(tl.int32), axis=0) - 1
-    local_m = tl.arange(0, BLOCK_M)
-    for s0 in range(0, n_active, SLOTS):
-        j = s0 + tl.arange(0, SLOTS)
-        ok = j < n_active
-        neuron = tl.sum(tl.where(active[None, :] & (slot[None, :] == j[:, None]), offs_n[None, :], 0), axis=1)
-        neuron = neuron.to(tl.int64)
-        acc = tl.zeros([BLOCK_M, SLOTS], dtype=tl.float32)
-        for k0 in range(0, K, UP_K):
-            offs_k = k0 + tl.arange(0, UP_K)
-            k_ok = offs_k < K
-            xt = tl.load(
-                x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk, m_ok[:, None] & k_ok[None, :], 0.0
-            )
-            wt = tl.load(
-                w_ptr + neuron[None, :] * stride_wn + offs_k[:, None] * stride_wk, ok[None, :] & k_ok[:, None], 0.0
-            )
-            acc = tl.dot(xt, wt, acc, input_precision=DOT_PRECISION)
-        if HAS_BIAS:
-            acc += tl.load(bu_ptr + neuron, mask=ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(seg_ptr + j[None, :] * BLOCK_M + local_m[:, None], acc.to(dtype), mask=ok[None, :])
-    tl.debug_barrier()  # every slot's products stored before any thread reads them back by column
-    u = tl.load(seg_ptr + slot[None, :] * BLOCK_M + local_m[:, None], mask=active[None, :], other=0.0)
-    tl.debug_barrier()  # every thread has read them before the segment is overwritten with h
-    return u.to(tl.float32)
-
-
-@triton.jit
 def _prefetch_rows_to_l2(ptr, rows, wanted, K, stride_n, LINE: tl.constexpr, LINES: tl.constexpr):
     """Asks L2 for rows[wanted] of a [N, K] array (unit stride on K), LINE elements a 128-byte line, and
     waits for nothing: the kernel that reads them next finds them in L2. GPU only (PTX prefetch)."""
@@ -192,7 +153,6 @@ def _decode_gate_up_kernel(
     BLOCK_K: tl.constexpr,
     EACH: tl.constexpr,
     UP_K: tl.constexpr,
-    UP_SLOTS: tl.constexpr,
     SEM_BLOCK: tl.constexpr,
     PREFETCH_LINE: tl.constexpr,
     PREFETCH_LINES: tl.constexpr,
@@ -227,7 +187,6 @@ def _decode_gate_up_kernel(
     n_active = tl.sum(active.to(tl.int32), axis=0)
     if PREFETCH_LINES > 0:  # the down kernel's W_d rows, from HBM to L2 while this kernel runs on
         _prefetch_rows_to_l2(wd_ptr, offs_n, active, K, stride_dn, PREFETCH_LINE, PREFETCH_LINES)
-    seg = pid_m.to(tl.int64) * n_blocks * BLOCK_N + pid_n * BLOCK_N
     if HAS_UP:
         if n_active > 0:
             if BLOCK_M == 1:
@@ -235,18 +194,19 @@ def _decode_gate_up_kernel(
                     x_ptr + pid_m * stride_xm, wu_ptr, offs_n, active, n_active, K, stride_xk, stride_un, stride_uk,
                     UP_K,
                 )  # fmt: skip
-                if HAS_UP_BIAS:
-                    u += tl.load(bu_ptr + offs_n, mask=active, other=0.0).to(tl.float32)[None, :]
-                u = u.to(dtype).to(tl.float32)
             else:
-                u = _active_rows_dot(
-                    x_ptr, wu_ptr, bu_ptr, hc_ptr + seg * BLOCK_M, rows, m_ok, offs_n, active, n_active, K,
-                    stride_xm, stride_xk, stride_un, stride_uk, HAS_UP_BIAS, DOT_PRECISION, BLOCK_M, UP_K, UP_SLOTS,
+                u = _rows_times_x(
+                    x_ptr, wu_ptr, rows, cols, m_ok, active, K, stride_xm, stride_xk, stride_un, stride_uk,
+                    DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, EACH,
                 )  # fmt: skip
+            if HAS_UP_BIAS:
+                u += tl.load(bu_ptr + offs_n, mask=active, other=0.0).to(tl.float32)[None, :]
+            u = u.to(dtype).to(tl.float32)
             if DRELU:
                 u = tl.where(u <= 0.0, 0.0, u)
             h = tl.where(kept, h * u, 0.0)
     slot = tl.cumsum(active.to(tl.int32), axis=0) - 1
+    seg = pid_m.to(tl.int64) * n_blocks * BLOCK_N + pid_n * BLOCK_N
     tl.store(ids_ptr + seg + slot, offs_n, mask=active)
     # the block's active columns of h, compacted like ids: entry e holds h[token block, ids[e]]
     local_m = tl.arange(0, BLOCK_M)
@@ -395,7 +355,7 @@ def decode_ffn(
     *,
     drelu: bool = False,
     square: bool = False,
-    gate_up_config: tuple | None = None,
+    gate_up_config: tuple[int, int, int, int] | None = None,
     down_config: tuple[int, int, int, int, int] | None = None,
     prefetch: bool = True,
 ) -> torch.Tensor:
@@ -404,8 +364,7 @@ def decode_ffn(
 
     x: [M, K]; gate_weight, up_weight: [N, K]; down_weight_t: [N, K] (= down_weight.t(), unit stride on K
     for coalesced row loads); biases contiguous. Exact at any density: a dense call reads every row.
-    The configs override GATE_UP_CONFIG(_WIDE) (with an optional sixth element, the up products' K step)
-    / DOWN_CONFIG (tests, benchmarks); prefetch=False leaves
+    The configs override GATE_UP_CONFIG(_WIDE) / DOWN_CONFIG (tests, benchmarks); prefetch=False leaves
     out kernel 1's L2 prefetch of the active W_d rows at one token (benchmarks).
     """
     check_input("x", x)
@@ -422,12 +381,9 @@ def decode_ffn(
     for name, b, size in (("gate_bias", gate_bias, n), ("up_bias", up_bias, n), ("down_bias", down_bias, k)):
         check_bias(name, b, size, x)
     default = GATE_UP_CONFIG_WIDE if m == 1 and k > 2048 else GATE_UP_CONFIG[min(m, 2)]
-    block_n, block_k, warps, stages, each, *up = gate_up_config or default
+    block_n, block_k, warps, stages, each = gate_up_config or default
     n_blocks = triton.cdiv(n, block_n)
     block_m = 1 if m == 1 else min(max(triton.next_power_of_2(m), 16), 64)
-    # K step of the up products: one token reads each active row whole; a token block 16 active rows a
-    # step (UP_SLOTS), UP_K wide
-    up_k = up[0] if up else min(triton.next_power_of_2(k), 4096) if m == 1 else 256 if block_m <= 32 else 128
     down_k, splits, chunk, split_min, down_warps = down_config or DOWN_CONFIG[block_m]
     m_blocks = triton.cdiv(m, block_m)
     k_blocks = triton.cdiv(k, down_k)
@@ -477,8 +433,7 @@ def decode_ffn(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         EACH=each,
-        UP_K=up_k,
-        UP_SLOTS=16,
+        UP_K=min(triton.next_power_of_2(k), 4096),
         SEM_BLOCK=256,
         PREFETCH_LINE=line,
         PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(k, line)) if prefetch else 0,
