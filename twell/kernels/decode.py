@@ -396,10 +396,11 @@ def decode_ffn(
     sems = torch.empty(max(k_blocks * m_blocks, 1), dtype=torch.int32, device=x.device)
     parts = torch.empty(splits if splits > 1 else 0, m, k, dtype=torch.float32, device=x.device)
     y = torch.empty_like(x)
-    # PTX prefetch of the active W_d rows into L2: one token, on the GPU, rows with unit stride on K. It
-    # took 1-2.5% off one token's layer and added 2-10% to 16-64 tokens at K=4096, where the union's rows
-    # compete with W_g's stream (gpu_check-decode-20261201-115846.json).
-    prefetch = prefetch and m == 1 and x.is_cuda and not interpreting() and down_weight_t.stride(1) == 1
+    # PTX prefetch of the active W_d rows into L2: one token, on an NVIDIA GPU, rows with unit stride on
+    # K. It took 1-2.5% off one token's layer and added 2-10% to 16-64 tokens at K=4096, where the
+    # union's rows compete with W_g's stream (gpu_check-decode-20261201-115846.json).
+    nvidia = x.is_cuda and torch.version.hip is None and not interpreting()
+    prefetch = prefetch and nvidia and m == 1 and down_weight_t.stride(1) == 1
     line = 128 // x.element_size()
     _decode_gate_up_kernel[(n_blocks, m_blocks)](
         x,
