@@ -145,22 +145,28 @@ def kernel_times(k, n, m, pattern, layer_config=None) -> dict:
         for _ in range(3):
             block(x)
         torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(50):
-                block(x)
-            torch.cuda.synchronize()
-    times = {}
-    for event in prof.key_averages():
-        us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
-        if us:
-            times[event.key[:60]] = us / 50
+        times = profiled_us(lambda: block(x), 50)
     print(f"{k}x{n} M={m} {pattern}: " + ", ".join(f"{name} {us:.1f}us" for name, us in times.items()), flush=True)
     return {"K": k, "N": n, "M": m, "pattern": pattern, "kernel_us": times}
 
 
+def profiled_us(call, calls) -> dict:
+    """Mean CUDA time of each kernel per call() (torch.profiler over `calls` calls), by kernel name."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    times = {}
+    for event in prof.key_averages():
+        us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if us:
+            times[event.key[:60]] = us / calls
+    return times
+
+
 def graph_kernel_us(fn, replays=20) -> dict:
-    """Mean CUDA time per replay of each kernel of fn captured in one CUDA graph (torch.profiler):
-    the kernels' own durations where the graph runs them, launch gaps excluded."""
+    """Mean CUDA time per replay of each kernel of fn captured in one CUDA graph: the kernels' own
+    durations where the graph runs them, launch gaps excluded."""
     fn()
     graph_obj = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph_obj):
@@ -168,16 +174,7 @@ def graph_kernel_us(fn, replays=20) -> dict:
     for _ in range(3):
         graph_obj.replay()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graph_obj.replay()
-        torch.cuda.synchronize()
-    times = {}
-    for event in prof.key_averages():
-        us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
-        if us:
-            times[event.key[:50]] = us / replays
-    return times
+    return profiled_us(graph_obj.replay, replays)
 
 
 def floors_point(k, n, m) -> dict:
