@@ -450,6 +450,18 @@ def test_decode_is_deterministic():
     assert torch.equal(runs[0], runs[1])
 
 
+@pytest.mark.parametrize("m,n", [(5, 0), (1, 0), (0, 64)], ids=["no-neurons", "one-token-no-neurons", "no-tokens"])
+def test_decode_of_an_empty_call_is_the_down_bias(m, n, poisoned_empty):
+    """No neurons (every y row is the down bias) or no tokens: no launch, nothing left unwritten."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m, 8, generator=g).to(DEVICE)
+    w = torch.randn(n, 8, generator=g).to(DEVICE)
+    bias = torch.randn(8, generator=g).to(DEVICE)
+    y = decode_ffn(x, w, None, w, None, w, bias, 0.0)
+    assert y.shape == (m, 8) and torch.equal(y, bias.expand(m, 8))
+    assert torch.equal(decode_ffn(x, w, None, w, None, w, None, 0.0), torch.zeros(m, 8, device=DEVICE))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 16, 64])
 def test_decode_on_the_gpu_with_and_without_the_w_down_prefetch(m):

@@ -311,14 +311,15 @@ def _decode_down_kernel(
             tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
         else:
             part = part_ptr + rows[:, None] * K + offs_k[None, :]
-            tl.store(part + pid_s * M * K, acc, mask=out_mask)
+            split_stride = tl.cast(M, tl.int64) * K  # one split's [M, K] partials
+            tl.store(part + pid_s * split_stride, acc, mask=out_mask)
             tl.debug_barrier()  # every thread's partial is stored before the arrival is published
             sem = sem_ptr + pid_m * tl.num_programs(0) + pid_k
             arrived = tl.atomic_add(sem, 1, sem="acq_rel")
             if arrived == splits - 1:  # the last split of this tile: sum the partials in split order
                 total_acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
                 for split in range(0, splits):
-                    total_acc += tl.load(part + split * M * K, mask=out_mask, other=0.0, cache_modifier=".cg")
+                    total_acc += tl.load(part + split * split_stride, mask=out_mask, other=0.0, cache_modifier=".cg")
                 if HAS_DOWN_BIAS:
                     total_acc += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
                 tl.store(y_ptrs, total_acc.to(y_ptr.dtype.element_ty), mask=out_mask)
@@ -380,6 +381,9 @@ def decode_ffn(
         raise ValueError("up_bias needs up_weight (a plain FFN has its bias as gate_bias)")
     for name, b, size in (("gate_bias", gate_bias, n), ("up_bias", up_bias, n), ("down_bias", down_bias, k)):
         check_bias(name, b, size, x)
+    if m == 0 or n == 0:  # no tokens, or no neurons: y is the down bias (no launch)
+        y = torch.zeros_like(x)
+        return y + down_bias if down_bias is not None else y
     default = GATE_UP_CONFIG_WIDE if m == 1 and k > 2048 else GATE_UP_CONFIG[min(m, 2)]
     block_n, block_k, warps, stages, each = gate_up_config or default
     n_blocks = triton.cdiv(n, block_n)
