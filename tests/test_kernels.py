@@ -450,6 +450,14 @@ def test_decode_is_deterministic():
     assert torch.equal(runs[0], runs[1])
 
 
+@pytest.mark.parametrize("down_config", [(16, 0, 16, 4, 4), (16, 2, 16, -1, 4)], ids=["no-splits", "split-min"])
+def test_decode_refuses_a_down_config_it_cannot_run(down_config):
+    case = make_ffn(4, 16, 64, [0.1], torch.float32, DEVICE)
+    args = (case["x"], case["gate_weight"], None, case["up_weight"], None, case["down_weight"].t(), None, 0.0)
+    with pytest.raises(ValueError, match="down_config needs SPLITS >= 1 and SPLIT_MIN >= 0"):
+        decode_ffn(*args, down_config=down_config)
+
+
 @pytest.mark.parametrize("m,n", [(5, 0), (1, 0), (0, 64)], ids=["no-neurons", "one-token-no-neurons", "no-tokens"])
 def test_decode_of_an_empty_call_is_the_down_bias(m, n, poisoned_empty):
     """No neurons (every y row is the down bias) or no tokens: no launch, nothing left unwritten."""

@@ -389,6 +389,8 @@ def decode_ffn(
     n_blocks = triton.cdiv(n, block_n)
     block_m = 1 if m == 1 else min(max(triton.next_power_of_2(m), 16), 64)
     down_k, splits, chunk, split_min, down_warps = down_config or DOWN_CONFIG[block_m]
+    if splits < 1 or split_min < 0:
+        raise ValueError(f"down_config needs SPLITS >= 1 and SPLIT_MIN >= 0, got {down_config}")
     m_blocks = triton.cdiv(m, block_m)
     k_blocks = triton.cdiv(k, down_k)
     if split_min == 0:  # static groups of `splits` neuron blocks
