@@ -468,7 +468,7 @@ def decode_ffn(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=down_k,
-        NB=max(triton.next_power_of_2(n_blocks), 32),
+        NB=max(triton.next_power_of_2(n_blocks), 32) if split_min > 0 else 32,  # unused by groups
         SUPER=32 if split_min > 0 else group,
         CHUNK=chunk,
         SPLIT_MIN=split_min,
