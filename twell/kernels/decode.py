@@ -334,13 +334,14 @@ GATE_UP_CONFIG = {1: (16, 512, 4, 3, False), 2: (64, 128, 4, 4, False)}
 # the config above, more of W_g in flight): 44.7 against 48.7 us per layer at K=4096; 14.9 against
 # 14.1 us at K=2048 (gpu_check-decode-20261130-231118.json).
 GATE_UP_CONFIG_WIDE = (16, 256, 4, 3, True)
-# (BLOCK_K, SPLITS, CHUNK, SPLIT_MIN, num_warps) of the down kernel by token block (BLOCK_M). SPLIT_MIN
-# > 0: a token block's entries are cut at run time into as many splits as hold SPLIT_MIN entries each,
-# at most SPLITS (one split: no partials); one token at K=2048 / 4096 took 13.8 / 40.3 us a layer
-# against 15.4 / 44.8 with static groups. SPLIT_MIN = 0: split s takes the entries of neuron blocks
-# [s * SPLITS, (s + 1) * SPLITS), a static group: 2-4x faster than run-time splits for 16-64 tokens,
-# where the chain of loads per chunk (counts, ids, then hc and W_d) is not overlapped; 64 tokens gain
-# from smaller K blocks (34.6 against 40.6 us at K=2048). gpu_check-decode-20261201-114215.json, -114635.json.
+# (BLOCK_K, SPLITS, CHUNK, SPLIT_MIN, num_warps) of the down kernel by token block (BLOCK_M).
+# SPLIT_MIN > 0: a token block's entries are cut at run time into as many splits as hold SPLIT_MIN
+# entries each, at most SPLITS (one split: no partials); one token at K=2048 / 4096 took 13.8 / 40.3 us
+# a layer against 15.4 / 44.8 with static groups (gpu_check-floors-20261201-113017.json).
+# SPLIT_MIN = 0: split s takes the entries of neuron blocks [s * SPLITS, (s + 1) * SPLITS), a static
+# group: 2-4x faster than run-time splits for 16-64 tokens, where the chain of loads per chunk (counts,
+# ids, then hc and W_d) is not overlapped; 64 tokens gain from smaller K blocks (34.6 against 40.6 us
+# at K=2048). gpu_check-decode-20261201-114215.json, -114635.json.
 DOWN_CONFIG = {1: (32, 4, 64, 64, 4), 16: (128, 8, 16, 0, 4), 32: (128, 8, 16, 0, 4), 64: (64, 8, 32, 0, 4)}
 
 
@@ -356,7 +357,7 @@ def decode_ffn(
     *,
     drelu: bool = False,
     square: bool = False,
-    gate_up_config: tuple[int, int, int, int] | None = None,
+    gate_up_config: tuple[int, int, int, int, bool] | None = None,
     down_config: tuple[int, int, int, int, int] | None = None,
     prefetch: bool = True,
 ) -> torch.Tensor:
