@@ -28,29 +28,10 @@ from twell.kernels.gate import pack_dense
 # decode_ffn keyword arguments to compare ({}: the launcher's choice), per tokens per call, each timed at
 # 0.5%, 1% and 5%: (BLOCK_K, SPLITS, CHUNK, SPLIT_MIN, num_warps) of the down kernel (decode.DOWN_CONFIG);
 # prefetch=False: kernel 1 leaves the W_d rows in HBM.
-# walk_config: (BLOCK_K, B, S, num_warps, num_stages) of the walking down kernel (token blocks);
-# up_block_k: kernel 1's K step for the up products of a token block.
 DECODE_VARIANTS = {
-    16: [
-        {},
-        {"walk_config": (16, 8, 16, 4, 3)},
-        {"walk_config": (32, 8, 16, 4, 3)},
-        {"walk_config": (16, 8, 16, 4, 5)},
-        {"walk_config": (16, 4, 16, 4, 4)},
-        {"walk_config": (16, 16, 8, 4, 4)},
-        {"walk_config": (32, 16, 16, 8, 4)},
-        {"up_block_k": 256},
-        {"up_block_k": 512},
-        {"walk_config": (16, 8, 16, 4, 4), "up_block_k": 256},
-    ],
-    64: [
-        {},
-        {"walk_config": (16, 2, 32, 4, 4)},
-        {"walk_config": (16, 4, 32, 4, 3)},
-        {"walk_config": (32, 4, 16, 4, 4)},
-        {"walk_config": (16, 4, 32, 8, 4)},
-        {"walk_config": (16, 4, 32, 4, 4), "up_block_k": 256},
-    ],
+    1: [{}, {"prefetch": False}],
+    16: [{}, {"prefetch": False}, {"down_config": (64, 8, 16, 0, 4)}],
+    64: [{}, {"prefetch": False}],
 }
 
 

@@ -153,7 +153,6 @@ def _decode_gate_up_kernel(
     BLOCK_K: tl.constexpr,
     EACH: tl.constexpr,
     UP_K: tl.constexpr,
-    UP_BLOCK_K: tl.constexpr,
     SEM_BLOCK: tl.constexpr,
     PREFETCH_LINE: tl.constexpr,
     PREFETCH_LINES: tl.constexpr,
@@ -198,7 +197,7 @@ def _decode_gate_up_kernel(
             else:
                 u = _rows_times_x(
                     x_ptr, wu_ptr, rows, cols, m_ok, active, K, stride_xm, stride_xk, stride_un, stride_uk,
-                    DOT_PRECISION, BLOCK_M, BLOCK_N, UP_BLOCK_K, EACH,
+                    DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, EACH,
                 )  # fmt: skip
             if HAS_UP_BIAS:
                 u += tl.load(bu_ptr + offs_n, mask=active, other=0.0).to(tl.float32)[None, :]
@@ -327,86 +326,6 @@ def _decode_down_kernel(
                 tl.atomic_xchg(sem, 0)  # ready for a rerun of this kernel alone (autotuning, replays)
 
 
-@triton.jit
-def _walk_pass(
-    acc, s0, hc_ptr, ids_ptr, cnt_row, seg, wd_ptr, offs_k, k_ok, n_blocks, stride_dn, stride_dk,
-    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, B: tl.constexpr, S: tl.constexpr,
-):  # fmt: skip
-    """acc += the entries of slots [s0, s0 + S) of every neuron block, B blocks a step. Each step's counts,
-    ids and hc loads depend only on the step (ids and hc read whole, stale slots masked afterwards), so
-    the W_d gather is the only load that waits on another: a two-level chain the pipeliner overlaps."""
-    e = tl.arange(0, B * S)
-    local_m = tl.arange(0, BLOCK_M)
-    for b0 in range(0, n_blocks, B):
-        blk = b0 + e // S
-        slot = s0 + e % S
-        in_range = blk < n_blocks
-        cnt = tl.load(cnt_row + blk, mask=in_range, other=0)
-        pos = seg + blk * BLOCK_N + slot
-        neuron = tl.load(ids_ptr + pos, mask=in_range, other=0).to(tl.int64)
-        hv = tl.load(hc_ptr + pos[:, None] * BLOCK_M + local_m[None, :], mask=in_range[:, None], other=0.0)
-        valid = slot < cnt
-        hv = tl.where(valid[:, None], hv, 0.0)
-        wd = tl.load(
-            wd_ptr + neuron[:, None] * stride_dn + offs_k[None, :] * stride_dk, valid[:, None] & k_ok[None, :], 0.0
-        )
-        acc = tl.dot(tl.trans(hv), wd, acc, input_precision=DOT_PRECISION)
-    return acc
-
-
-@triton.jit
-def _decode_down_walk_kernel(
-    hc_ptr,
-    ids_ptr,
-    cnt_ptr,
-    wd_ptr,
-    bd_ptr,
-    y_ptr,
-    M,
-    K,
-    n_blocks,
-    stride_dn,
-    stride_dk,
-    stride_ym,
-    stride_yk,
-    HAS_DOWN_BIAS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    NB: tl.constexpr,
-    B: tl.constexpr,
-    S: tl.constexpr,
-):
-    """Down for a token block, one program per (K block, token block) over all its entries: no splits,
-    no partials. The first pass takes slots [0, S) of every block; blocks with more entries get further
-    passes, up to the token block's largest count."""
-    pid_k = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    m_ok = offs_m < M
-    k_ok = offs_k < K
-    cnt_row = cnt_ptr + pid_m * n_blocks
-    seg = pid_m.to(tl.int64) * n_blocks * BLOCK_N
-    offs_b = tl.arange(0, NB)
-    all_cnt = tl.load(cnt_row + offs_b, mask=offs_b < n_blocks, other=0)  # in flight during the first pass
-    acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    acc = _walk_pass(
-        acc, 0, hc_ptr, ids_ptr, cnt_row, seg, wd_ptr, offs_k, k_ok, n_blocks, stride_dn, stride_dk,
-        DOT_PRECISION, BLOCK_M, BLOCK_N, B, S,
-    )  # fmt: skip
-    for s0 in range(S, tl.max(all_cnt, axis=0), S):
-        acc = _walk_pass(
-            acc, s0, hc_ptr, ids_ptr, cnt_row, seg, wd_ptr, offs_k, k_ok, n_blocks, stride_dn, stride_dk,
-            DOT_PRECISION, BLOCK_M, BLOCK_N, B, S,
-        )  # fmt: skip
-    if HAS_DOWN_BIAS:
-        acc += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_k[None, :] * stride_yk
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & k_ok[None, :])
-
-
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, EACH) of the gate + up kernel for one token and for more;
 # the fastest at both of K=2048/N=5632 and K=4096/N=14336 on an H200 (gpu_check-decode-20261130-161902.json,
 # -230248.json, -231118.json).
@@ -441,8 +360,6 @@ def decode_ffn(
     gate_up_config: tuple[int, int, int, int, bool] | None = None,
     down_config: tuple[int, int, int, int, int] | None = None,
     prefetch: bool = True,
-    walk_config: tuple[int, int, int, int, int] | None = None,
-    up_block_k: int | None = None,
 ) -> torch.Tensor:
     """y [M, K] in the dtype of x: down(act(gate(x)) * up(x)), or down(act(gate(x))) without up_weight
     (act² with square).
@@ -525,23 +442,12 @@ def decode_ffn(
         BLOCK_K=block_k,
         EACH=each,
         UP_K=min(triton.next_power_of_2(k), 4096),
-        UP_BLOCK_K=up_block_k or block_k,
         SEM_BLOCK=256,
         PREFETCH_LINE=line,
         PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(k, line)) if prefetch else 0,
         num_warps=warps,
         num_stages=stages,
     )
-    if walk_config is not None and block_m > 1:
-        walk_k, walk_b, walk_s, walk_warps, walk_stages = walk_config
-        _decode_down_walk_kernel[(triton.cdiv(k, walk_k), m_blocks)](
-            hc, ids, counts, down_weight_t, down_bias if down_bias is not None else x, y, m, k, n_blocks,
-            down_weight_t.stride(0), down_weight_t.stride(1), y.stride(0), y.stride(1),
-            HAS_DOWN_BIAS=down_bias is not None, DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=walk_k, NB=triton.next_power_of_2(n_blocks), B=walk_b, S=walk_s,
-            num_warps=walk_warps, num_stages=walk_stages,
-        )  # fmt: skip
-        return y
     _decode_down_kernel[(k_blocks, m_blocks, splits)](
         hc,
         ids,
