@@ -101,6 +101,40 @@ def _active_rows_times_x(
     return u[None, :]
 
 
+
+@triton.jit
+def _active_rows_down(
+    x_row, wu_ptr, bu_ptr, wd_ptr, hg, offs_n, active, n_active, K, stride_xk, stride_un, stride_uk, stride_dn,
+    stride_dk, HAS_UP: tl.constexpr, HAS_UP_BIAS: tl.constexpr, DRELU: tl.constexpr, UP_K: tl.constexpr,
+):  # fmt: skip
+    """One token, K <= UP_K: sum over the block's active neurons n of h[n] W_d[n, :] in fp32, [UP_K]
+    (0 past K), with h[n] = hg[n] * act(x . W_u[n]) rounded as the dense FFN rounds it (hg: the
+    activated gate, [BLOCK_N]). A neuron's W_u and W_d rows are read whole and together, so the block
+    pays one memory latency per active neuron for both projections."""
+    dtype = x_row.dtype.element_ty
+    offs_k = tl.arange(0, UP_K)
+    k_ok = offs_k < K
+    slot = tl.cumsum(active.to(tl.int32), axis=0) - 1
+    row = tl.zeros([UP_K], dtype=tl.float32)
+    if HAS_UP:
+        xk = tl.load(x_row + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
+    for j in range(0, n_active):
+        this = active & (slot == j)
+        neuron = tl.sum(tl.where(this, offs_n, 0), axis=0).to(tl.int64)
+        h = tl.sum(tl.where(this, hg, 0.0), axis=0)
+        wd = tl.load(wd_ptr + neuron * stride_dn + offs_k * stride_dk, mask=k_ok, other=0.0)
+        if HAS_UP:
+            wu = tl.load(wu_ptr + neuron * stride_un + offs_k * stride_uk, mask=k_ok, other=0.0)
+            u = tl.sum(xk * wu.to(tl.float32), axis=0)
+            if HAS_UP_BIAS:
+                u += tl.load(bu_ptr + neuron).to(tl.float32)
+            u = u.to(dtype).to(tl.float32)
+            if DRELU:
+                u = tl.where(u <= 0.0, 0.0, u)
+            h = h * u
+        row += h.to(dtype).to(tl.float32) * wd.to(tl.float32)
+    return row
+
 @triton.jit
 def _prefetch_rows_to_l2(ptr, rows, wanted, K, stride_n, LINE: tl.constexpr, LINES: tl.constexpr):
     """Asks L2 for rows[wanted] of a [N, K] array (unit stride on K), LINE elements a 128-byte line, and
@@ -127,6 +161,8 @@ def _decode_gate_up_kernel(
     bu_ptr,
     wd_ptr,
     stride_dn,
+    stride_dk,
+    rows_ptr,
     hc_ptr,
     ids_ptr,
     cnt_ptr,
@@ -156,6 +192,7 @@ def _decode_gate_up_kernel(
     SEM_BLOCK: tl.constexpr,
     PREFETCH_LINE: tl.constexpr,
     PREFETCH_LINES: tl.constexpr,
+    DOWN_ROWS: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -185,6 +222,14 @@ def _decode_gate_up_kernel(
         h = (h * h).to(dtype).to(tl.float32)
     active = tl.max(kept.to(tl.int32), axis=0) > 0
     n_active = tl.sum(active.to(tl.int32), axis=0)
+    if DOWN_ROWS:  # one token: the block's share of y, summed over blocks by the down kernel
+        row = _active_rows_down(
+            x_ptr + pid_m * stride_xm, wu_ptr, bu_ptr, wd_ptr, tl.sum(h, axis=0), offs_n, active, n_active, K,
+            stride_xk, stride_un, stride_uk, stride_dn, stride_dk, HAS_UP, HAS_UP_BIAS, DRELU, UP_K,
+        )  # fmt: skip
+        offs_k = tl.arange(0, UP_K)
+        tl.store(rows_ptr + pid_n.to(tl.int64) * K + offs_k, row, mask=offs_k < K)
+        return
     if PREFETCH_LINES > 0:  # the down kernel's W_d rows, from HBM to L2 while this kernel runs on
         _prefetch_rows_to_l2(wd_ptr, offs_n, active, K, stride_dn, PREFETCH_LINE, PREFETCH_LINES)
     if HAS_UP:
@@ -326,6 +371,24 @@ def _decode_down_kernel(
                 tl.atomic_xchg(sem, 0)  # ready for a rerun of this kernel alone (autotuning, replays)
 
 
+
+@triton.jit
+def _decode_down_rows_kernel(
+    rows_ptr, bd_ptr, y_ptr, n_rows, K, stride_yk, HAS_DOWN_BIAS: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One token: y = the sum of kernel 1's n_rows block rows (+ bias), one program per K block, every
+    row loaded at once (one memory round, no dependent gather)."""
+    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_r = tl.arange(0, ROWS)
+    k_ok = offs_k < K
+    mask = (offs_r < n_rows)[:, None] & k_ok[None, :]
+    rows = tl.load(rows_ptr + offs_r.to(tl.int64)[:, None] * K + offs_k[None, :], mask=mask, other=0.0)
+    acc = tl.sum(rows, axis=0)
+    if HAS_DOWN_BIAS:
+        acc += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_k * stride_yk, acc.to(y_ptr.dtype.element_ty), mask=k_ok)
+
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, EACH) of the gate + up kernel for one token and for more;
 # the fastest at both of K=2048/N=5632 and K=4096/N=14336 on an H200 (gpu_check-decode-20261130-161902.json,
 # -230248.json, -231118.json).
@@ -360,6 +423,7 @@ def decode_ffn(
     gate_up_config: tuple[int, int, int, int, bool] | None = None,
     down_config: tuple[int, int, int, int, int] | None = None,
     prefetch: bool = True,
+    down_rows: bool | None = None,
 ) -> torch.Tensor:
     """y [M, K] in the dtype of x: down(act(gate(x)) * up(x)), or down(act(gate(x))) without up_weight
     (act² with square).
@@ -409,6 +473,13 @@ def decode_ffn(
     nvidia = x.is_cuda and torch.version.hip is None and not interpreting()
     prefetch = prefetch and nvidia and m == 1 and down_weight_t.stride(1) == 1
     line = 128 // x.element_size()
+    up_k = min(triton.next_power_of_2(k), 4096)
+    if down_rows is None:
+        down_rows = False
+    down_rows = down_rows and m == 1 and k <= up_k
+    if down_rows:
+        rows = torch.empty(n_blocks, k, dtype=torch.float32, device=x.device)
+        prefetch = False
     _decode_gate_up_kernel[(n_blocks, m_blocks)](
         x,
         gate_weight,
@@ -417,6 +488,8 @@ def decode_ffn(
         up_bias if up_bias is not None else x,
         down_weight_t,
         down_weight_t.stride(0),
+        down_weight_t.stride(1),
+        rows if down_rows else x,
         hc,
         ids,
         counts,
@@ -441,13 +514,21 @@ def decode_ffn(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         EACH=each,
-        UP_K=min(triton.next_power_of_2(k), 4096),
+        UP_K=up_k,
         SEM_BLOCK=256,
         PREFETCH_LINE=line,
         PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(k, line)) if prefetch else 0,
+        DOWN_ROWS=down_rows,
         num_warps=warps,
         num_stages=stages,
     )
+    if down_rows:
+        row_p2 = triton.next_power_of_2(n_blocks)
+        _decode_down_rows_kernel[(triton.cdiv(k, 16),)](
+            rows, down_bias if down_bias is not None else x, y, n_blocks, k, y.stride(1),
+            HAS_DOWN_BIAS=down_bias is not None, ROWS=row_p2, BLOCK_K=16, num_warps=4 if row_p2 <= 512 else 8,
+        )  # fmt: skip
+        return y
     _decode_down_kernel[(k_blocks, m_blocks, splits)](
         hc,
         ids,
