@@ -28,9 +28,9 @@ from twell.kernels.gate import pack_dense
 # decode_ffn keyword arguments to compare ({}: the launcher's choice), per tokens per call, each timed at
 # 0.5%, 1% and 5%: (BLOCK_K, SPLITS, CHUNK, SPLIT_MIN, num_warps) of the down kernel (decode.DOWN_CONFIG);
 # prefetch=False: kernel 1 leaves the W_d rows in HBM.
-# down_rows: one token's block rows of y from kernel 1, summed by the down kernel.
+# down_rows: one token's block rows of y from kernel 1, summed by the down kernel (1: every row, 2: active rows).
 DECODE_VARIANTS = {
-    1: [{}, {"down_rows": True}, {"down_rows": True, "gate_up_config": (32, 512, 4, 3, False)}],
+    1: [{}, {"down_rows": 1}, {"down_rows": 2}],
 }
 
 

@@ -228,7 +228,12 @@ def _decode_gate_up_kernel(
             stride_xk, stride_un, stride_uk, stride_dn, stride_dk, HAS_UP, HAS_UP_BIAS, DRELU, UP_K,
         )  # fmt: skip
         offs_k = tl.arange(0, UP_K)
-        tl.store(rows_ptr + pid_n.to(tl.int64) * K + offs_k, row, mask=offs_k < K)
+        if DOWN_ROWS == 1:  # every block's row (zeros without active neurons)
+            tl.store(rows_ptr + pid_n.to(tl.int64) * K + offs_k, row, mask=offs_k < K)
+        else:  # active blocks' rows, and every block's count
+            if n_active > 0:
+                tl.store(rows_ptr + pid_n.to(tl.int64) * K + offs_k, row, mask=offs_k < K)
+            tl.store(cnt_ptr + pid_n, n_active)
         return
     if PREFETCH_LINES > 0:  # the down kernel's W_d rows, from HBM to L2 while this kernel runs on
         _prefetch_rows_to_l2(wd_ptr, offs_n, active, K, stride_dn, PREFETCH_LINE, PREFETCH_LINES)
@@ -374,15 +379,18 @@ def _decode_down_kernel(
 
 @triton.jit
 def _decode_down_rows_kernel(
-    rows_ptr, bd_ptr, y_ptr, n_rows, K, stride_yk, HAS_DOWN_BIAS: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    rows_ptr, cnt_ptr, bd_ptr, y_ptr, n_rows, K, stride_yk, HAS_DOWN_BIAS: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr, COUNTED: tl.constexpr,
 ):  # fmt: skip
     """One token: y = the sum of kernel 1's n_rows block rows (+ bias), one program per K block, every
     row loaded at once (one memory round, no dependent gather)."""
     offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_r = tl.arange(0, ROWS)
     k_ok = offs_k < K
-    mask = (offs_r < n_rows)[:, None] & k_ok[None, :]
+    r_ok = offs_r < n_rows
+    if COUNTED:  # rows of blocks with active neurons only
+        r_ok &= tl.load(cnt_ptr + offs_r, mask=r_ok, other=0) > 0
+    mask = r_ok[:, None] & k_ok[None, :]
     rows = tl.load(rows_ptr + offs_r.to(tl.int64)[:, None] * K + offs_k[None, :], mask=mask, other=0.0)
     acc = tl.sum(rows, axis=0)
     if HAS_DOWN_BIAS:
@@ -423,7 +431,7 @@ def decode_ffn(
     gate_up_config: tuple[int, int, int, int, bool] | None = None,
     down_config: tuple[int, int, int, int, int] | None = None,
     prefetch: bool = True,
-    down_rows: bool | None = None,
+    down_rows: int | None = None,
 ) -> torch.Tensor:
     """y [M, K] in the dtype of x: down(act(gate(x)) * up(x)), or down(act(gate(x))) without up_weight
     (act² with square).
@@ -475,8 +483,8 @@ def decode_ffn(
     line = 128 // x.element_size()
     up_k = min(triton.next_power_of_2(k), 4096)
     if down_rows is None:
-        down_rows = False
-    down_rows = down_rows and m == 1 and k <= up_k
+        down_rows = 0
+    down_rows = int(down_rows) if m == 1 and k <= up_k else 0
     if down_rows:
         rows = torch.empty(n_blocks, k, dtype=torch.float32, device=x.device)
         prefetch = False
@@ -525,8 +533,9 @@ def decode_ffn(
     if down_rows:
         row_p2 = triton.next_power_of_2(n_blocks)
         _decode_down_rows_kernel[(triton.cdiv(k, 16),)](
-            rows, down_bias if down_bias is not None else x, y, n_blocks, k, y.stride(1),
-            HAS_DOWN_BIAS=down_bias is not None, ROWS=row_p2, BLOCK_K=16, num_warps=4 if row_p2 <= 512 else 8,
+            rows, counts, down_bias if down_bias is not None else x, y, n_blocks, k, y.stride(1),
+            HAS_DOWN_BIAS=down_bias is not None, ROWS=row_p2, BLOCK_K=16, COUNTED=down_rows == 2,
+            num_warps=4 if row_p2 <= 512 else 8,
         )  # fmt: skip
         return y
     _decode_down_kernel[(k_blocks, m_blocks, splits)](
