@@ -30,7 +30,16 @@ from twell.kernels.gate import pack_dense
 # prefetch=False: kernel 1 leaves the W_d rows in HBM.
 # down_rows: one token's block rows of y from kernel 1, summed by the down kernel (1: every row, 2: active rows).
 DECODE_VARIANTS = {
-    1: [{}, {"down_rows": 1}, {"down_rows": 2}],
+    1: [
+        {},
+        {"down_rows": 2},
+        {"down_rows": 2, "gate_up_config": (16, 512, 8, 3, False)},
+        {"down_rows": 2, "gate_up_config": (16, 1024, 8, 2, False)},
+        {"down_rows": 2, "gate_up_config": (8, 1024, 4, 2, False)},
+        {"down_rows": 2, "gate_up_config": (16, 256, 4, 4, True)},
+        {"down_rows": 2, "gate_up_config": (16, 256, 8, 3, True)},
+        {"down_rows": 2, "gate_up_config": (16, 512, 8, 3, True)},
+    ],
 }
 
 
@@ -200,16 +209,19 @@ def floors_point(k, n, m) -> dict:
             lambda b: F.relu(F.linear(x, ws[id(b)]["gate_weight"], ws[id(b)]["gate_bias"]))
         )
 
-        def run(b, up=True):
+        def run(b, up=True, rows=None):
             w = ws[id(b)]
             return decode.decode_ffn(
                 x, w["gate_weight"], w["gate_bias"], w["up_weight"] if up else None, None, w["down_weight"].t(),
-                None, 0.0,
+                None, 0.0, down_rows=rows,
             )  # fmt: skip
 
         out["decode_us"] = per_layer(run)
         out["decode_no_up_us"] = per_layer(lambda b: run(b, up=False))
         out["decode_kernels_us"] = graph_kernel_us(lambda: [run(b) for b in blocks])
+        if m == 1:
+            out["decode_rows_us"] = per_layer(lambda b: run(b, rows=2))
+            out["decode_rows_kernels_us"] = graph_kernel_us(lambda: [run(b, rows=2) for b in blocks])
     print(json.dumps(out), flush=True)
     return out
 
