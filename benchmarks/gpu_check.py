@@ -28,18 +28,11 @@ from twell.kernels.gate import pack_dense
 # decode_ffn keyword arguments to compare ({}: the launcher's choice), per tokens per call, each timed at
 # 0.5%, 1% and 5%: (BLOCK_K, SPLITS, CHUNK, SPLIT_MIN, num_warps) of the down kernel (decode.DOWN_CONFIG);
 # prefetch=False: kernel 1 leaves the W_d rows in HBM.
-# down_rows: one token's block rows of y from kernel 1, summed by the down kernel (1: every row, 2: active rows).
+# down_rows=False: one token by the list (ids, hc, counts) instead of block rows (the choice at K <= 2048).
 DECODE_VARIANTS = {
-    1: [
-        {},
-        {"down_rows": 2},
-        {"down_rows": 2, "gate_up_config": (16, 512, 8, 3, False)},
-        {"down_rows": 2, "gate_up_config": (16, 1024, 8, 2, False)},
-        {"down_rows": 2, "gate_up_config": (8, 1024, 4, 2, False)},
-        {"down_rows": 2, "gate_up_config": (16, 256, 4, 4, True)},
-        {"down_rows": 2, "gate_up_config": (16, 256, 8, 3, True)},
-        {"down_rows": 2, "gate_up_config": (16, 512, 8, 3, True)},
-    ],
+    1: [{}, {"down_rows": False}, {"down_rows": False, "prefetch": False}],
+    16: [{}],
+    64: [{}],
 }
 
 
@@ -219,9 +212,10 @@ def floors_point(k, n, m) -> dict:
         out["decode_us"] = per_layer(run)
         out["decode_no_up_us"] = per_layer(lambda b: run(b, up=False))
         out["decode_kernels_us"] = graph_kernel_us(lambda: [run(b) for b in blocks])
-        if m == 1:
-            out["decode_rows_us"] = per_layer(lambda b: run(b, rows=2))
-            out["decode_rows_kernels_us"] = graph_kernel_us(lambda: [run(b, rows=2) for b in blocks])
+        if m == 1:  # the other one-token path
+            rows = k > 2048
+            out[f"decode_rows_{rows}_us"] = per_layer(lambda b: run(b, rows=rows))
+            out[f"decode_rows_{rows}_kernels_us"] = graph_kernel_us(lambda: [run(b, rows=rows) for b in blocks])
     print(json.dumps(out), flush=True)
     return out
 

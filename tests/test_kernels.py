@@ -397,16 +397,19 @@ def poisoned_empty(monkeypatch):
 
 
 DECODE_CASES = {
-    # m, k, n, densities, gate_up_config, down_config (None: the launcher's choice)
-    "m1": (1, 16, 64, MIXED[1:2], (16, 16, 4, 1, False), (16, 2, 16, 4, 4)),
-    "m1-each": (1, 40, 100, [1.0], (16, 16, 4, 1, True), None),
-    "m1-empty": (1, 40, 100, [0.0], (16, 32, 4, 1, False), (16, 2, 16, 4, 4)),
-    "m16-splits": (16, 40, 200, MIXED, (16, 32, 4, 1, False), (32, 3, 16, 8, 4)),
-    "m16-groups": (16, 40, 200, MIXED, (16, 32, 4, 1, False), (32, 2, 16, 0, 4)),
-    "m70-blocks": (70, 130, 100, MIXED, (32, 64, 4, 1, True), (64, 1, 16, 16, 4)),
-    "m3-dense": (3, 24, 48, [1.0], (16, 16, 4, 1, False), None),
-    "m2-super-blocks": (2, 24, 1100, [0.0, 0.01, 0.3, 0.0, 0.02], (16, 16, 4, 1, False), (16, 3, 16, 8, 4)),
-    "m40-defaults": (40, 24, 300, MIXED, None, None),
+    # m, k, n, densities, gate_up_config, down_config, down_rows (None: the launcher's choice)
+    "m1-list": (1, 16, 64, MIXED[1:2], (16, 16, 4, 1, False), (16, 2, 16, 4, 4), False),
+    "m1-list-empty": (1, 40, 100, [0.0], (16, 32, 4, 1, False), (16, 2, 16, 4, 4), False),
+    "m1-list-super-blocks": (1, 24, 1100, [0.03], (16, 16, 4, 1, False), (16, 3, 16, 8, 4), False),
+    "m1-rows-each": (1, 40, 100, [1.0], (16, 16, 4, 1, True), None, None),
+    "m1-rows-empty": (1, 40, 100, [0.0], (16, 32, 4, 1, False), None, None),
+    "m1-rows-blocks": (1, 130, 1100, [0.02], (16, 64, 4, 1, False), None, True),
+    "m16-splits": (16, 40, 200, MIXED, (16, 32, 4, 1, False), (32, 3, 16, 8, 4), None),
+    "m16-groups": (16, 40, 200, MIXED, (16, 32, 4, 1, False), (32, 2, 16, 0, 4), None),
+    "m70-blocks": (70, 130, 100, MIXED, (32, 64, 4, 1, True), (64, 1, 16, 16, 4), None),
+    "m3-dense": (3, 24, 48, [1.0], (16, 16, 4, 1, False), None, None),
+    "m2-super-blocks": (2, 24, 1100, [0.0, 0.01, 0.3, 0.0, 0.02], (16, 16, 4, 1, False), (16, 3, 16, 8, 4), None),
+    "m40-defaults": (40, 24, 300, MIXED, None, None, None),
 }
 
 
@@ -415,9 +418,9 @@ DECODE_CASES = {
 @pytest.mark.parametrize("case_id", list(DECODE_CASES))
 def test_decode_matches_reference(case_id, dtype, variant, poisoned_empty):
     """Several splits by entries and by neuron-block groups (partials summed by the last program),
-    several super-blocks and token blocks, empty and full active lists, awkward K and N; every output
-    and scratch element poisoned before the kernels run."""
-    m, k, n, densities, gate_up_config, down_config = DECODE_CASES[case_id]
+    several super-blocks and token blocks, one token by the list and by block rows, empty and full
+    active lists, awkward K and N; every output and scratch element poisoned before the kernels run."""
+    m, k, n, densities, gate_up_config, down_config, down_rows = DECODE_CASES[case_id]
     gated = variant in ("gated", "drelu", "nobias")
     case = make_ffn(m, k, n, densities, dtype, DEVICE, seed=m * k, biases=variant != "nobias", gated=gated)
     gate_w, gate_b = ("gate_weight", "gate_bias") if gated else ("up_weight", "up_bias")
@@ -434,6 +437,7 @@ def test_decode_matches_reference(case_id, dtype, variant, poisoned_empty):
         square=variant == "relu2",
         gate_up_config=gate_up_config,
         down_config=down_config,
+        down_rows=down_rows,
     )
     ref = gated_ref(case, drelu=variant == "drelu") if gated else plain_ref(case, squared=variant == "relu2")
     assert y.dtype == dtype and y.shape == (m, k)
@@ -448,6 +452,14 @@ def test_decode_is_deterministic():
         decode_ffn(*args, case["down_weight"].t(), case["down_bias"], 0.0, down_config=(32, 4, 16, 8, 4)) for _ in "ab"
     ]
     assert torch.equal(runs[0], runs[1])
+
+
+def test_decode_rows_of_more_blocks_than_a_step(poisoned_empty):
+    """One token by block rows with more blocks than the rows kernel takes a step (1024)."""
+    case = make_ffn(1, 8, 2100, [0.05], torch.float32, DEVICE, seed=3, biases=True)
+    args = (case["x"], case["gate_weight"], case["gate_bias"], case["up_weight"], case["up_bias"])
+    y = decode_ffn(*args, case["down_weight"].t(), case["down_bias"], 0.0, gate_up_config=(2, 8, 1, 1, False))
+    assert rel_err(y, gated_ref(case)) <= TOL[torch.float32]
 
 
 @pytest.mark.parametrize("down_config", [(16, 0, 16, 4, 4), (16, 2, 16, -1, 4)], ids=["no-splits", "split-min"])
@@ -474,16 +486,15 @@ def test_decode_of_an_empty_call_is_the_down_bias(m, n, poisoned_empty):
 @pytest.mark.parametrize("m", [1, 16, 64])
 def test_decode_on_the_gpu_with_and_without_the_w_down_prefetch(m):
     """bf16 at a model's width (the interpreter has no bf16 products and no PTX prefetch): kernel 1's L2
-    prefetch of the active W_d rows (one token) changes no bit, and every token count matches the
-    float64 reference."""
+    prefetch of the active W_d rows (the list path at one token) changes no bit, and every token count
+    and both one-token paths match the float64 reference."""
     case = make_ffn(m, 1024, 2816, [0.005, 0.02, 0.0, 0.3], torch.bfloat16, "cuda", seed=m, biases=True)
     args = (case["x"], case["gate_weight"], case["gate_bias"], case["up_weight"], case["up_bias"])
-    runs = [
-        decode_ffn(*args, case["down_weight"].t().contiguous(), case["down_bias"], 0.0, prefetch=p)
-        for p in (True, False)
-    ]
+    args += (case["down_weight"].t().contiguous(), case["down_bias"], 0.0)
+    runs = [decode_ffn(*args, prefetch=p, down_rows=False) for p in (True, False)]
     assert torch.equal(runs[0], runs[1])
     assert rel_err(runs[0], gated_ref(case)) <= TOL[torch.bfloat16]
+    assert rel_err(decode_ffn(*args, down_rows=True), gated_ref(case)) <= TOL[torch.bfloat16]
 
 
 @pytest.fixture

@@ -13,6 +13,11 @@ Two kernels per call, no host synchronisation and no memset (CUDA graphs capture
    neuron blocks. With one split the program writes y directly; otherwise partials go to a scratch
    buffer and the last program of each (K block, token block) to arrive (a counter, zeroed by kernel 1
    and reset by that program) sums them in split order: deterministic, no atomics on data.
+
+One token at K <= 2048 (down_rows) skips the list: kernel 1 reads each active neuron's W_u and W_d
+rows together and writes its block's fp32 row of y (sum of h[n] W_d[n, :]) and count; the rows kernel
+sums the rows of blocks with a nonzero count (two memory rounds: counts, rows) instead of the list
+path's counts, then ids and h, then W_d gathers.
 """
 
 from __future__ import annotations
@@ -101,7 +106,6 @@ def _active_rows_times_x(
     return u[None, :]
 
 
-
 @triton.jit
 def _active_rows_down(
     x_row, wu_ptr, bu_ptr, wd_ptr, hg, offs_n, active, n_active, K, stride_xk, stride_un, stride_uk, stride_dn,
@@ -134,6 +138,7 @@ def _active_rows_down(
             h = h * u
         row += h.to(dtype).to(tl.float32) * wd.to(tl.float32)
     return row
+
 
 @triton.jit
 def _prefetch_rows_to_l2(ptr, rows, wanted, K, stride_n, LINE: tl.constexpr, LINES: tl.constexpr):
@@ -222,18 +227,15 @@ def _decode_gate_up_kernel(
         h = (h * h).to(dtype).to(tl.float32)
     active = tl.max(kept.to(tl.int32), axis=0) > 0
     n_active = tl.sum(active.to(tl.int32), axis=0)
-    if DOWN_ROWS:  # one token: the block's share of y, summed over blocks by the down kernel
+    if DOWN_ROWS:  # one token: the block's share of y, summed over blocks by the rows kernel
         row = _active_rows_down(
             x_ptr + pid_m * stride_xm, wu_ptr, bu_ptr, wd_ptr, tl.sum(h, axis=0), offs_n, active, n_active, K,
             stride_xk, stride_un, stride_uk, stride_dn, stride_dk, HAS_UP, HAS_UP_BIAS, DRELU, UP_K,
         )  # fmt: skip
-        offs_k = tl.arange(0, UP_K)
-        if DOWN_ROWS == 1:  # every block's row (zeros without active neurons)
+        if n_active > 0:  # the down kernel reads the rows of blocks with a nonzero count only
+            offs_k = tl.arange(0, UP_K)
             tl.store(rows_ptr + pid_n.to(tl.int64) * K + offs_k, row, mask=offs_k < K)
-        else:  # active blocks' rows, and every block's count
-            if n_active > 0:
-                tl.store(rows_ptr + pid_n.to(tl.int64) * K + offs_k, row, mask=offs_k < K)
-            tl.store(cnt_ptr + pid_n, n_active)
+        tl.store(cnt_ptr + pid_n, n_active)
         return
     if PREFETCH_LINES > 0:  # the down kernel's W_d rows, from HBM to L2 while this kernel runs on
         _prefetch_rows_to_l2(wd_ptr, offs_n, active, K, stride_dn, PREFETCH_LINE, PREFETCH_LINES)
@@ -376,26 +378,28 @@ def _decode_down_kernel(
                 tl.atomic_xchg(sem, 0)  # ready for a rerun of this kernel alone (autotuning, replays)
 
 
-
 @triton.jit
 def _decode_down_rows_kernel(
     rows_ptr, cnt_ptr, bd_ptr, y_ptr, n_rows, K, stride_yk, HAS_DOWN_BIAS: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_K: tl.constexpr, COUNTED: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """One token: y = the sum of kernel 1's n_rows block rows (+ bias), one program per K block, every
-    row loaded at once (one memory round, no dependent gather)."""
+    """One token: y = the sum of kernel 1's block rows (+ bias), one program per K block, ROWS blocks a
+    step (one step up to ROWS blocks): their counts, then the rows of those with active neurons."""
     offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
-    offs_r = tl.arange(0, ROWS)
     k_ok = offs_k < K
-    r_ok = offs_r < n_rows
-    if COUNTED:  # rows of blocks with active neurons only
+    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for r0 in range(0, n_rows, ROWS):
+        offs_r = r0 + tl.arange(0, ROWS)
+        r_ok = offs_r < n_rows
         r_ok &= tl.load(cnt_ptr + offs_r, mask=r_ok, other=0) > 0
-    mask = r_ok[:, None] & k_ok[None, :]
-    rows = tl.load(rows_ptr + offs_r.to(tl.int64)[:, None] * K + offs_k[None, :], mask=mask, other=0.0)
-    acc = tl.sum(rows, axis=0)
+        mask = r_ok[:, None] & k_ok[None, :]
+        acc += tl.sum(
+            tl.load(rows_ptr + offs_r.to(tl.int64)[:, None] * K + offs_k[None, :], mask=mask, other=0.0), axis=0
+        )
     if HAS_DOWN_BIAS:
         acc += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs_k * stride_yk, acc.to(y_ptr.dtype.element_ty), mask=k_ok)
+
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, EACH) of the gate + up kernel for one token and for more;
 # the fastest at both of K=2048/N=5632 and K=4096/N=14336 on an H200 (gpu_check-decode-20261130-161902.json,
@@ -431,7 +435,7 @@ def decode_ffn(
     gate_up_config: tuple[int, int, int, int, bool] | None = None,
     down_config: tuple[int, int, int, int, int] | None = None,
     prefetch: bool = True,
-    down_rows: int | None = None,
+    down_rows: bool | None = None,
 ) -> torch.Tensor:
     """y [M, K] in the dtype of x: down(act(gate(x)) * up(x)), or down(act(gate(x))) without up_weight
     (act² with square).
@@ -439,7 +443,8 @@ def decode_ffn(
     x: [M, K]; gate_weight, up_weight: [N, K]; down_weight_t: [N, K] (= down_weight.t(), unit stride on K
     for coalesced row loads); biases contiguous. Exact at any density: a dense call reads every row.
     The configs override GATE_UP_CONFIG(_WIDE) / DOWN_CONFIG (tests, benchmarks); prefetch=False leaves
-    out kernel 1's L2 prefetch of the active W_d rows at one token (benchmarks).
+    out kernel 1's L2 prefetch of the active W_d rows at one token (benchmarks); down_rows takes one
+    token by block rows (True) or by the list (False), None leaving it to K.
     """
     check_input("x", x)
     check_threshold(threshold)
@@ -469,25 +474,27 @@ def decode_ffn(
     if split_min == 0:  # static groups of `splits` neuron blocks
         group, splits = splits, triton.cdiv(n_blocks, splits)
     precision = dot_precision(x.dtype)
-    hc = torch.empty(m_blocks * n_blocks * block_n, block_m, dtype=x.dtype, device=x.device)
-    ids = torch.empty(m_blocks * n_blocks * block_n, dtype=torch.int32, device=x.device)
-    counts = torch.empty(m_blocks * n_blocks, dtype=torch.int32, device=x.device)
-    sems = torch.empty(max(k_blocks * m_blocks, 1), dtype=torch.int32, device=x.device)
-    parts = torch.empty(splits if splits > 1 else 0, m, k, dtype=torch.float32, device=x.device)
-    y = torch.empty_like(x)
-    # PTX prefetch of the active W_d rows into L2: one token, on an NVIDIA GPU, rows with unit stride on
-    # K. It took 1-2.5% off one token's layer and added 2-10% to 16-64 tokens at K=4096, where the
-    # union's rows compete with W_g's stream (gpu_check-decode-20261201-115846.json).
-    nvidia = x.is_cuda and torch.version.hip is None and not interpreting()
-    prefetch = prefetch and nvidia and m == 1 and down_weight_t.stride(1) == 1
-    line = 128 // x.element_size()
     up_k = min(triton.next_power_of_2(k), 4096)
-    if down_rows is None:
-        down_rows = 0
-    down_rows = int(down_rows) if m == 1 and k <= up_k else 0
-    if down_rows:
+    if down_rows is None:  # measured faster at K = 2048, slower at 4096 (the rows helper's registers)
+        down_rows = k <= 2048
+    down_rows = bool(down_rows) and m == 1 and k <= up_k
+    counts = torch.empty(m_blocks * n_blocks, dtype=torch.int32, device=x.device)
+    y = torch.empty_like(x)
+    if down_rows:  # kernel 1 writes its block's row of y: no list, no partials, no counters
         rows = torch.empty(n_blocks, k, dtype=torch.float32, device=x.device)
-        prefetch = False
+        hc, ids, sems = x, counts, counts[:0]
+    else:
+        hc = torch.empty(m_blocks * n_blocks * block_n, block_m, dtype=x.dtype, device=x.device)
+        ids = torch.empty(m_blocks * n_blocks * block_n, dtype=torch.int32, device=x.device)
+        sems = torch.empty(max(k_blocks * m_blocks, 1), dtype=torch.int32, device=x.device)
+        parts = torch.empty(splits if splits > 1 else 0, m, k, dtype=torch.float32, device=x.device)
+    # PTX prefetch of the active W_d rows into L2 for the list path's down kernel: one token, on an NVIDIA
+    # GPU, rows with unit stride on K. It took 1-2.5% off one token's layer and added 2-10% to 16-64
+    # tokens at K=4096, where the union's rows compete with W_g's stream
+    # (gpu_check-decode-20261201-115846.json).
+    nvidia = x.is_cuda and torch.version.hip is None and not interpreting()
+    prefetch = prefetch and nvidia and m == 1 and not down_rows and down_weight_t.stride(1) == 1
+    line = 128 // x.element_size()
     _decode_gate_up_kernel[(n_blocks, m_blocks)](
         x,
         gate_weight,
@@ -531,11 +538,10 @@ def decode_ffn(
         num_stages=stages,
     )
     if down_rows:
-        row_p2 = triton.next_power_of_2(n_blocks)
+        chunk_rows = min(triton.next_power_of_2(n_blocks), 1024)
         _decode_down_rows_kernel[(triton.cdiv(k, 16),)](
             rows, counts, down_bias if down_bias is not None else x, y, n_blocks, k, y.stride(1),
-            HAS_DOWN_BIAS=down_bias is not None, ROWS=row_p2, BLOCK_K=16, COUNTED=down_rows == 2,
-            num_warps=4 if row_p2 <= 512 else 8,
+            HAS_DOWN_BIAS=down_bias is not None, ROWS=chunk_rows, BLOCK_K=16, num_warps=4 if chunk_rows <= 512 else 8,
         )  # fmt: skip
         return y
     _decode_down_kernel[(k_blocks, m_blocks, splits)](
