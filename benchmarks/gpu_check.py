@@ -30,17 +30,23 @@ from twell.kernels.gate import pack_dense
 # prefetch=False: kernel 1 leaves the W_d rows in HBM.
 # down_rows=False: one token by the list (ids, hc, counts) instead of block rows (the choice at K <= 2048).
 DECODE_VARIANTS = {
-    1: [{}, {"down_rows": False}, {"down_rows": False, "prefetch": False}],
+    1: [
+        {},
+        {"down_rows": False},
+        {"gate_up_config": (16, 512, 8, 3, False)},
+        {"gate_up_config": (8, 512, 4, 3, False)},
+        {"gate_up_config": (32, 256, 4, 3, False)},
+    ],
     16: [{}],
     64: [{}],
 }
 
 
-def decode_point(k, n, m, density, variants) -> list[dict]:
+def decode_point(k, n, m, density, variants, pattern) -> list[dict]:
     """Each variant (decode_ffn keyword arguments: configs; {}: the launcher's choice) of the decode
     kernels at one point, timed per layer of a graph over LAYERS_PER_GRAPH layers (as benchmarks/ffn.py
     times decode-sized calls), dense the same way."""
-    x, block = make_inputs(m, k, n, density, "uniform", seed=m + n)
+    x, block = make_inputs(m, k, n, density, pattern, seed=m + n)
     blocks = [block] + [neuron_permuted(block, i) for i in range(1, LAYERS_PER_GRAPH)]
 
     def per_layer(fn):
@@ -178,17 +184,17 @@ def graph_kernel_us(fn, replays=20) -> dict:
     return profiled_us(graph_obj.replay, replays)
 
 
-def floors_point(k, n, m) -> dict:
-    """Per layer of an 8-layer graph at 0.5% uniform: dense, cuBLAS's gate GEMV alone and with its
+def floors_point(k, n, m, pattern) -> dict:
+    """Per layer of an 8-layer graph at 0.5% (`pattern`): dense, cuBLAS's gate GEMV alone and with its
     ReLU, two tiny kernels (the cost of a launch in a graph), the decode kernels, the decode kernels
     without the up phase (non-gated: gate GEMV + down), and each kernel's time inside the graph."""
-    x, block = make_inputs(m, k, n, 0.005, "uniform", seed=m + n)
+    x, block = make_inputs(m, k, n, 0.005, pattern, seed=m + n)
     blocks = [block] + [neuron_permuted(block, i) for i in range(1, LAYERS_PER_GRAPH)]
 
     def per_layer(fn):
         return timed(lambda: [fn(b) for b in blocks], True) / len(blocks) * 1e3
 
-    out = {"K": k, "N": n, "M": m}
+    out = {"K": k, "N": n, "M": m, "pattern": pattern}
     with torch.no_grad():
         out["dense_us"] = per_layer(lambda b: b(x))
         out["dense_kernels_us"] = graph_kernel_us(lambda: [b(x) for b in blocks])
@@ -244,6 +250,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("part", choices=["decode", "first-call", "prefill", "profile", "floors"])
     parser.add_argument("--shapes", default="2048x5632,4096x14336")
+    parser.add_argument("--pattern", default="exact", help="decode and floors inputs (ffn.py's patterns)")
+    parser.add_argument("--tokens", default="1,16,64", help="floors: tokens per call")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -267,13 +275,13 @@ def main():
             k, n = map(int, shape.split("x"))
             for m, variants in DECODE_VARIANTS.items():
                 for density in (0.005, 0.01, 0.05):
-                    result["rows"] += decode_point(k, n, m, density, variants)
+                    result["rows"] += decode_point(k, n, m, density, variants, args.pattern)
             path.write_text(json.dumps(result, indent=1))  # kept if a later shape runs out of time
     elif args.part == "floors":
         for shape in args.shapes.split(","):
             k, n = map(int, shape.split("x"))
-            for m in (1, 16, 64):
-                result["rows"].append(floors_point(k, n, m))
+            for m in map(int, args.tokens.split(",")):
+                result["rows"].append(floors_point(k, n, m, args.pattern))
     elif args.part == "profile":
         for k, n, m, pattern in ((2048, 5632, 1, "uniform"), (2048, 5632, 16, "uniform"), (4096, 14336, 16, "uniform")):
             # the decode kernels, whatever the shipped threshold
