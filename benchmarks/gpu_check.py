@@ -29,18 +29,10 @@ from twell.kernels.gate import pack_dense
 # 0.5%, 1% and 5%: (BLOCK_K, SPLITS, CHUNK, SPLIT_MIN, num_warps) of the down kernel (decode.DOWN_CONFIG);
 # prefetch=False: kernel 1 leaves the W_d rows in HBM.
 # down_rows=False: one token by the list (ids, hc, counts) instead of block rows (the choice at K <= 2048).
-# up_stages: the pipeline depth of kernel 1's up loop for token blocks (the gate loop's by default).
 DECODE_VARIANTS = {
-    1: [{}],
-    16: [
-        {},
-        {"up_stages": 2},
-        {"up_stages": 6},
-        {"up_stages": 8},
-        {"gate_up_config": (64, 128, 4, 6, False)},
-        {"gate_up_config": (64, 128, 4, 6, False), "up_stages": 8},
-    ],
-    64: [{}, {"up_stages": 6}, {"gate_up_config": (64, 128, 4, 5, False)}],
+    1: [{}, {"down_rows": False}],
+    16: [{}],
+    64: [{}],
 }
 
 

@@ -55,7 +55,6 @@ def _rows_times_x(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EACH: tl.constexpr,
-    STAGES: tl.constexpr,
 ):
     """x[rows] @ w[cols]^T in fp32, [BLOCK_M, BLOCK_N]; rows of w outside w_rows_ok are not read. One
     token (BLOCK_M == 1) is a GEMV on the CUDA cores: products accumulate per lane, one reduction at
@@ -65,7 +64,7 @@ def _rows_times_x(
         part = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+    for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         w_mask = w_rows_ok[None, :] & k_ok[:, None]
@@ -195,8 +194,6 @@ def _decode_gate_up_kernel(
     BLOCK_K: tl.constexpr,
     EACH: tl.constexpr,
     UP_K: tl.constexpr,
-    STAGES: tl.constexpr,
-    UP_STAGES: tl.constexpr,
     SEM_BLOCK: tl.constexpr,
     PREFETCH_LINE: tl.constexpr,
     PREFETCH_LINES: tl.constexpr,
@@ -219,7 +216,7 @@ def _decode_gate_up_kernel(
 
     acc = _rows_times_x(
         x_ptr, wg_ptr, rows, cols, m_ok, n_ok, K, stride_xm, stride_xk, stride_gn, stride_gk,
-        DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, EACH, STAGES,
+        DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, EACH,
     )  # fmt: skip
     if HAS_GATE_BIAS:
         acc += tl.load(bg_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -252,7 +249,7 @@ def _decode_gate_up_kernel(
             else:
                 u = _rows_times_x(
                     x_ptr, wu_ptr, rows, cols, m_ok, active, K, stride_xm, stride_xk, stride_un, stride_uk,
-                    DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, EACH, UP_STAGES,
+                    DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, EACH,
                 )  # fmt: skip
             if HAS_UP_BIAS:
                 u += tl.load(bu_ptr + offs_n, mask=active, other=0.0).to(tl.float32)[None, :]
@@ -439,7 +436,6 @@ def decode_ffn(
     down_config: tuple[int, int, int, int, int] | None = None,
     prefetch: bool = True,
     down_rows: bool | None = None,
-    up_stages: int | None = None,
 ) -> torch.Tensor:
     """y [M, K] in the dtype of x: down(act(gate(x)) * up(x)), or down(act(gate(x))) without up_weight
     (act² with square).
@@ -534,8 +530,6 @@ def decode_ffn(
         BLOCK_K=block_k,
         EACH=each,
         UP_K=up_k,
-        STAGES=stages,
-        UP_STAGES=up_stages or stages,
         SEM_BLOCK=256,
         PREFETCH_LINE=line,
         PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(k, line)) if prefetch else 0,
