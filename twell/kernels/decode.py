@@ -436,6 +436,7 @@ def decode_ffn(
     down_config: tuple[int, int, int, int, int] | None = None,
     prefetch: bool = True,
     down_rows: bool | None = None,
+    rows_config: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """y [M, K] in the dtype of x: down(act(gate(x)) * up(x)), or down(act(gate(x))) without up_weight
     (act² with square).
@@ -539,9 +540,10 @@ def decode_ffn(
     )
     if down_rows:
         chunk_rows = min(triton.next_power_of_2(n_blocks), 1024)
-        _decode_down_rows_kernel[(triton.cdiv(k, 16),)](
+        rows_k, rows_warps = rows_config or (16, 4 if chunk_rows <= 512 else 8)
+        _decode_down_rows_kernel[(triton.cdiv(k, rows_k),)](
             rows, counts, down_bias if down_bias is not None else x, y, n_blocks, k, y.stride(1),
-            HAS_DOWN_BIAS=down_bias is not None, ROWS=chunk_rows, BLOCK_K=16, num_warps=4 if chunk_rows <= 512 else 8,
+            HAS_DOWN_BIAS=down_bias is not None, ROWS=chunk_rows, BLOCK_K=rows_k, num_warps=rows_warps,
         )  # fmt: skip
         return y
     _decode_down_kernel[(k_blocks, m_blocks, splits)](
