@@ -540,7 +540,9 @@ def decode_ffn(
     )
     if down_rows:
         chunk_rows = min(triton.next_power_of_2(n_blocks), 1024)
-        rows_k, rows_warps = rows_config or (16, 4 if chunk_rows <= 512 else 8)
+        # 32 values a thread: 14.2 against 14.7 us a layer with 64 (exact 0.5%, K=2048), 17.9 against
+        # 18.6 at 5%; wider K blocks slower (gpu_check-decode-20261201-131455.json)
+        rows_k, rows_warps = rows_config or (16, max(4, min(16, chunk_rows // 64)))
         _decode_down_rows_kernel[(triton.cdiv(k, rows_k),)](
             rows, counts, down_bias if down_bias is not None else x, y, n_blocks, k, y.stride(1),
             HAS_DOWN_BIAS=down_bias is not None, ROWS=chunk_rows, BLOCK_K=rows_k, num_warps=rows_warps,
