@@ -30,15 +30,7 @@ from twell.kernels.gate import pack_dense
 # prefetch=False: kernel 1 leaves the W_d rows in HBM.
 # down_rows=False: one token by the list (ids, hc, counts) instead of block rows (the choice at K <= 2048).
 DECODE_VARIANTS = {
-    1: [
-        {},
-        {"down_rows": False},
-        {"rows_config": (8, 8)},
-        {"rows_config": (16, 16)},
-        {"rows_config": (4, 4)},
-        {"rows_config": (8, 16)},
-        {"rows_config": (32, 16)},
-    ],
+    1: [{}, {"down_rows": False}],
     16: [{}],
     64: [{}],
 }
