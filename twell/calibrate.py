@@ -313,10 +313,11 @@ class AnalyticCostModel:
 
     intercept: float = 0.66
     slope: float = 34.0
-    # K=2048, N=5632, CUDA-graph replays against the faster dense (ffn-20261201-114900.json): one token
-    # 0.442-0.476 of dense at 0.5% (by pattern), 0.462 at 1%, 0.569 at 5%; 16 tokens 0.81-0.84 at 0.5%,
-    # 0.90 at 1%, 1.20 at 5%. K=4096 measured faster (one token 0.40-0.42 at 0.5%, 16 tokens 0.69-0.73).
-    decode_one: tuple[float, float] = (0.45, 2.6)
+    # K=2048, N=5632, CUDA-graph replays against the faster dense: one token 0.415-0.450 of dense at 0.5%
+    # (by pattern), 0.433-0.478 at 1%, 0.508 at 5% (ffn-20261201-131614.json); 16 tokens 0.81-0.84 at
+    # 0.5%, 0.90 at 1%, 1.20 at 5% (ffn-20261201-114900.json). K=4096 measured faster at 0.5% (one token
+    # 0.39-0.41, 16 tokens 0.69-0.73).
+    decode_one: tuple[float, float] = (0.43, 1.6)
     decode_16: tuple[float, float] = (0.79, 8.2)
     name: str = "analytic (density threshold, twell kernels on H200)"
 
