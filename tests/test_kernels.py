@@ -1,9 +1,14 @@
 """Triton kernels against float64 references (CPU: Triton's interpreter, fp32/fp16; GPU: bf16 too)."""
 
 import gc
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+import triton
 from conftest import DEVICE, HAS_CUDA, rel_err
 from ffn_cases import TOL, gated_ref, make_ffn, plain_ref
 
@@ -480,6 +485,71 @@ def test_decode_of_an_empty_call_is_the_down_bias(m, n, poisoned_empty):
     y = decode_ffn(x, w, None, w, None, w, bias, 0.0)
     assert y.shape == (m, 8) and torch.equal(y, bias.expand(m, 8))
     assert torch.equal(decode_ffn(x, w, None, w, None, w, None, 0.0), torch.zeros(m, 8, device=DEVICE))
+
+
+DECODE_SM90_COMPILE = """
+import subprocess
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from twell.kernels import decode
+
+def arg_type(name):
+    if not name.endswith("_ptr"):
+        return "fp32" if name == "threshold" else "i32"
+    return {"ids_ptr": "*i32", "cnt_ptr": "*i32", "sem_ptr": "*i32", "rows_ptr": "*fp32", "part_ptr": "*fp32"}.get(
+        name, "*bf16")
+
+def gate_up(m, k):  # the launcher's choice for m tokens of width k
+    wide = m == 1 and k > 2048
+    bn, bk, warps, stages, each = decode.GATE_UP_CONFIG_WIDE if wide else decode.GATE_UP_CONFIG[min(m, 2)]
+    rows = m == 1 and k <= 2048
+    consts = dict(BLOCK_M=m, BLOCK_N=bn, BLOCK_K=bk, EACH=each, UP_K=min(triton.next_power_of_2(k), 4096),
+                  PREFETCH_LINES=k // 64 if m == 1 and not rows else 0, DOWN_ROWS=rows)
+    return decode._decode_gate_up_kernel, consts, dict(num_warps=warps, num_stages=stages)
+
+def down(m, n_blocks):
+    bk, splits, chunk, split_min, warps = decode.DOWN_CONFIG[m]
+    consts = dict(BLOCK_M=m, BLOCK_N=16 if m == 1 else 64, BLOCK_K=bk, CHUNK=chunk, SPLIT_MIN=split_min,
+                  NB=triton.next_power_of_2(n_blocks) if split_min else 32, SUPER=32 if split_min else splits)
+    return decode._decode_down_kernel, consts, dict(num_warps=warps)
+
+flags = dict(HAS_UP=True, HAS_GATE_BIAS=True, HAS_UP_BIAS=True, HAS_DOWN_BIAS=True, DRELU=False, SQUARE=False,
+             DOT_PRECISION="tf32", SEM_BLOCK=256, PREFETCH_LINE=64)
+cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+for kernel, consts, options in [
+    gate_up(1, 2048), gate_up(1, 4096), gate_up(16, 4096), gate_up(64, 4096),
+    down(1, 896), down(16, 224), down(64, 224),
+    (decode._decode_down_rows_kernel, dict(ROWS=512, BLOCK_K=16), dict(num_warps=8)),
+    (decode._decode_down_rows_kernel, dict(ROWS=1024, BLOCK_K=16), dict(num_warps=16)),
+]:
+    consts = {**{n: v for n, v in flags.items() if n in kernel.arg_names}, **consts}
+    # unit strides are specialised to 1 by the launcher (contiguous rows), the rest divisible by 16
+    unit = ("stride_xk", "stride_gk", "stride_uk", "stride_dk", "stride_yk")
+    consts.update({n: 1 for n in unit if n in kernel.arg_names})
+    signature = {n: "constexpr" if n in consts else arg_type(n) for n in kernel.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
+             if signature[n] != "constexpr" and (n.endswith("_ptr") or n.startswith("stride") or n in ("K", "N"))}
+    out = compile(ASTSource(kernel, signature, consts, attrs), target=GPUTarget("cuda", 90, 32), options=options)
+    Path("k.cubin").write_bytes(out.asm["cubin"])
+    usage = subprocess.run([str(cuobjdump), "-res-usage", "k.cubin"], capture_output=True, text=True).stdout
+    assert "STACK:0 " in usage and "LOCAL:0 " in usage, (kernel.__name__, consts, usage)  # no spills
+"""
+
+
+def test_decode_kernels_compile_for_hopper_without_spills(tmp_path):
+    """Triton's compiler and ptxas build the decode kernels for sm_90 (no GPU needed) with the
+    launcher's configs, at one token (K = 2048 by block rows, 4096 by the list), 16 and 64 tokens,
+    with no register spills (a spill would cost the GPU what the interpreter cannot show)."""
+    if not (Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump").exists():
+        pytest.skip("this Triton build has no NVIDIA toolchain")
+    if torch.cuda.is_available():  # the GPU tests build them for real (and older Tritons differ in these APIs)
+        pytest.skip("a GPU compiles the kernels in the tests below")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    command = [sys.executable, "-c", DECODE_SM90_COMPILE]
+    done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 @pytest.mark.gpu
