@@ -406,6 +406,7 @@ DECODE_CASES = {
     "m1-list": (1, 16, 64, MIXED[1:2], (16, 16, 4, 1, False), (16, 2, 16, 4, 4), False),
     "m1-list-empty": (1, 40, 100, [0.0], (16, 32, 4, 1, False), (16, 2, 16, 4, 4), False),
     "m1-list-super-blocks": (1, 24, 1100, [0.03], (16, 16, 4, 1, False), (16, 3, 16, 8, 4), False),
+    "m1-list-defaults": (1, 40, 100, [1.0], (16, 16, 4, 1, True), None, False),
     "m1-rows-each": (1, 40, 100, [1.0], (16, 16, 4, 1, True), None, None),
     "m1-rows-empty": (1, 40, 100, [0.0], (16, 32, 4, 1, False), None, None),
     "m1-rows-blocks": (1, 130, 1100, [0.02], (16, 64, 4, 1, False), None, True),
@@ -485,6 +486,13 @@ def test_decode_of_an_empty_call_is_the_down_bias(m, n, poisoned_empty):
     y = decode_ffn(x, w, None, w, None, w, bias, 0.0)
     assert y.shape == (m, 8) and torch.equal(y, bias.expand(m, 8))
     assert torch.equal(decode_ffn(x, w, None, w, None, w, None, 0.0), torch.zeros(m, 8, device=DEVICE))
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_decode_of_no_width_is_empty(m):
+    """K = 0 (tokens and neurons, but no features): an empty y, no launch (a kernel would fail)."""
+    x, w = torch.zeros(m, 0, device=DEVICE), torch.zeros(64, 0, device=DEVICE)
+    assert decode_ffn(x, w, None, w, None, w, None, 0.0).shape == (m, 0)
 
 
 DECODE_SM90_COMPILE = """

@@ -445,7 +445,8 @@ def decode_ffn(
     for coalesced row loads); biases contiguous. Exact at any density: a dense call reads every row.
     The configs override GATE_UP_CONFIG(_WIDE) / DOWN_CONFIG (tests, benchmarks); prefetch=False leaves
     out kernel 1's L2 prefetch of the active W_d rows at one token (benchmarks); down_rows takes one
-    token by block rows (True) or by the list (False), None leaving it to K.
+    token by block rows (True; only one token with K <= 4096, the list otherwise) or by the list
+    (False), None leaving it to K.
     """
     check_input("x", x)
     check_threshold(threshold)
@@ -460,7 +461,7 @@ def decode_ffn(
         raise ValueError("up_bias needs up_weight (a plain FFN has its bias as gate_bias)")
     for name, b, size in (("gate_bias", gate_bias, n), ("up_bias", up_bias, n), ("down_bias", down_bias, k)):
         check_bias(name, b, size, x)
-    if m == 0 or n == 0:  # no tokens, or no neurons: y is the down bias (no launch)
+    if m == 0 or n == 0 or k == 0:  # no tokens, neurons or width: y is the down bias (no launch)
         y = torch.zeros_like(x)
         return y + down_bias if down_bias is not None else y
     default = GATE_UP_CONFIG_WIDE if m == 1 and k > 2048 else GATE_UP_CONFIG[min(m, 2)]
