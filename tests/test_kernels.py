@@ -416,6 +416,7 @@ DECODE_CASES = {
     "m3-dense": (3, 24, 48, [1.0], (16, 16, 4, 1, False), None, None),
     "m2-super-blocks": (2, 24, 1100, [0.0, 0.01, 0.3, 0.0, 0.02], (16, 16, 4, 1, False), (16, 3, 16, 8, 4), None),
     "m40-defaults": (40, 24, 300, MIXED, None, None, None),
+    "m300-defaults": (300, 24, 100, MIXED, None, None, None),
 }
 
 
