@@ -36,7 +36,7 @@ Cost models:
   N=5632, 131072 tokens: ratio 0.83 at 0.5% density, mean of two timings 0.78 and 0.88; 1.00 at 1%).
   The fit is for K=2048: at K=4096, N=14336 the measured ratio at 0.5% is 0.95 (1.05x), so it is
   optimistic for wider models. Decode calls: the same form with intercept and slope measured at one
-  token (0.50 + 2.0 * density) and at 16 (0.78 + 10.4 * density), linear in log2(tokens) between.
+  token and at 16 (``AnalyticCostModel.decode_one`` / ``decode_16``), linear in log2(tokens) between.
   With the default ``min_speedup`` of 1.05, layers at or under 0.8% are rewritten for prefill, and
   layers up to several percent for their decode steps. On the CPU twell runs plain PyTorch, so this
   predicts GPU behaviour, not CPU time.
