@@ -20,6 +20,7 @@ Floors: gate GEMM alone (cuBLAS), and bytes over the measured copy bandwidth.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import copy
 import json
@@ -199,7 +200,7 @@ def hot_neurons() -> int:
     return 0 if hot is None else len(hot.index)
 
 
-def bench_point(k, n, m, density, pattern, compiled, hot_rates=()) -> dict:
+def bench_point(k, n, m, density, pattern, compiled, variants=()) -> dict:
     """One point: the dense module (eager, and torch.compile) against the same module after
     twell.sparsify, called exactly as a user calls it (W_down in the layout sparsify gives it).
     Decode-sized calls: times per layer of a graph over LAYERS_PER_GRAPH such modules."""
@@ -260,13 +261,13 @@ def bench_point(k, n, m, density, pattern, compiled, hot_rates=()) -> dict:
                 row[f"{path}_err"] = rel_err_sample(warm_call(block, x), x, block)
                 dispatch.forget_layers()
                 row[f"{path}_ms"] = per_layer(lambda b: b(x)) if path == "decode" else timed(lambda: block(x), False)
-        if m >= 8192:  # the forced prefill at other hot rates (None: no dense products)
-            for rate in hot_rates:
-                with twell.configure(block, route="prefill", hot_rate=rate):
+        if m >= 8192:  # the forced prefill under other LayerConfig values (--variants)
+            for name, changes in variants:
+                with twell.configure(block, route="prefill", **changes):
                     dispatch.forget_layers()
-                    row[f"prefill_hot{rate}_err"] = rel_err_sample(warm_call(block, x), x, block)
-                    row[f"prefill_hot{rate}_neurons"] = hot_neurons()
-                    row[f"prefill_hot{rate}_ms"] = timed(lambda: block(x), False)
+                    row[f"prefill[{name}]_err"] = rel_err_sample(warm_call(block, x), x, block)
+                    row[f"prefill[{name}]_neurons"] = hot_neurons()
+                    row[f"prefill[{name}]_ms"] = timed(lambda: block(x), False)
         if m >= 8192:
             with twell.configure(block, route="prefill"):  # the stages at the default hot_rate's neurons
                 dispatch.forget_layers()
@@ -284,12 +285,10 @@ def prefill_stages(x, w, config) -> dict:
     pre = F.linear(x, wg, bg)
     row["pack_ms"] = do_bench(lambda: pack_dense(pre, 0.0, tile_n, slots), return_mode="median")
     row["fused_gate_ms"] = do_bench(lambda: gate_twell(x, wg, bg, 0.0, tile_n, slots), return_mode="median")
-    values, indices, counts = gate_twell(x, wg, bg, 0.0, tile_n, slots)
+    words, counts = gate_twell(x, wg, bg, 0.0, tile_n, slots)
     wd_t = w["down_weight"].t()
     row["updown_ms"] = do_bench(
-        lambda: twell_up_down(
-            x, values, indices, counts, wg, bg, w["up_weight"], None, wd_t, None, tile_n=tile_n, threshold=0.0
-        ),
+        lambda: twell_up_down(x, words, counts, wg, bg, w["up_weight"], None, wd_t, None, tile_n=tile_n, threshold=0.0),
         return_mode="median",
     )
     row["updown_config"] = str(updown_kernel.best_config)
@@ -300,7 +299,7 @@ def prefill_stages(x, w, config) -> dict:
     if hot is not None:  # the pieces of the hybrid by neuron, at the layer's hot neurons
         packed_hot = (hot.pos, dispatch.hot_values(x.shape[0], len(hot.index), x.dtype, x.device))
         row["pack_hot_ms"] = do_bench(lambda: pack_dense(pre, 0.0, tile_n, slots, hot=packed_hot), return_mode="median")
-        values, indices, counts = pack_dense(pre, 0.0, tile_n, slots, hot=packed_hot)
+        words, counts = pack_dense(pre, 0.0, tile_n, slots, hot=packed_hot)
         h_hot, wu = packed_hot[1], w["up_weight"]
         # in place on h_hot: repeated, the same work on the same shapes
         row["hot_up_ms"] = do_bench(
@@ -310,7 +309,7 @@ def prefill_stages(x, w, config) -> dict:
         row["hot_down_ms"] = do_bench(lambda: y.addmm_(h_hot, wd_t.index_select(0, hot.index)), return_mode="median")
         row["updown_hot_ms"] = do_bench(
             lambda: twell_up_down(
-                x, values, indices, counts, wg, bg, wu, None, wd_t, None, tile_n=tile_n, threshold=0.0,
+                x, words, counts, wg, bg, wu, None, wd_t, None, tile_n=tile_n, threshold=0.0,
                 hot_pos=hot.pos,
             ),
             return_mode="median",
@@ -350,6 +349,16 @@ def result_path(out: str, kind: str) -> Path:
     return out_dir / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json"
 
 
+def parse_variants(text: str) -> list[tuple[str, dict]]:
+    """'a=1,b=None;c=True' -> [("a=1,b=None", {"a": 1, "b": None}), ("c=True", {"c": True})]: values as
+    Python literals."""
+    variants = []
+    for variant in filter(None, text.split(";")):
+        pairs = (item.split("=", 1) for item in variant.split(","))
+        variants.append((variant, {key.strip(): ast.literal_eval(value.strip()) for key, value in pairs}))
+    return variants
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default="2048x5632,4096x14336")
@@ -357,7 +366,12 @@ def main():
     parser.add_argument("--densities", default=",".join(map(str, DENSITIES)))
     parser.add_argument("--patterns", default="exact,uniform,skewed")
     parser.add_argument("--other-densities", default="0.005,0.01", help="densities of the exact and skewed patterns")
-    parser.add_argument("--hot-rates", default="", help="hot_rate values (or None) to time the forced prefill at")
+    parser.add_argument(
+        "--variants",
+        default="",
+        help="LayerConfig changes to time the forced prefill at, ';' between variants, e.g. "
+        "'fused_gate=True;fused_gate=False,hot_rate=None'",
+    )
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -375,8 +389,7 @@ def main():
             for pattern in args.patterns.split(","):
                 dens = args.densities if pattern == "uniform" else args.other_densities
                 for density in map(float, dens.split(",")):
-                    rates = [None if r == "None" else float(r) for r in args.hot_rates.split(",") if r]
-                    row = bench_point(k, n, m, density, pattern, compiled, rates)
+                    row = bench_point(k, n, m, density, pattern, compiled, parse_variants(args.variants))
                     torch.cuda.empty_cache()
                     result["points"].append(row)
                     path.write_text(json.dumps(result, indent=1))  # kept if a later point fails
@@ -392,10 +405,8 @@ def main():
                         f"{row.get('updown_l2_tb_s', 0):>5.1f} "
                         f"{row.get('overflow_tiles', 0):>6} {row['dense_peak_mb']:>7.0f} {row['twell_peak_mb']:>7.0f}"
                     )
-                    hot_cols = [
-                        f"hot{r}: {row[f'prefill_hot{r}_ms']:.3f}" for r in rates if f"prefill_hot{r}_ms" in row
-                    ]
-                    line += "  " + " ".join(hot_cols) if hot_cols else ""
+                    timed_variants = [v for v, _ in parse_variants(args.variants) if f"prefill[{v}]_ms" in row]
+                    line += "".join(f"  [{v}] {row[f'prefill[{v}]_ms']:.3f}" for v in timed_variants)
                     lines.append(line)
                     print(line, flush=True)
     path.write_text(json.dumps(result, indent=1))

@@ -146,7 +146,7 @@ def shape_rows(k: int, n: int, m: int) -> list[dict]:
     wg = weights(block)["gate_weight"]
     cublas = do_bench(lambda: F.linear(x, wg), return_mode="median")
     pre = F.linear(x, wg)
-    ref_counts = pack_dense(pre, 0.0, 128, 16)[2]
+    ref_counts = pack_dense(pre, 0.0, 128, 16)[1]
     pack = do_bench(lambda: pack_dense(pre, 0.0, 128, 16), return_mode="median")
     print(f"K={k} cuBLAS {cublas:.3f} pack {pack:.3f}", flush=True)
     rows = [{"K": k, "N": n, "M": m, "cublas_ms": cublas, "pack_ms": pack}]

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import twell
-from twell.format import MAX_TILE_N, kept_mask
+from twell.format import MAX_TILE_N, decode, encode, kept_mask, word_dtype
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -59,11 +59,12 @@ def test_layout_of_a_known_matrix(dtype):
     t = twell.pack(h, tile_n=4, compression=2)
     assert t.slots == 2 and t.n_tiles == 3
     assert t.counts.tolist() == [[2, 1, 1], [4, 0, 0]]
-    assert t.indices[0].tolist() == [[1, 3], [2, 0], [0, 0]]
+    assert t.columns[0].tolist() == [[1, 3], [2, 0], [0, 0]]
     assert t.values[0].float().tolist() == [[1.0, 3.0], [5.0, 0.0], [7.0, 0.0]]
     assert t.overflow_rows.tolist() == [1]
     assert torch.equal(t.dense, h[1:2])
-    assert (t.values.dtype, t.indices.dtype, t.counts.dtype) == (dtype, torch.int16, torch.int32)
+    assert (t.values.dtype, t.words.dtype, t.counts.dtype) == (dtype, word_dtype(dtype), torch.int32)
+    assert t.words.dtype == (torch.int64 if dtype == torch.float32 else torch.int32)
     assert (t.overflow_rows.dtype, t.dense.dtype, t.shape, t.tile_n, t.threshold) == (
         torch.int64,
         dtype,
@@ -108,7 +109,7 @@ def test_entries_are_packed_in_column_order():
     h = random_hidden(4, 1024, 0.3, torch.float32, seed=3)
     t = twell.pack(h, tile_n=512, compression=1)
     for row, tile in zip(*torch.nonzero(t.counts).T.tolist(), strict=True):
-        kept = t.indices[row, tile, : t.counts[row, tile]].long()
+        kept = t.columns[row, tile, : t.counts[row, tile]]
         assert torch.equal(kept, torch.nonzero(kept_mask(h[row, tile * 512 : (tile + 1) * 512], 0.0)).flatten())
 
 
@@ -118,8 +119,8 @@ def test_unpack_reads_only_the_counted_slots():
     t = twell.pack(h, tile_n=16, compression=2)
     padding = torch.arange(t.slots) >= t.counts.unsqueeze(-1)
     assert padding.any()
-    t.values = t.values.masked_fill(padding, float("nan"))
-    t.indices = t.indices.masked_fill(padding, 5)
+    garbage = torch.randint(-(2**62), 2**62, t.words.shape, dtype=torch.int64).to(t.words.dtype)
+    t.words = torch.where(padding, garbage, t.words)
     assert torch.equal(twell.unpack(t), thresholded(h, 0.0))
 
 
@@ -147,7 +148,7 @@ def test_wide_rows_beyond_16_bit_columns():
 
 def test_nbytes_counts_every_array():
     t = twell.pack(torch.randn(8, 64), tile_n=32, compression=4)
-    arrays = (t.values, t.indices, t.counts, t.overflow_rows, t.dense)
+    arrays = (t.words, t.counts, t.overflow_rows, t.dense)
     assert t.nbytes == sum(a.numel() * a.element_size() for a in arrays)
 
 
@@ -160,7 +161,8 @@ def test_nbytes_counts_every_array():
         (torch.randn(2, 4), {"tile_n": 10, "compression": 3}, ValueError, "divisible by compression"),
         (torch.randn(2, 4), {"tile_n": 0}, ValueError, "tile_n must be a positive int, got 0"),
         (torch.randn(2, 4), {"compression": True}, ValueError, "compression must be a positive int, got True"),
-        (torch.randn(2, 4), {"tile_n": 65536, "compression": 1}, ValueError, "tile_n must be <="),
+        (torch.randn(2, 4), {"tile_n": 2 * MAX_TILE_N, "compression": 1}, ValueError, "tile_n must be <="),
+        (torch.randn(2, 4, dtype=torch.float64), {}, TypeError, "floating-point"),
         ([[1.0]], {}, TypeError, "h must be a torch.Tensor, got list"),
         (torch.randn(2, 4), {"threshold": float("nan")}, ValueError, "finite"),
     ],
@@ -172,6 +174,7 @@ def test_nbytes_counts_every_array():
         "zero-tile",
         "bool-compression",
         "tile-too-wide",
+        "float64",
         "not-a-tensor",
         "nan-threshold",
     ],
@@ -179,6 +182,21 @@ def test_nbytes_counts_every_array():
 def test_bad_input_is_refused(h, kwargs, error, match):
     with pytest.raises(error, match=match):
         twell.pack(h, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_words_hold_any_value_and_column_bit_for_bit(dtype):
+    """encode / decode: every value's bits (NaN, infinities, -0, subnormals, negatives) and every
+    16-bit column survive, whatever the sign of the value (its bits fill the word's high half)."""
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0, -1.5, 3.0], dtype=dtype)
+    tiny = torch.tensor([torch.finfo(dtype).tiny / 4, -torch.finfo(dtype).tiny / 4], dtype=dtype)
+    values = torch.cat((specials, tiny, torch.randn(200).to(dtype)))
+    columns = torch.randint(0, MAX_TILE_N, values.shape)
+    columns[:3] = torch.tensor([0, MAX_TILE_N - 1, 1 << 15])
+    out_values, out_columns = decode(encode(values, columns), dtype)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(out_values.view(bits), values.view(bits))
+    assert torch.equal(out_columns, columns)
 
 
 def test_unpack_refuses_other_types():

@@ -28,22 +28,29 @@ MIXED = [0.0, 0.03, 0.1, 0.02, 0.05, 0.01, 0.04, 0.0, 0.03, 1.0]
 
 @pytest.fixture(autouse=True)
 def poisoned_twell_buffers(monkeypatch):
-    """Kernel-allocated TwELL arrays start as NaN / -1, so any element a kernel fails to write shows."""
+    """Kernel-allocated TwELL arrays start as -1 (a word of a NaN value at column 0xFFFF), so any slot
+    inside a count or any count a kernel fails to write shows."""
     alloc = gate._alloc
 
     def poisoned(*args):
-        values, indices, counts = alloc(*args)
-        return values.fill_(float("nan")), indices.fill_(-1), counts.fill_(-1)
+        words, counts = alloc(*args)
+        return words.fill_(-1), counts.fill_(-1)
 
     monkeypatch.setattr(gate, "_alloc", poisoned)
     hot = dispatch.hot_values
     monkeypatch.setattr(dispatch, "hot_values", lambda *args: hot(*args).fill_(float("nan")))
 
 
-def _twell(values, indices, counts, shape, tile_n):
+def _twell(words, counts, shape, tile_n, dtype):
     """Kernel arrays as a TwELL (without dense backup: only valid on rows that do not overflow)."""
-    empty = torch.empty(0, dtype=torch.int64, device=values.device)
-    return TwELL(values, indices, counts, empty, values.new_empty(0, shape[1]), shape, tile_n)
+    empty = torch.empty(0, dtype=torch.int64, device=words.device)
+    return TwELL(words, counts, empty, torch.empty(0, shape[1], dtype=dtype, device=words.device), shape, tile_n)
+
+
+def _counted(words, counts):
+    """The words inside each count (the spec zeroes the rest; kernels leave them unwritten)."""
+    valid = torch.arange(words.shape[-1], device=words.device) < counts.clamp(max=words.shape[-1]).unsqueeze(-1)
+    return torch.where(valid, words, 0).cpu()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -60,13 +67,13 @@ def test_pack_dense_matches_the_spec(m, n, tile_n, slots, square, dtype):
     h = h.to(dtype)
     h[0, :3] = 0.3  # exactly the rounded threshold: dropped, as torch drops it
     h[0, -2] = float("nan")  # kept, as by relu
-    values, indices, counts = pack_dense(h.to(DEVICE), 0.3, tile_n, slots, square=square)
+    words, counts = pack_dense(h.to(DEVICE), 0.3, tile_n, slots, square=square)
     kept = torch.where(kept_mask(h, 0.3), h * h, 0.0) if square else h
     spec = twell.pack(kept, tile_n=tile_n, compression=tile_n // slots, threshold=0.0 if square else 0.3)
     assert torch.equal(counts.cpu(), spec.counts)
-    assert torch.equal(indices.cpu(), spec.indices)
-    assert torch.allclose(values.cpu(), spec.values, rtol=0, atol=0, equal_nan=True)
-    assert values.isnan().sum() == 1
+    assert torch.equal(_counted(words, counts), spec.words), "every slot inside a count, bit for bit"
+    got = _twell(words.cpu(), counts.cpu(), (m, n), tile_n, dtype)
+    assert got.values.isnan().sum() == 1
 
 
 def test_pack_dense_hands_over_hot_columns():
@@ -80,15 +87,14 @@ def test_pack_dense_hands_over_hot_columns():
     pos = torch.full((300,), -1, dtype=torch.int32)
     pos[index] = torch.arange(len(index), dtype=torch.int32)
     hot = (pos.to(DEVICE), torch.full((37, len(index)), float("nan"), device=DEVICE))
-    values, indices, counts = pack_dense(h.to(DEVICE), 0.0, 64, 8, hot=hot)
+    words, counts = pack_dense(h.to(DEVICE), 0.0, 64, 8, hot=hot)
     assert torch.allclose(hot[1].cpu(), h[:, index], rtol=0, atol=0, equal_nan=True)
     cold = h.clone()
     cold[:, index] = -1.0
     spec = twell.pack(cold, tile_n=64, compression=8, threshold=0.0)
-    assert torch.equal(counts.cpu(), spec.counts) and torch.equal(indices.cpu(), spec.indices)
-    assert torch.equal(values.cpu(), spec.values)
+    assert torch.equal(counts.cpu(), spec.counts) and torch.equal(_counted(words, counts), spec.words)
     bad = (pos.clone().index_fill_(0, torch.tensor([299]), 99).to(DEVICE), torch.zeros(37, len(index), device=DEVICE))
-    bad_counts = pack_dense(h.to(DEVICE), 0.0, 64, 8, hot=bad)[2]
+    bad_counts = pack_dense(h.to(DEVICE), 0.0, 64, 8, hot=bad)[1]
     assert int(bad_counts.sum()) == int(counts.sum()) + int((h[:, 299] > 0).sum())
 
 
@@ -122,18 +128,21 @@ def test_gate_twell_packs_the_gate(m, k, n, dtype, bias, split):
     case = make_ffn(m, k, n, [0.0, 0.05, 0.1, 0.01], dtype, DEVICE, seed=m + n, biases=bias)
     threshold = 0.05
     config = (16, 16, 4, 1, split)
-    values, indices, counts = gate_twell(
-        case["x"], case["gate_weight"], case["gate_bias"], threshold, 64, 16, config=config
-    )
-    got = twell.unpack(_twell(values, indices, counts, (m, n), 64)).double()
+    words, counts = gate_twell(case["x"], case["gate_weight"], case["gate_bias"], threshold, 64, 16, config=config)
+    got = twell.unpack(_twell(words, counts, (m, n), 64, dtype)).double()
     c = {k_: (t.double() if t is not None else None) for k_, t in case.items()}
     ref = torch.nn.functional.linear(c["x"], c["gate_weight"], c["gate_bias"])
     ref = torch.where(ref > threshold, ref, 0.0)
     assert not (counts > 16).any(), "case was built not to overflow"
     assert rel_err(got, ref) <= TOL[dtype]
     assert torch.equal(counts.sum(1).cpu(), (got != 0).sum(1).cpu())
+    gate_pre = torch.nn.functional.linear(case["x"], case["gate_weight"], case["gate_bias"])
+    spec = twell.pack(gate_pre.cpu(), tile_n=64, compression=4, threshold=threshold)
+    if dtype == torch.float32:  # fp32 accumulation order differs from torch's in the last bit
+        assert torch.equal(counts.cpu(), spec.counts)
+        assert torch.equal(_counted(words, counts).bitwise_and(0xFFFF), spec.words.bitwise_and(0xFFFF))
     padding = torch.arange(16, device=counts.device) >= counts.unsqueeze(-1)
-    assert (values[padding] == 0).all() and (indices[padding] == 0).all(), "slots past the count are zeroed"
+    assert (words[padding] == -1).all(), "slots past the count are left as they were (no pad stores)"
 
 
 def test_gate_configs_that_overflow_shared_memory_are_pruned(monkeypatch):
@@ -154,7 +163,7 @@ def test_gate_configs_that_overflow_shared_memory_are_pruned(monkeypatch):
 
 def test_gate_twell_counts_overflow_and_refuses_unaligned_rows():
     case = make_ffn(20, 16, 64, [1.0], torch.float32, DEVICE, seed=2)
-    values, indices, counts = gate_twell(case["x"], case["gate_weight"], None, 0.0, 32, 4)
+    words, counts = gate_twell(case["x"], case["gate_weight"], None, 0.0, 32, 4)
     ref = torch.nn.functional.linear(case["x"], case["gate_weight"]).view(20, 2, 32)
     assert torch.equal(counts, (ref > 0).sum(-1, dtype=torch.int32)), "true counts, past the slots"
     x = torch.randn(4, 33, device=DEVICE, dtype=torch.float16)  # 66-byte rows: no TMA
@@ -191,7 +200,7 @@ def test_up_down_matches_reference(case_id, dtype, variant, monkeypatch):
     threshold = 0.02 if variant == "fatrelu" else 0.0
     gate_w, gate_b = (case["gate_weight"], case["gate_bias"]) if gated else (case["up_weight"], case["up_bias"])
     pre = torch.nn.functional.linear(case["x"], gate_w, gate_b)
-    values, indices, counts = pack_dense(pre, threshold, tile_n, slots, square=variant == "relu2")
+    words, counts = pack_dense(pre, threshold, tile_n, slots, square=variant == "relu2")
     if m > 1:
         assert (counts > slots).any() and (counts <= slots).all(1).any(), "rows with and without overflow"
     monkeypatch.setattr(updown, "MAX_WIDTH", width)
@@ -200,8 +209,7 @@ def test_up_down_matches_reference(case_id, dtype, variant, monkeypatch):
     out = torch.full_like(case["x"], float("nan"))
     twell_up_down(
         case["x"],
-        values,
-        indices,
+        words,
         counts,
         gate_w,
         gate_b,
@@ -228,7 +236,7 @@ def test_up_down_heavy_rows_split_or_whole_give_the_same_bits(monkeypatch):
     GPU): a row taken whole must come out bit for bit as its split partials would."""
     case = make_ffn(40, 72, 200, MIXED, torch.float32, DEVICE, seed=3, biases=True)
     pre = torch.nn.functional.linear(case["x"], case["gate_weight"], case["gate_bias"])
-    values, indices, counts = pack_dense(pre, 0.0, 32, 8)
+    words, counts = pack_dense(pre, 0.0, 32, 8)
     monkeypatch.setattr(updown, "MAX_WIDTH", 8)
     monkeypatch.setattr(updown, "SPLITS", 4)
     runs = []
@@ -237,8 +245,7 @@ def test_up_down_heavy_rows_split_or_whole_give_the_same_bits(monkeypatch):
         runs.append(
             twell_up_down(
                 case["x"],
-                values,
-                indices,
+                words,
                 counts,
                 case["gate_weight"],
                 case["gate_bias"],
@@ -256,17 +263,17 @@ def test_up_down_heavy_rows_split_or_whole_give_the_same_bits(monkeypatch):
 
 def test_up_down_checks_its_arrays():
     case = make_ffn(4, 16, 64, [0.1], torch.float32, DEVICE)
-    values, indices, counts = pack_dense(case["x"] @ case["gate_weight"].T, 0.0, 32, 8)
+    words, counts = pack_dense(case["x"] @ case["gate_weight"].T, 0.0, 32, 8)
     args = (case["gate_weight"], None, case["up_weight"], None, case["down_weight"].t(), None)
     with pytest.raises(ValueError, match="counts"):
-        twell_up_down(case["x"], values, indices, counts[:, :1], *args, tile_n=32, threshold=0.0)
+        twell_up_down(case["x"], words, counts[:, :1], *args, tile_n=32, threshold=0.0)
     with pytest.raises(ValueError, match="do not cover"):
-        twell_up_down(case["x"], values, indices, counts, *args, tile_n=16, threshold=0.0)
+        twell_up_down(case["x"], words, counts, *args, tile_n=16, threshold=0.0)
     with pytest.raises(ValueError, match=r"down_weight_t must be \[64, 16\]"):
         bad = (*args[:4], case["down_weight"], None)  # [K, N], not its transpose
-        twell_up_down(case["x"], values, indices, counts, *bad, tile_n=32, threshold=0.0)
+        twell_up_down(case["x"], words, counts, *bad, tile_n=32, threshold=0.0)
     with pytest.raises(ValueError, match="out must be"):
-        twell_up_down(case["x"], values, indices, counts, *args, tile_n=32, threshold=0.0, out=case["x"][:2])
+        twell_up_down(case["x"], words, counts, *args, tile_n=32, threshold=0.0, out=case["x"][:2])
 
 
 def _bad_args(case, change):
@@ -314,11 +321,11 @@ def test_decode_checks_its_inputs(change, match):
 @pytest.mark.parametrize("change,match", [c[1:] for c in COMMON_BAD_INPUTS], ids=[c[0] for c in COMMON_BAD_INPUTS])
 def test_up_down_checks_its_inputs(change, match):
     case = make_ffn(4, 16, 64, [0.1], torch.float32, DEVICE, biases=True)
-    values, indices, counts = pack_dense(case["x"] @ case["gate_weight"].T, 0.0, 32, 8)
+    words, counts = pack_dense(case["x"] @ case["gate_weight"].T, 0.0, 32, 8)
     a = _bad_args(case, change)
     with pytest.raises(ValueError, match=match):
         twell_up_down(
-            a["x"], values, indices, counts, a["gate_weight"], a["gate_bias"], a["up_weight"], a["up_bias"],
+            a["x"], words, counts, a["gate_weight"], a["gate_bias"], a["up_weight"], a["up_bias"],
             a["down_weight_t"], a["down_bias"], tile_n=32, threshold=a["threshold"],
         )  # fmt: skip
 
@@ -326,13 +333,13 @@ def test_up_down_checks_its_inputs(change, match):
 @pytest.mark.parametrize(
     "change,match",
     [
-        (lambda v, i, c: (v.half(), i, c), r"values must be \[4, 2, 8\] torch.float32"),
-        (lambda v, i, c: (v, i.int(), c), r"indices must be \[4, 2, 8\] torch.int16"),
-        (lambda v, i, c: (v, i, c.long()), r"counts must be \[4, 2\] torch.int32"),
-        (lambda v, i, c: (v, i, c.t().contiguous().t()), "counts must be contiguous"),
-        (lambda v, i, c: (v[..., :6], i[..., :6], c), "power-of-two slots, got 6"),
+        (lambda w, c: (w.int(), c), r"words must be \[4, 2, 8\] torch.int64"),
+        (lambda w, c: (w, c.long()), r"counts must be \[4, 2\] torch.int32"),
+        (lambda w, c: (w, c.t().contiguous().t()), "counts must be contiguous"),
+        (lambda w, c: (w.transpose(0, 1).contiguous().transpose(0, 1), c), "words must be contiguous"),
+        (lambda w, c: (w[..., :6], c), "power-of-two slots, got 6"),
     ],
-    ids=["values-dtype", "indices-dtype", "counts-dtype", "counts-strided", "slots"],
+    ids=["words-dtype", "counts-dtype", "counts-strided", "words-strided", "slots"],
 )
 def test_up_down_checks_its_twell_arrays(change, match):
     """The TwELL arrays are indexed as dense [M, T, S] arrays of fixed types: anything else would be

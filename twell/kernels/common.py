@@ -8,6 +8,7 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
 from twell.kernels.policy import check_tile  # noqa: F401  (the launchers' layout check; policy owns the limits)
 
@@ -43,6 +44,12 @@ def threshold_in(threshold: float, dtype: torch.dtype) -> float:
 
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def tl_dtype(dtype: torch.dtype):
+    """Triton's type for a float dtype of FLOAT_DTYPES (a constexpr kernel argument)."""
+    return _TL_DTYPES[dtype]
 
 
 def check_input(name: str, x, *, unit_stride: bool = False) -> None:

@@ -182,16 +182,14 @@ def _run(
     if config.hot_rate is not None and not capturing:
         state.hot_calls_left = policy.DENSE_RETRY if measure else max(state.hot_calls_left - 1, 0)
     if config.fused_gate and fused_gate_supported(x2, gate_weight, tile_n):
-        values, indices, counts = gate_twell(
-            x2, gate_weight, gate_bias, threshold, tile_n, slots, square=square, hot=packed_hot
-        )
+        words, counts = gate_twell(x2, gate_weight, gate_bias, threshold, tile_n, slots, square=square, hot=packed_hot)
         if measure:
             state.hot_pending = _measure_neurons(F.linear(x2[: policy.HOT_SAMPLE], gate_weight, gate_bias), threshold)
     else:
         pre = F.linear(x2, gate_weight, gate_bias)
         if measure:
             state.hot_pending = _measure_neurons(pre[: policy.HOT_SAMPLE], threshold)
-        values, indices, counts = pack_dense(pre, threshold, tile_n, slots, square=square, hot=packed_hot)
+        words, counts = pack_dense(pre, threshold, tile_n, slots, square=square, hot=packed_hot)
         del pre
     if hot is not None:
         h_hot = packed_hot[1]
@@ -199,8 +197,7 @@ def _run(
         _hot_hidden_(h_hot, x2, hot.index, up_weight, up_bias, threshold, drelu, square)
     y = twell_up_down(
         x2,
-        values,
-        indices,
+        words,
         counts,
         gate_weight,
         gate_bias,

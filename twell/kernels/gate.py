@@ -2,9 +2,10 @@
 
 Algorithm 1 of the paper: each program computes an output tile S = x[m0:m0+BLOCK_M] @ W_g[n0:n0+TILE_N]^T
 in fp32, adds the bias, and packs each row's kept entries (not <= threshold) to the front of the
-tile's SLOTS slots with a row-wise prefix sum; the true count goes to counts[m, tile]. The dense gate
-never reaches global memory. A count above SLOTS marks the row for the hybrid dense path (the
-launchers never drop it: see twell.kernels.dispatch).
+tile's SLOTS slots with a row-wise prefix sum, one word a slot (twell.kernels.words: value and column
+in the tile); the true count goes to counts[m, tile]. Slots past the count are left unwritten (the
+consumers mask by count). The dense gate never reaches global memory. A count above SLOTS marks the
+row for the hybrid dense path (the launchers never drop it: see twell.kernels.dispatch).
 
 hot (both launchers): (hot_pos, hot_values) for a caller that computes some neurons by dense products
 (the hybrid by neuron: twell.kernels.dispatch's hot neurons). hot_pos: int32 [N], neuron n's column in
@@ -21,6 +22,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from twell.format import word_dtype
 from twell.kernels.common import (
     autotune_configs,
     check_bias,
@@ -33,7 +35,9 @@ from twell.kernels.common import (
     interpreting,
     m_bucket,
     threshold_in,
+    tl_dtype,
 )
+from twell.kernels.words import encode
 
 SMEM_LIMIT = 227 * 1024  # H100 / H200 per-block shared memory
 
@@ -48,16 +52,18 @@ def _pack_slice(
     M,
     N,
     threshold,
-    vals_ptr,
-    idx_ptr,
+    words_ptr,
     n_tiles,
+    VALUE: tl.constexpr,
     TILE_N: tl.constexpr,
     SLOTS: tl.constexpr,
     SQUARE: tl.constexpr,
     WIDTH: tl.constexpr,
 ):
-    """Pack columns [col0, col0 + WIDTH) of one TwELL tile (rows offs_m, fp32 values `acc`) behind the
-    `before` entries each row already holds in this tile; returns the rows' counts including this slice."""
+    """Pack columns [col0, col0 + WIDTH) of one TwELL tile (rows offs_m, fp32 values `acc`, stored as
+    VALUE) behind the `before` entries each row already holds in this tile; returns the rows' counts
+    including this slice. Row bases in int64: 32-bit addressing measured slower (5.23 against 4.97 ms
+    at M=131072, K=2048, N=5632, ../shared/probes/pack_epilogue_probe.json)."""
     offs_c = col0 + tl.arange(0, WIDTH)
     in_bounds = (offs_m < M)[:, None] & ((tile * TILE_N + offs_c) < N)[None, :]
     keep = ((acc > threshold) | (acc != acc)) & in_bounds  # not (acc <= t): NaN is kept, as by relu
@@ -66,50 +72,21 @@ def _pack_slice(
     if SQUARE:
         acc = acc * acc
     slot_ptr = ((offs_m.to(tl.int64) * n_tiles + tile) * SLOTS)[:, None] + pos
-    stored = keep & (pos < SLOTS)
-    tl.store(vals_ptr + slot_ptr, acc.to(vals_ptr.dtype.element_ty), mask=stored)
-    local = tl.broadcast_to(offs_c[None, :], acc.shape).to(tl.int16)
-    tl.store(idx_ptr + slot_ptr, local, mask=stored)
+    word = encode(acc.to(VALUE), tl.broadcast_to(offs_c[None, :], acc.shape))
+    tl.store(words_ptr + slot_ptr, word, mask=keep & (pos < SLOTS))
     return before + tl.sum(keep_i, axis=1)
 
 
 @triton.jit
-def _pack_finish(cnt, offs_m, tile, M, vals_ptr, idx_ptr, cnt_ptr, n_tiles, SLOTS: tl.constexpr):
-    """Zero the slots past each row's count (disjoint from the packed stores) and store the counts."""
-    row_ok = offs_m < M
-    offs_s = tl.arange(0, SLOTS)
-    pad = row_ok[:, None] & (offs_s[None, :] >= cnt[:, None])
-    pad_ptr = ((offs_m.to(tl.int64) * n_tiles + tile) * SLOTS)[:, None] + offs_s[None, :]
-    tl.store(vals_ptr + pad_ptr, tl.zeros([offs_m.shape[0], SLOTS], vals_ptr.dtype.element_ty), mask=pad)
-    tl.store(idx_ptr + pad_ptr, tl.zeros([offs_m.shape[0], SLOTS], tl.int16), mask=pad)
-    tl.store(cnt_ptr + offs_m.to(tl.int64) * n_tiles + tile, cnt, mask=row_ok)
-
-
-@triton.jit
 def _pack_tile(
-    acc,
-    offs_m,
-    tile,
-    M,
-    N,
-    threshold,
-    vals_ptr,
-    idx_ptr,
-    cnt_ptr,
-    pos_ptr,
-    hot_ptr,
-    n_hot,
-    n_tiles,
-    TILE_N: tl.constexpr,
-    SLOTS: tl.constexpr,
-    SQUARE: tl.constexpr,
-    SPLIT: tl.constexpr,
+    acc, offs_m, tile, M, N, threshold, words_ptr, cnt_ptr, pos_ptr, hot_ptr, n_hot, n_tiles,
+    VALUE: tl.constexpr, TILE_N: tl.constexpr, SLOTS: tl.constexpr, SQUARE: tl.constexpr, SPLIT: tl.constexpr,
     HAS_HOT: tl.constexpr,
-):
-    """Pack one [BLOCK_M, TILE_N] fp32 tile into TwELL slots, in SPLIT column slices (1 or 2: fewer
-    live registers next to a GEMM accumulator); with HAS_HOT, the hot neurons' columns go to hot_ptr
-    [M, n_hot] instead. Gathering each slot by a row reduction instead was 2.5x slower on the H200
-    (benchmarks/NOTES.md)."""
+):  # fmt: skip
+    """Pack one [BLOCK_M, TILE_N] fp32 tile into TwELL slots and store its rows' counts, in SPLIT column
+    slices (1 or 2: fewer live registers next to a GEMM accumulator); with HAS_HOT, the hot neurons'
+    columns go to hot_ptr [M, n_hot] instead. Gathering each slot by a row reduction instead was 2.5x
+    slower on the H200 (benchmarks/NOTES.md)."""
     if HAS_HOT:
         cols = tile * TILE_N + tl.arange(0, TILE_N)
         pos = tl.load(pos_ptr + cols, mask=cols < N, other=-1)
@@ -117,57 +94,33 @@ def _pack_tile(
         hot_off = offs_m.to(tl.int64)[:, None] * n_hot + pos[None, :]
         tl.store(hot_ptr + hot_off, acc.to(hot_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & hot)
         acc = tl.where(hot, float("-inf"), acc)  # never kept, NaN included
-    before = tl.zeros([offs_m.shape[0]], dtype=tl.int32)
+    cnt = tl.zeros([offs_m.shape[0]], dtype=tl.int32)
     if SPLIT == 1:
         cnt = _pack_slice(
-            acc, offs_m, tile, 0, before, M, N, threshold, vals_ptr, idx_ptr, n_tiles, TILE_N, SLOTS, SQUARE, TILE_N
+            acc, offs_m, tile, 0, cnt, M, N, threshold, words_ptr, n_tiles, VALUE, TILE_N, SLOTS, SQUARE, TILE_N
         )
     else:
         left, right = tl.split(tl.permute(tl.reshape(acc, [acc.shape[0], 2, TILE_N // 2]), [0, 2, 1]))
-        half = _pack_slice(
-            left,
-            offs_m,
-            tile,
-            0,
-            before,
-            M,
-            N,
-            threshold,
-            vals_ptr,
-            idx_ptr,
-            n_tiles,
-            TILE_N,
-            SLOTS,
-            SQUARE,
-            TILE_N // 2,
+        cnt = _pack_slice(
+            left, offs_m, tile, 0, cnt, M, N, threshold, words_ptr, n_tiles, VALUE, TILE_N, SLOTS, SQUARE, TILE_N // 2
         )
         cnt = _pack_slice(
-            right,
-            offs_m,
-            tile,
+            right, offs_m, tile, TILE_N // 2, cnt, M, N, threshold, words_ptr, n_tiles, VALUE, TILE_N, SLOTS, SQUARE,
             TILE_N // 2,
-            half,
-            M,
-            N,
-            threshold,
-            vals_ptr,
-            idx_ptr,
-            n_tiles,
-            TILE_N,
-            SLOTS,
-            SQUARE,
-            TILE_N // 2,
-        )
-    _pack_finish(cnt, offs_m, tile, M, vals_ptr, idx_ptr, cnt_ptr, n_tiles, SLOTS)
+        )  # fmt: skip
+    tl.store(cnt_ptr + offs_m.to(tl.int64) * n_tiles + tile, cnt, mask=offs_m < M)
 
 
 # (BLOCK_M, BLOCK_K, num_warps, num_stages, SPLIT); BLOCK_N is the TwELL tile width: one GEMM tile packs
-# exactly one TwELL tile. Best on the H200 at tile 128: 7.07 ms at M=131072, K=2048 (cuBLAS alone 4.26;
-# flattening the persistent loop did not help): gpu_check-prefill-20261130-161757.json, NOTES.md.
+# exactly one TwELL tile. The probe's shape first (128 x 128 x 64, 4 stages, 8 warps: 4.97 ms at
+# M=131072, K=2048, N=5632 with this epilogue, ../shared/probes/pack_epilogue_probe.json; 3 stages and
+# 4 warps were slower there). ptxas (sm_90, Triton 3.9) spills 768 bytes a thread at SPLIT 1 and 184 at
+# SPLIT 2, the probe's own kernel 448: hence the SPLIT 2 and smaller-K rows, to be measured.
 GATE_CONFIGS = [
     (128, 64, 8, 4, 1),
-    (128, 128, 8, 3, 1),
     (128, 64, 8, 4, 2),
+    (128, 64, 8, 3, 2),
+    (128, 32, 8, 8, 2),
 ]
 
 
@@ -230,8 +183,7 @@ def _gate_twell_kernel(
     x_desc,
     w_desc,
     b_ptr,
-    vals_ptr,
-    idx_ptr,
+    words_ptr,
     cnt_ptr,
     pos_ptr,
     hot_ptr,
@@ -246,6 +198,7 @@ def _gate_twell_kernel(
     HAS_HOT: tl.constexpr,
     SQUARE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    VALUE: tl.constexpr,
     TILE_N: tl.constexpr,
     SLOTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -253,11 +206,14 @@ def _gate_twell_kernel(
     SPLIT: tl.constexpr,
     GROUP_M: tl.constexpr = 8,
 ):
-    """Persistent gate GEMM (TMA loads of x and W_g tiles) whose epilogue packs each output tile."""
+    """Persistent gate GEMM (TMA loads of x and W_g tiles) whose epilogue packs each output tile. The
+    flattened loop lets the pipeliner issue the next tile's loads during this tile's epilogue (the
+    probe kernel of ../shared/probes/pack_epilogue_probe.py, flattened: 4.97 ms against cuBLAS's 4.22
+    for the gate alone at M=131072, K=2048, N=5632)."""
     grid_m = tl.cdiv(M, BLOCK_M)
     n_out = grid_m * n_tiles
     k_steps = tl.cdiv(K, BLOCK_K)
-    for out_tile in tl.range(tl.program_id(0), n_out, tl.num_programs(0)):
+    for out_tile in tl.range(tl.program_id(0), n_out, tl.num_programs(0), flatten=True):
         pid_m, tile, acc = _gate_tile(
             x_desc, w_desc, out_tile, grid_m, n_tiles, k_steps, DOT_PRECISION, TILE_N, BLOCK_M, BLOCK_K, GROUP_M
         )
@@ -265,10 +221,10 @@ def _gate_twell_kernel(
             cols = tile * TILE_N + tl.arange(0, TILE_N)
             acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         # decide on the value the dense FFN sees: the gate rounded to the output dtype
-        acc = acc.to(vals_ptr.dtype.element_ty).to(tl.float32)
+        acc = acc.to(VALUE).to(tl.float32)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         _pack_tile(
-            acc, offs_m, tile, M, N, threshold, vals_ptr, idx_ptr, cnt_ptr, pos_ptr, hot_ptr, n_hot, n_tiles, TILE_N,
+            acc, offs_m, tile, M, N, threshold, words_ptr, cnt_ptr, pos_ptr, hot_ptr, n_hot, n_tiles, VALUE, TILE_N,
             SLOTS, SQUARE, SPLIT, HAS_HOT,
         )  # fmt: skip
 
@@ -291,8 +247,7 @@ PACK_CONFIGS = [
 @triton.jit
 def _pack_dense_kernel(
     h_ptr,
-    vals_ptr,
-    idx_ptr,
+    words_ptr,
     cnt_ptr,
     pos_ptr,
     hot_ptr,
@@ -318,17 +273,17 @@ def _pack_dense_kernel(
     ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_n[None, :] * stride_hn
     acc = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     _pack_tile(
-        acc, offs_m, tile, M, N, threshold, vals_ptr, idx_ptr, cnt_ptr, pos_ptr, hot_ptr, n_hot, n_tiles, TILE_N, SLOTS,
-        SQUARE, 1, HAS_HOT,
+        acc, offs_m, tile, M, N, threshold, words_ptr, cnt_ptr, pos_ptr, hot_ptr, n_hot, n_tiles,
+        h_ptr.dtype.element_ty, TILE_N, SLOTS, SQUARE, 1, HAS_HOT,
     )  # fmt: skip
 
 
 def _alloc(m: int, n: int, tile_n: int, slots: int, dtype, device):
+    """(words, counts) of a TwELL of [m, n] values of `dtype` (twell.format's layout)."""
     n_tiles = triton.cdiv(n, tile_n)
-    values = torch.empty(m, n_tiles, slots, dtype=dtype, device=device)
-    indices = torch.empty(m, n_tiles, slots, dtype=torch.int16, device=device)
+    words = torch.empty(m, n_tiles, slots, dtype=word_dtype(dtype), device=device)
     counts = torch.empty(m, n_tiles, dtype=torch.int32, device=device)
-    return values, indices, counts
+    return words, counts
 
 
 def hot_values(m: int, n_hot: int, dtype, device) -> torch.Tensor:
@@ -390,8 +345,8 @@ def gate_twell(
     config: tuple[int, int, int, int, int] | None = None,
     hot: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
-    """TwELL arrays (values, indices, counts) of act_t(x @ weight^T + bias), x: [M, K], weight: [N, K];
-    the dense gate never reaches memory.
+    """TwELL arrays (words, counts) of act_t(x @ weight^T + bias), x: [M, K], weight: [N, K] (layout:
+    twell.format; slots past each count unwritten); the dense gate never reaches memory.
 
     square: store act² (relu², non-gated FFNs). Counts are true counts: > slots means the row overflows.
     The operands must pass fused_gate_supported (cuBLAS + pack_dense serves the rest). config: one row
@@ -414,7 +369,7 @@ def gate_twell(
     check_tile(tile_n, slots)
     m, k = x.shape
     n = weight.shape[0]
-    values, indices, counts = _alloc(m, n, tile_n, slots, x.dtype, x.device)
+    words, counts = _alloc(m, n, tile_n, slots, x.dtype, x.device)
     n_tiles = counts.shape[1]
     programs = _programs(x.device)
     # block shapes are set per config by _set_blocks
@@ -434,8 +389,7 @@ def gate_twell(
         x_desc,
         w_desc,
         bias if bias is not None else x,
-        values,
-        indices,
+        words,
         counts,
         *_hot_args(hot, counts),
         m,
@@ -448,11 +402,12 @@ def gate_twell(
         HAS_HOT=hot is not None,
         SQUARE=square,
         DOT_PRECISION=dot_precision(x.dtype),
+        VALUE=tl_dtype(x.dtype),
         TILE_N=tile_n,
         SLOTS=slots,
         **meta,
     )
-    return values, indices, counts
+    return words, counts
 
 
 def pack_dense(
@@ -463,8 +418,8 @@ def pack_dense(
     square: bool = False,
     hot: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
-    """TwELL arrays of a dense pre-activation h [M, N]: the pack pass for a cuBLAS gate. hot:
-    (hot_pos, hot_values), module docstring."""
+    """TwELL arrays (words, counts) of a dense pre-activation h [M, N]: the pack pass for a cuBLAS gate.
+    hot: (hot_pos, hot_values), module docstring."""
     if not isinstance(h, torch.Tensor) or h.dim() != 2:
         raise ValueError(f"pack_dense expects h [M, N], got {list(h.shape) if isinstance(h, torch.Tensor) else h}")
     check_input("h", h)
@@ -472,12 +427,11 @@ def pack_dense(
     check_hot(hot, h.shape[0], h.shape[1], h)
     check_tile(tile_n, slots)
     m, n = h.shape
-    values, indices, counts = _alloc(m, n, tile_n, slots, h.dtype, h.device)
+    words, counts = _alloc(m, n, tile_n, slots, h.dtype, h.device)
     n_tiles = counts.shape[1]
     _pack_dense_kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), n_tiles)](
         h,
-        values,
-        indices,
+        words,
         counts,
         *_hot_args(hot, counts),
         m,
@@ -492,4 +446,4 @@ def pack_dense(
         TILE_N=tile_n,
         SLOTS=slots,
     )
-    return values, indices, counts
+    return words, counts

@@ -16,6 +16,7 @@ are recomputed from W_g, a GEMV over TILE_N rows). _heavy_kernel, persistent, sp
 into SPLITS parts (entry ranges and overflowing tiles), each part an fp32 partial of y_m; the last
 part to finish sums the partials in part order (deterministic). Rows past the partials' capacity are
 taken whole by one part. Neither path needs a dense backup buffer or the host.
+The row's entries are read from TwELL words (twell.kernels.words) inside each tile's count only.
 W_d is read as rows of down_weight^T ([N, K]): pass down_weight.t() with unit stride on K.
 hot_pos: the neurons the packer left out (twell.kernels.gate's hot map, -1: packed); recomputed
 tiles leave them out too.
@@ -27,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from twell.format import word_dtype
 from twell.kernels import policy
 from twell.kernels.common import (
     autotune_configs,
@@ -39,6 +41,7 @@ from twell.kernels.common import (
     m_bucket,
     threshold_in,
 )
+from twell.kernels.words import decode
 
 CHUNK = 16  # entries flattened at a time
 MAX_WIDTH = 256  # scratch entries per row; rows with more take the heavy-row kernel
@@ -54,21 +57,20 @@ def _row_entries(
     valid,
     m,
     n_tiles,
-    vals_ptr,
-    idx_ptr,
+    words_ptr,
     TILE_N: tl.constexpr,
     SLOTS: tl.constexpr,
     TILES_PAD: tl.constexpr,
+    VALUE: tl.constexpr,
 ):
-    """Gate value and neuron id of the row's flat entries e (entry e lies in the first tile whose
+    """Gate value (fp32 of a VALUE) and neuron id of the row's flat entries e (entry e lies in the first tile whose
     inclusive count exceeds e)."""
     offs_t = tl.arange(0, TILES_PAD)
     tile = tl.sum((incl[None, :] <= e[:, None]).to(tl.int32), axis=1)
     start = tl.sum(tl.where(offs_t[None, :] == tile[:, None], (incl - cnt)[None, :], 0), axis=1)
     slot_off = (m * n_tiles + tile) * SLOTS + (e - start)
-    g = tl.load(vals_ptr + slot_off, mask=valid, other=0.0).to(tl.float32)
-    neuron = tile * TILE_N + tl.load(idx_ptr + slot_off, mask=valid, other=0).to(tl.int32)
-    return g, neuron
+    g, column = decode(tl.load(words_ptr + slot_off, mask=valid, other=0), VALUE)
+    return g, tile * TILE_N + column
 
 
 @triton.jit
@@ -107,15 +109,15 @@ def _entry(
 
 @triton.jit
 def _flatten(
-    cnt, incl, lo, count, m, n_tiles, vals_ptr, idx_ptr, g_row, n_row, TILE_N: tl.constexpr, SLOTS: tl.constexpr,
-    TILES_PAD: tl.constexpr, CHUNK: tl.constexpr,
+    cnt, incl, lo, count, m, n_tiles, words_ptr, g_row, n_row, TILE_N: tl.constexpr, SLOTS: tl.constexpr,
+    TILES_PAD: tl.constexpr, CHUNK: tl.constexpr, VALUE: tl.constexpr,
 ):  # fmt: skip
     """The row's flat entries lo .. lo + count - 1 as (gate value, neuron) pairs in the scratch, CHUNK
     at a time, so the entry loop that follows has no tile bookkeeping."""
     for c0 in range(0, count, CHUNK):
         e = c0 + tl.arange(0, CHUNK)
         valid = e < count
-        g, neuron = _row_entries(cnt, incl, lo + e, valid, m, n_tiles, vals_ptr, idx_ptr, TILE_N, SLOTS, TILES_PAD)
+        g, neuron = _row_entries(cnt, incl, lo + e, valid, m, n_tiles, words_ptr, TILE_N, SLOTS, TILES_PAD, VALUE)
         tl.store(g_row + e, g, mask=valid)
         tl.store(n_row + e, neuron, mask=valid)
 
@@ -161,8 +163,7 @@ ROWVEC_CONFIGS = [
 @triton.jit
 def _twell_up_down_kernel(
     x_ptr,
-    vals_ptr,
-    idx_ptr,
+    words_ptr,
     cnt_ptr,
     order_ptr,
     heavy_ptr,
@@ -213,7 +214,10 @@ def _twell_up_down_kernel(
     incl = tl.cumsum(cnt, axis=0)
     g_row = g_ptr + m * WIDTH
     n_row = n_ptr + m * WIDTH
-    _flatten(cnt, incl, 0, total, m, n_tiles, vals_ptr, idx_ptr, g_row, n_row, TILE_N, SLOTS, TILES_PAD, CHUNK)
+    _flatten(
+        cnt, incl, 0, total, m, n_tiles, words_ptr, g_row, n_row, TILE_N, SLOTS, TILES_PAD, CHUNK,
+        x_ptr.dtype.element_ty,
+    )  # fmt: skip
     tl.debug_barrier()  # the loop below reads scratch entries that other threads of this program wrote
     offs_k = tl.arange(0, BLOCK_K)
     k_ok = offs_k < K
@@ -233,8 +237,7 @@ def _heavy_part(
     m,
     part,
     parts,
-    vals_ptr,
-    idx_ptr,
+    words_ptr,
     cnt_ptr,
     wg_ptr,
     bg_ptr,
@@ -282,7 +285,7 @@ def _heavy_part(
     y = tl.zeros([BLOCK_K], dtype=tl.float32)
     for b0 in range(lo, hi, WIDTH):
         block = tl.minimum(hi - b0, WIDTH)
-        _flatten(cnt, incl, b0, block, m, n_tiles, vals_ptr, idx_ptr, g_row, n_row, TILE_N, SLOTS, TILES_PAD, CHUNK)
+        _flatten(cnt, incl, b0, block, m, n_tiles, words_ptr, g_row, n_row, TILE_N, SLOTS, TILES_PAD, CHUNK, OUT_DTYPE)
         tl.debug_barrier()
         y = _walk(
             y, xv, g_row, n_row, block, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un, stride_uk, stride_dn,
@@ -324,8 +327,7 @@ def _heavy_part(
 @triton.jit
 def _heavy_kernel(
     x_ptr,
-    vals_ptr,
-    idx_ptr,
+    words_ptr,
     cnt_ptr,
     heavy_ptr,
     sem_ptr,
@@ -391,7 +393,7 @@ def _heavy_kernel(
         y = tl.zeros([BLOCK_K], dtype=tl.float32)
         for p in range(tl.where(split, part, 0), tl.where(split, part + 1, SPLITS)):
             y_p = _heavy_part(
-                xv, offs_k, k_ok, m, p, SPLITS, vals_ptr, idx_ptr, cnt_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr,
+                xv, offs_k, k_ok, m, p, SPLITS, words_ptr, cnt_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr,
                 wd_ptr, pos_ptr, g_row, n_row, N, n_tiles, threshold, stride_gn, stride_gk, stride_un, stride_uk,
                 stride_dn, stride_dk, HAS_UP, HAS_GATE_BIAS, HAS_HOT, HAS_UP_BIAS, DRELU, SQUARE,
                 y_ptr.dtype.element_ty,
@@ -421,8 +423,7 @@ def _programs(device: torch.device) -> int:
 
 def twell_up_down(
     x: torch.Tensor,
-    values: torch.Tensor,
-    indices: torch.Tensor,
+    words: torch.Tensor,
     counts: torch.Tensor,
     gate_weight: torch.Tensor,
     gate_bias: torch.Tensor | None,
@@ -439,7 +440,8 @@ def twell_up_down(
     order: bool = True,
     hot_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y [M, K] from x [M, K] and the TwELL arrays of act(x gate_weight^T + gate_bias).
+    """y [M, K] from x [M, K] and the TwELL arrays (words, counts; twell.format's layout, slots past
+    each count never read) of act(x gate_weight^T + gate_bias).
 
     up_weight: [N, K] or None (non-gated: h = gate values, squared with `square`); gate_weight: [N, K],
     read only for overflowing tiles (count > slots), whose entries are recomputed; down_weight_t:
@@ -456,13 +458,13 @@ def twell_up_down(
     if not isinstance(gate_weight, torch.Tensor) or gate_weight.dim() != 2:
         raise ValueError(f"gate_weight must be a 2-dim tensor [N, {k}]")
     n = gate_weight.shape[0]
-    if not all(isinstance(t, torch.Tensor) for t in (values, indices, counts)) or values.dim() != 3:
-        raise ValueError("twell_up_down expects values and indices [M, T, S] and counts [M, T] tensors")
-    n_tiles, slots = values.shape[1], values.shape[2]
-    if counts.shape != (m, n_tiles) or indices.shape != values.shape or values.shape[0] != m:
+    if not all(isinstance(t, torch.Tensor) for t in (words, counts)) or words.dim() != 3:
+        raise ValueError("twell_up_down expects words [M, T, S] and counts [M, T] tensors")
+    n_tiles, slots = words.shape[1], words.shape[2]
+    if counts.shape != (m, n_tiles) or words.shape[0] != m:
         raise ValueError(
-            f"twell_up_down expects values/indices [{m}, T, S] and counts [{m}, T], got {list(values.shape)}, "
-            f"{list(indices.shape)} and {list(counts.shape)}"
+            f"twell_up_down expects words [{m}, T, S] and counts [{m}, T], got {list(words.shape)} and "
+            f"{list(counts.shape)}"
         )
     if n_tiles != triton.cdiv(n, tile_n):
         raise ValueError(f"{n_tiles} tiles do not cover N={n} at tile_n={tile_n}")
@@ -473,11 +475,7 @@ def twell_up_down(
             )
     check_tile(tile_n, slots)
     # the kernels index the TwELL arrays as dense [M, T, S] / [M, T] of these types
-    for name, t, dtype in (
-        ("values", values, x.dtype),
-        ("indices", indices, torch.int16),
-        ("counts", counts, torch.int32),
-    ):
+    for name, t, dtype in (("words", words, word_dtype(x.dtype)), ("counts", counts, torch.int32)):
         check_operand(name, t, tuple(t.shape), x, dtype)
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous (indexed as a dense array), got strides {t.stride()}")
@@ -525,13 +523,13 @@ def twell_up_down(
     if order:  # a one-byte key sorts in one radix pass; rows past 255 entries are heavy-kernel rows anyway
         row_order = torch.argsort(counts.sum(1).clamp_(max=255).to(torch.uint8), descending=True).to(torch.int32)
     _twell_up_down_kernel[(m,)](
-        x, values, indices, counts, row_order, heavy, *up, down_weight_t, down_bias, y, g_scratch, n_scratch, k,
+        x, words, counts, row_order, heavy, *up, down_weight_t, down_bias, y, g_scratch, n_scratch, k,
         n_tiles, m_bucket(m), x.stride(0), x.stride(1), *strides, HAS_ORDER=order, CHUNK=CHUNK, **flags,
     )  # fmt: skip
     # neurons recomputed at a time: a [RECOMPUTE, BLOCK_K] tile of W_g in registers, kept ones fit the scratch
     recompute = 1 << (min(16, max(1, 16384 // flags["BLOCK_K"]), tile_n, width).bit_length() - 1)
     _heavy_kernel[(programs,)](
-        x, values, indices, counts, heavy, heavy[1 + m :], partials, gate_weight,
+        x, words, counts, heavy, heavy[1 + m :], partials, gate_weight,
         gate_bias if gate_bias is not None else dummy, *up, down_weight_t, down_bias,
         hot_pos if hot_pos is not None else counts, y, g_scratch, n_scratch, n, k, n_tiles, capacity,
         threshold_in(threshold, x.dtype), x.stride(0), x.stride(1), gate_weight.stride(0), gate_weight.stride(1),
