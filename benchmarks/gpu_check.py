@@ -93,6 +93,11 @@ def gate_point(k, n, m) -> list[dict]:
         tile_n, slots = block.mlp.layer_config.tile_n, block.mlp.layer_config.slots
         ref = pack_dense(pre, 0.0, tile_n, slots)
         pack_ms = do_bench(lambda t=tile_n, s=slots: pack_dense(pre, 0.0, t, s), return_mode="median")
+        for config in gate.PACK_CONFIGS:
+            ms = do_bench(lambda c=config: pack_dense(pre, 0.0, tile_n, slots, config=c), return_mode="median")
+            same = (pack_dense(pre, 0.0, tile_n, slots, config=config)[1] == ref[1]).float().mean().item()
+            rows.append({"K": k, "N": n, "M": m, "tile_n": tile_n, "pack_config": config, "pack_ms": ms})
+            print(f"{k:>5} {n:>6} {m:>6} pack {str(config):>22} {ms:6.3f} ms, counts agree {same:.5f}", flush=True)
         for config in gate.GATE_CONFIGS:
             try:
                 out = gate.gate_twell(x, wg, bg, 0.0, tile_n, slots, config=config)
