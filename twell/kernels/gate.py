@@ -59,25 +59,18 @@ def _pack_slice(
     SLOTS: tl.constexpr,
     SQUARE: tl.constexpr,
     WIDTH: tl.constexpr,
-    PREFIX_DOT: tl.constexpr,
 ):
     """Pack columns [col0, col0 + WIDTH) of one TwELL tile (rows offs_m, fp32 values `acc`, stored as
     VALUE) behind the `before` entries each row already holds in this tile; returns the rows' counts
-    including this slice. A kept entry's slot is the number of kept entries before it in the row: a
-    prefix sum (tl.cumsum: shuffles on the ALUs), or with PREFIX_DOT the product keep @ U with U the
-    strictly upper triangular ones (on the tensor cores; exact: 0/1 products summed in fp32). Row bases
-    in int64: 32-bit addressing measured slower (5.23 against 4.97 ms at M=131072, K=2048, N=5632,
-    ../shared/probes/pack_epilogue_probe.json)."""
+    including this slice. Row bases in int64: 32-bit addressing measured slower (5.23 against 4.97 ms
+    at M=131072, K=2048, N=5632, ../shared/probes/pack_epilogue_probe.json)."""
     offs_c = col0 + tl.arange(0, WIDTH)
     in_bounds = (offs_m < M)[:, None] & ((tile * TILE_N + offs_c) < N)[None, :]
     keep = ((acc > threshold) | (acc != acc)) & in_bounds  # not (acc <= t): NaN is kept, as by relu
     keep_i = keep.to(tl.int32)
-    if PREFIX_DOT:
-        offs_w = tl.arange(0, WIDTH)
-        upper = (offs_w[:, None] < offs_w[None, :]).to(tl.float16)
-        pos = before[:, None] + tl.dot(keep.to(tl.float16), upper, out_dtype=tl.float32).to(tl.int32)
-    else:
-        pos = before[:, None] + tl.cumsum(keep_i, axis=1) - 1
+    # a product with a triangular matrix on the tensor cores instead of the prefix sum measured 2.6x
+    # slower in the pack pass and 15% in the fused gate (gpu_check-prefill-20261201-205835.json)
+    pos = before[:, None] + tl.cumsum(keep_i, axis=1) - 1
     if SQUARE:
         acc = acc * acc
     slot_ptr = ((offs_m.to(tl.int64) * n_tiles + tile) * SLOTS)[:, None] + pos
@@ -90,7 +83,7 @@ def _pack_slice(
 def _pack_tile(
     acc, offs_m, tile, M, N, threshold, words_ptr, cnt_ptr, pos_ptr, hot_ptr, n_hot, n_tiles,
     VALUE: tl.constexpr, TILE_N: tl.constexpr, SLOTS: tl.constexpr, SQUARE: tl.constexpr, SPLIT: tl.constexpr,
-    HAS_HOT: tl.constexpr, PREFIX_DOT: tl.constexpr,
+    HAS_HOT: tl.constexpr,
 ):  # fmt: skip
     """Pack one [BLOCK_M, TILE_N] fp32 tile into TwELL slots and store its rows' counts, in SPLIT column
     slices (1 or 2: fewer live registers next to a GEMM accumulator); with HAS_HOT, the hot neurons'
@@ -106,35 +99,30 @@ def _pack_tile(
     cnt = tl.zeros([offs_m.shape[0]], dtype=tl.int32)
     if SPLIT == 1:
         cnt = _pack_slice(
-            acc, offs_m, tile, 0, cnt, M, N, threshold, words_ptr, n_tiles, VALUE, TILE_N, SLOTS, SQUARE, TILE_N,
-            PREFIX_DOT,
-        )  # fmt: skip
+            acc, offs_m, tile, 0, cnt, M, N, threshold, words_ptr, n_tiles, VALUE, TILE_N, SLOTS, SQUARE, TILE_N
+        )
     else:
         left, right = tl.split(tl.permute(tl.reshape(acc, [acc.shape[0], 2, TILE_N // 2]), [0, 2, 1]))
         cnt = _pack_slice(
-            left, offs_m, tile, 0, cnt, M, N, threshold, words_ptr, n_tiles, VALUE, TILE_N, SLOTS, SQUARE, TILE_N // 2,
-            PREFIX_DOT,
-        )  # fmt: skip
+            left, offs_m, tile, 0, cnt, M, N, threshold, words_ptr, n_tiles, VALUE, TILE_N, SLOTS, SQUARE, TILE_N // 2
+        )
         cnt = _pack_slice(
             right, offs_m, tile, TILE_N // 2, cnt, M, N, threshold, words_ptr, n_tiles, VALUE, TILE_N, SLOTS, SQUARE,
-            TILE_N // 2, PREFIX_DOT,
+            TILE_N // 2,
         )  # fmt: skip
     tl.store(cnt_ptr + offs_m.to(tl.int64) * n_tiles + tile, cnt, mask=offs_m < M)
 
 
-# (BLOCK_M, BLOCK_K, num_warps, num_stages, SPLIT, PREFIX_DOT); BLOCK_N is the TwELL tile width: one GEMM
-# tile packs exactly one TwELL tile. Measured on the H200 at M=131072, K=2048, N=5632, tile 128
+# (BLOCK_M, BLOCK_K, num_warps, num_stages, SPLIT); BLOCK_N is the TwELL tile width: one GEMM tile packs
+# exactly one TwELL tile. Measured on the H200 at M=131072, K=2048, N=5632, tile 128
 # (gpu_check-prefill-20261201-204221.json; cuBLAS alone 4.35, + the pack pass 5.47): SPLIT 2 6.03 ms,
 # SPLIT 1 9.45 (ptxas, sm_90: 184 against 768 bytes of spills a thread), 3 stages 6.60, BLOCK_K 32 with
 # 8 stages 8.27; at K=4096, N=14336, M=65536 SPLIT 2 13.8 against cuBLAS's 11.3. The probe's kernel ran
 # 4.97 with no bias, a constant threshold and NaN dropped: those features cost the registers
-# (benchmarks/gate_epilogue.py, gate_epilogue-20261201-205328.json). The tensor-core prefix rows (ptxas:
-# 40 bytes of spills at SPLIT 2; at SPLIT 1 it needs 288 KB of shared memory): to measure.
+# (benchmarks/gate_epilogue.py, gate_epilogue-20261201-205328.json).
 GATE_CONFIGS = [
-    (128, 64, 8, 4, 2, False),
-    (128, 64, 8, 4, 1, False),
-    (128, 64, 8, 4, 2, True),
-    (128, 64, 8, 3, 2, True),
+    (128, 64, 8, 4, 2),
+    (128, 64, 8, 4, 1),
 ]
 
 
@@ -185,13 +173,8 @@ def _set_blocks(nargs):
 
 @triton.autotune(
     configs=[
-        triton.Config(
-            {"BLOCK_M": bm, "BLOCK_K": bk, "SPLIT": sp, "PREFIX_DOT": dot},
-            num_warps=w,
-            num_stages=s,
-            pre_hook=_set_blocks,
-        )
-        for bm, bk, w, s, sp, dot in GATE_CONFIGS[: 1 if interpreting() else None]
+        triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "SPLIT": sp}, num_warps=w, num_stages=s, pre_hook=_set_blocks)
+        for bm, bk, w, s, sp in GATE_CONFIGS[: 1 if interpreting() else None]
     ],
     key=["M_BUCKET", "N", "K", "TILE_N", "SLOTS"],
     cache_results=True,  # tuned configs persist on disk across processes
@@ -223,7 +206,6 @@ def _gate_twell_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr,
-    PREFIX_DOT: tl.constexpr,
     GROUP_M: tl.constexpr = 8,
 ):
     """Persistent gate GEMM (TMA loads of x and W_g tiles) whose epilogue packs each output tile. The
@@ -245,26 +227,24 @@ def _gate_twell_kernel(
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         _pack_tile(
             acc, offs_m, tile, M, N, threshold, words_ptr, cnt_ptr, pos_ptr, hot_ptr, n_hot, n_tiles, VALUE, TILE_N,
-            SLOTS, SQUARE, SPLIT, HAS_HOT, PREFIX_DOT,
+            SLOTS, SQUARE, SPLIT, HAS_HOT,
         )  # fmt: skip
 
 
 PACK_CONFIGS = [
-    # (BLOCK_M, PREFIX_DOT, num_warps, num_stages): a memory-bound pass, so small tiles and many programs.
-    # 1.12 ms at M=131072, N=5632 (ffn-20261201-204317.json) against 0.35 for its bytes (the gate read
-    # once): the scan's shuffles are the suspect, hence the tensor-core prefix rows (BLOCK_M >= 16)
-    (8, False, 4, 1),
-    (4, False, 2, 1),
-    (16, False, 4, 1),
-    (32, False, 4, 1),
-    (16, False, 8, 1),
-    (16, True, 4, 1),
-    (32, True, 4, 1),
+    # (BLOCK_M, num_warps, num_stages). 1.12-1.27 ms at M=131072, N=5632 whatever the row block (16
+    # rows, 4 warps best; gpu_check-prefill-20261201-205835.json) against 0.35 for its bytes (the gate
+    # read once): bound by the prefix sum's shuffles, not by memory
+    (16, 4, 1),
+    (32, 4, 1),
+    (4, 2, 1),
+    (8, 4, 1),
+    (16, 8, 1),
 ]
 
 
 @triton.autotune(
-    configs=autotune_configs(PACK_CONFIGS, lambda bm, dot, w, s: {"BLOCK_M": bm, "PREFIX_DOT": dot}),
+    configs=autotune_configs(PACK_CONFIGS, lambda bm, w, s: {"BLOCK_M": bm}),
     key=["M_BUCKET", "N", "TILE_N", "SLOTS"],
     cache_results=True,
 )
@@ -288,7 +268,6 @@ def _pack_dense_kernel(
     TILE_N: tl.constexpr,
     SLOTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    PREFIX_DOT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     tile = tl.program_id(1)
@@ -299,7 +278,7 @@ def _pack_dense_kernel(
     acc = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     _pack_tile(
         acc, offs_m, tile, M, N, threshold, words_ptr, cnt_ptr, pos_ptr, hot_ptr, n_hot, n_tiles,
-        h_ptr.dtype.element_ty, TILE_N, SLOTS, SQUARE, 1, HAS_HOT, PREFIX_DOT,
+        h_ptr.dtype.element_ty, TILE_N, SLOTS, SQUARE, 1, HAS_HOT,
     )  # fmt: skip
 
 
@@ -356,7 +335,7 @@ def fused_gate_supported(x: torch.Tensor, weight: torch.Tensor, tile_n: int) -> 
         return aligned
     if torch.cuda.get_device_capability(x.device)[0] < 9:
         return False
-    return any(_smem(bm, bk, s, tile_n, x.element_size()) <= SMEM_LIMIT for bm, bk, _, s, _, _ in GATE_CONFIGS)
+    return any(_smem(bm, bk, s, tile_n, x.element_size()) <= SMEM_LIMIT for bm, bk, _, s, _ in GATE_CONFIGS)
 
 
 def gate_twell(
@@ -367,7 +346,7 @@ def gate_twell(
     tile_n: int,
     slots: int,
     square: bool = False,
-    config: tuple[int, int, int, int, int, bool] | None = None,
+    config: tuple[int, int, int, int, int] | None = None,
     hot: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """TwELL arrays (words, counts) of act_t(x @ weight^T + bias), x: [M, K], weight: [N, K] (layout:
@@ -406,9 +385,8 @@ def gate_twell(
 
     kernel, meta = _gate_twell_kernel, {}
     if config is not None:
-        block_m, block_k, warps, stages, split, dot = config
-        meta = {"BLOCK_M": block_m, "BLOCK_K": block_k, "SPLIT": split, "PREFIX_DOT": dot}
-        meta.update(num_warps=warps, num_stages=stages)
+        block_m, block_k, warps, stages, split = config
+        meta = {"BLOCK_M": block_m, "BLOCK_K": block_k, "SPLIT": split, "num_warps": warps, "num_stages": stages}
         _set_blocks({"x_desc": x_desc, "w_desc": w_desc, "TILE_N": tile_n, **meta})
         kernel = _gate_twell_kernel.fn
     kernel[grid](
@@ -443,7 +421,7 @@ def pack_dense(
     slots: int,
     square: bool = False,
     hot: tuple[torch.Tensor, torch.Tensor] | None = None,
-    config: tuple[int, bool, int, int] | None = None,
+    config: tuple[int, int, int] | None = None,
 ):
     """TwELL arrays (words, counts) of a dense pre-activation h [M, N]: the pack pass for a cuBLAS gate.
     hot: (hot_pos, hot_values), module docstring. config: one row of PACK_CONFIGS instead of autotuning
@@ -459,9 +437,8 @@ def pack_dense(
     n_tiles = counts.shape[1]
     kernel, meta = _pack_dense_kernel, {}
     if config is not None:
-        block_m, dot, warps, stages = config
-        kernel, meta = _pack_dense_kernel.fn, {"BLOCK_M": block_m, "PREFIX_DOT": dot, "num_warps": warps}
-        meta["num_stages"] = stages
+        block_m, warps, stages = config
+        kernel, meta = _pack_dense_kernel.fn, {"BLOCK_M": block_m, "num_warps": warps, "num_stages": stages}
     kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), n_tiles)](
         h,
         words,
