@@ -337,6 +337,17 @@ def poison_allocator(case: dict, device: str) -> None:
     del block, small
 
 
+def poison_reaches_new_buffers(device: str) -> bool | None:
+    """Whether fresh CUDA buffers of the sizes a call allocates read as NaN after poison_allocator (None
+    on the CPU, which has no caching allocator)."""
+    if device == "cpu":
+        return None
+    case = {"dtype": "bf16", "m": 4096, "k": 2048, "n": 5632, "tile_n": policy.TILE_N, "slots": policy.SLOTS}
+    poison_allocator(case, device)
+    fresh = [torch.empty(4096, 2048, dtype=torch.bfloat16, device=device), torch.empty(100, device=device)]
+    return all(bool(t.isnan().all()) for t in fresh)
+
+
 def run_case(case: dict, device: str) -> dict:
     """One case: its record (the parameters, then the verdict of each call, or the exception)."""
     start = time.perf_counter()
@@ -474,6 +485,7 @@ def summarize(records: list, unfinished: list, args, seconds: float) -> dict:
     failures = [r for r in records if not r["ok"]]
     return {
         **environment(),
+        "poison_effective": poison_reaches_new_buffers(args.device),
         "device": args.device,
         "seed": args.seed,
         "cases_requested": args.cases,
@@ -518,7 +530,8 @@ def print_table(summary: dict) -> None:
     print(
         f"{summary['cases']} cases, {summary['failed']} failed, {len(summary['unfinished'])} unfinished, "
         f"{summary['seconds']} s on {summary['gpu']} (torch {summary['torch']}, triton {summary['triton']}, "
-        f"commit {summary['commit']})"
+        f"commit {summary['commit']}); allocator poisoned: {summary['poison_effective']}, largest allowance "
+        f"{summary['largest_allowance']:.3g}"
     )
 
 

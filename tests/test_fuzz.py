@@ -96,3 +96,4 @@ def test_gpu_sweep(tmp_path):
     summary = json.loads(path.read_text())
     assert summary["failed"] == 0 and not summary["unfinished"], done.stdout[-4000:]
     assert summary["cases"] == 50 and done.returncode == 0, done.stderr[-3000:]
+    assert summary["poison_effective"]  # fresh buffers of the calls' sizes read as NaN
