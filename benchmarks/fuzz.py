@@ -213,11 +213,12 @@ def make_inputs(case: dict, device: str) -> dict:
         offset[lo : lo + 4096] = t - mid
     x[:, -1] = offset.to(dtype)
     if bursts:
-        # a burst row: its tile's chosen neurons lifted past the threshold, every other neuron below it
+        # a burst row: its tile's chosen neurons lifted past the threshold (the lowest just past it, where a
+        # wrong threshold shows), every other neuron below it
         pre = gate()
         which = torch.randint(len(bursts), (m,), generator=g, device=device)
         for b, (col, neurons) in enumerate(bursts):
-            lift = (t - pre[:, neurons]).amax(1).clamp_min(0) + 0.25
+            lift = (t - pre[:, neurons]).amax(1).clamp_min(0) + 0.02
             x[:, col] = torch.where(burst & (which == b), lift, 0.0).to(dtype)
     gated = case["kind"] in ("gated", "drelu")
     wd_rows = randn(n, k, scale=n**-0.5)  # down_weight.t(): the layout sparsify stores
