@@ -50,7 +50,9 @@ import time
 import traceback
 from pathlib import Path
 
-import torch
+STARTED = time.monotonic()  # --time-limit counts from here (imports included)
+
+import torch  # noqa: E402
 
 # without a GPU the kernels run in Triton's interpreter, which must be chosen before triton is imported
 if not torch.cuda.is_available() or "--smoke" in sys.argv:
@@ -411,6 +413,7 @@ class Pool:
         self.workers: dict[int, tuple] = {}  # wid -> (process, inbox)
         self.running: dict[int, tuple] = {}  # wid -> (case, start time)
         self.next_id = 0
+        self.idle_deaths = 0
         for _ in range(workers):
             self.spawn()
 
@@ -459,7 +462,11 @@ class Pool:
                 dead = not process.is_alive()
                 hung = case_start is not None and now - case_start[1] > CASE_TIMEOUT
                 if dead or hung:
-                    if case_start is not None:
+                    if case_start is None:  # died before taking a case: its start-up fails
+                        self.idle_deaths += 1
+                        if self.idle_deaths > 3:
+                            raise RuntimeError(f"fuzz workers die at start-up (exit code {process.exitcode})")
+                    else:
                         why = f"worker exit code {process.exitcode}" if dead else f"no result in {CASE_TIMEOUT} s"
                         on_record(
                             {**case_start[0], "ok": False, "error": f"crash: {why}", "seconds": now - case_start[1]}
@@ -476,8 +483,19 @@ class Pool:
                 self.running[wid] = (case, time.monotonic())
                 self.workers[wid][1].put(case)
         left = todo + [case for case, _ in self.running.values()]
-        for wid in list(self.workers):
-            self.stop(wid, kill=wid in self.running)
+        # idle workers leave when told, busy or still starting ones are killed after a few seconds
+        for wid, (process, inbox) in self.workers.items():
+            if wid in self.running:
+                process.kill()
+            else:
+                inbox.put(None)
+        end = time.monotonic() + 3
+        for process, _ in self.workers.values():
+            process.join(timeout=max(0.0, end - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join()
+        self.workers.clear()
         self.running.clear()
         return left
 
@@ -558,7 +576,7 @@ def main(argv=None) -> int:
         args.workers = 0 if args.device == "cpu" else min(12, max(1, (os.cpu_count() or 2) - 4))
     seeds = args.replay or [case_seed(args.seed, i) for i in range(args.cases)]
     cases = [draw_case(s, args.device) for s in seeds]
-    start = time.monotonic()
+    start = STARTED
     deadline = start + args.time_limit
     path = result_path(args.out, "fuzz")
     records = []
