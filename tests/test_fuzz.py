@@ -1,0 +1,99 @@
+"""benchmarks/fuzz.py: its CPU smoke run passes through every path, its check fails wrong outputs, and on
+a GPU a sweep of 50 cases finds no wrong result and no crash."""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from twell.kernels import reference
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("fuzz", ROOT / "benchmarks" / "fuzz.py")
+fuzz = importlib.util.module_from_spec(_spec)
+sys.modules["fuzz"] = fuzz
+_spec.loader.exec_module(fuzz)
+
+# CPU cases (draw_case at these seeds): decode, the prefill path (gated and plain), dense
+SMOKE_SEEDS = ["0", "4", "5", "3"]
+
+
+def test_smoke_passes_every_path(tmp_path, monkeypatch):
+    monkeypatch.delenv("OUT", raising=False)
+    argv = ["--smoke", "--out", str(tmp_path)]
+    for seed in SMOKE_SEEDS:
+        argv += ["--replay", seed]
+    assert fuzz.main(argv) == 0
+    (path,) = tmp_path.glob("fuzz-*.json")
+    summary = json.loads(path.read_text())
+    assert summary["cases"] == len(SMOKE_SEEDS) and summary["failed"] == 0
+    assert {row["path"] for row in summary["by_path"]} == {"decode", "prefill", "dense"}
+    for key in ("gpu", "torch", "triton", "commit", "failures"):
+        assert key in summary
+    records = [json.loads(line) for line in Path(summary["log"]).read_text().splitlines()]
+    assert [r["seed"] for r in records] == [int(s) for s in SMOKE_SEEDS]
+    assert all(r["active"] > 0 for r in records)  # no case passes on an all-zero hidden layer
+
+
+def _dense_wrong(threshold_shift=0.0, nan=False):
+    """call_op in the case's dtype through the dense reference, with a shifted threshold or one NaN."""
+
+    def call(case, t, x, config):
+        x2 = x.reshape(-1, x.shape[-1])
+        th = case["threshold"] + threshold_shift
+        if case["kind"] in ("gated", "drelu"):
+            w = (t["gate_weight"], t["up_weight"], t["down_weight"], t["gate_bias"], t["up_bias"], t["down_bias"])
+            y = reference.gated_ffn(x2, *w, th, case["kind"] == "drelu")
+        else:
+            w = (t["gate_weight"], t["down_weight"], t["gate_bias"], t["down_bias"])
+            y = reference.ffn(x2, *w, th, case["kind"] == "relu2")
+        if nan:
+            y[-1, -1] = math.nan
+        return y.reshape(x.shape)
+
+    return call
+
+
+@pytest.mark.parametrize(
+    "wrong, passes",
+    [
+        pytest.param({}, True, id="right"),
+        pytest.param({"threshold_shift": 1.0}, False, id="wrong-threshold"),
+        pytest.param({"nan": True}, False, id="one-nan"),
+    ],
+)
+def test_check_fails_wrong_outputs(monkeypatch, wrong, passes):
+    """The check itself, on outputs of the dense reference in the case's dtype: right ones pass, a shifted
+    threshold or a single NaN fails (a fuzz that cannot fail is a defect)."""
+    monkeypatch.setattr(fuzz, "call_op", _dense_wrong(**wrong))
+    for seed in (4, 10, 11):
+        record = fuzz.run_case(fuzz.draw_case(seed, "cpu"), "cpu")
+        assert "error" not in record, record.get("traceback")
+        assert record["ok"] is passes, record
+
+
+def test_replay_draws_the_same_case():
+    assert fuzz.draw_case(fuzz.case_seed(3, 7), "cuda") == fuzz.draw_case(fuzz.case_seed(3, 7), "cuda")
+    a = fuzz.make_inputs(fuzz.draw_case(11, "cpu"), "cpu")
+    b = fuzz.make_inputs(fuzz.draw_case(11, "cpu"), "cpu")
+    assert all((a[k] is None and b[k] is None) or torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.gpu
+def test_gpu_sweep(tmp_path):
+    """50 random cases through the CUDA ops: no wrong result, no crash, all within the time limit."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("OUT", None)
+    command = [sys.executable, "benchmarks/fuzz.py", "--cases", "50", "--time-limit", "400", "--out", str(tmp_path)]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=480)
+    (path,) = tmp_path.glob("fuzz-*.json")
+    summary = json.loads(path.read_text())
+    assert summary["failed"] == 0 and not summary["unfinished"], done.stdout[-4000:]
+    assert summary["cases"] == 50 and done.returncode == 0, done.stderr[-3000:]
+    assert summary["poison_effective"]  # fresh buffers of the calls' sizes read as NaN
