@@ -50,3 +50,17 @@ def test_plots_from_smoke_result(smoke_result, tmp_path):
     printed = run(ROOT / "benchmarks" / "plots.py", smoke_result, "--out", tmp_path, cwd=ROOT)
     for name in ("ffn-speedup.png", "e2e-throughput.png", "e2e-breakdown.png"):
         assert (tmp_path / name).stat().st_size > 10_000, printed
+
+
+def test_reuse_statistics_of_a_known_activity_matrix():
+    """benchmarks/reuse.py's block statistics: 2 blocks of 2 tokens over 4 neurons."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import torch
+    from reuse import block_stats
+
+    active = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]], dtype=torch.bool)
+    stats = block_stats(active, 2)
+    # block 0: neuron 0 in 2 tokens, neuron 1 in 1; block 1: neurons 2 and 3 once each
+    assert stats["pairs_per_token"] == 5 / 4 and stats["union_per_token"] == 4 / 4
+    assert stats["reuse"] == 5 / 4 and stats["pairs_in_2plus"] == 2 / 5 and stats["pairs_in_4plus"] == 0
+    assert stats["union_share_of_n"] == 4 / 8
