@@ -13,7 +13,8 @@ Inputs: "exact": every row has exactly round(density * N) active neurons (the be
 fixed-slot format). Otherwise x ~ N(0, 1) rows scaled by exp(0.12 z), z ~ N(0, 1), and the gate bias
 shifts each neuron so that it fires with probability p_n on an unscaled row. "uniform": p_n = density
 for all n; "skewed": 30% of neurons never fire, the rest have log-normal rates (sigma 1.5) with the
-same mean.
+same mean; "topics": tokens come in runs of 256 sharing one of 16 topics, each neuron belongs to a
+topic and 90% of a token's active neurons come from its topic's (topic_tokens).
 Floors: gate GEMM alone (cuBLAS), and bytes over the measured copy bandwidth.
 """
 
@@ -82,6 +83,36 @@ def skewed_rates(n, density, generator):
     return (rates * density * n / rates.sum()).clamp(max=0.5)
 
 
+TOPICS = 16  # topics of the "topics" pattern, each owning N / TOPICS neurons
+TOPIC_RUN = 256  # consecutive tokens of one topic
+TOPIC_SHARE = 0.9  # of a token's active neurons, the share from its topic's own
+
+
+def topic_tokens(x, w_gate, density, generator):
+    """In place on x [M, K] and w_gate [N, K], the "topics" pattern; returns the gate bias [N]. Tokens
+    come in runs of TOPIC_RUN sharing a topic (drawn per run); each neuron belongs to one of TOPICS
+    topics and fires with probability p_in on its topic's tokens, p_out on others, so that TOPIC_SHARE of
+    a token's `density` comes from its topic. The last TOPICS input features are the token's topic as
+    one-hot; a neuron's gate weight on its topic's feature lifts its pre-activation from the p_out to
+    the p_in quantile."""
+    m, k = x.shape
+    n = w_gate.shape[0]
+    device = x.device
+    random_cols = k - TOPICS
+    topic_of_neuron = torch.randint(0, TOPICS, (n,), device=device, generator=generator)
+    runs = torch.randint(0, TOPICS, (-(-m // TOPIC_RUN),), device=device, generator=generator)
+    topic_of_token = runs.repeat_interleave(TOPIC_RUN)[:m]
+    x[:, random_cols:] = torch.nn.functional.one_hot(topic_of_token, TOPICS).to(x.dtype)
+    sigma = w_gate[:, :random_cols].norm(dim=1)
+    p_in = min(TOPIC_SHARE * density * TOPICS, 0.5)
+    p_out = (1 - TOPIC_SHARE) * density * TOPICS / (TOPICS - 1)
+    normal = torch.distributions.Normal(0.0, 1.0)
+    q_in, q_out = (normal.icdf(torch.tensor(1 - p, device=device)) for p in (p_in, p_out))
+    w_gate[:, random_cols:] = 0.0
+    w_gate[torch.arange(n, device=device), random_cols + topic_of_neuron] = sigma * (q_out - q_in)
+    return -sigma * q_out
+
+
 def make_inputs(m, k, n, density, pattern, seed=0, dtype=torch.bfloat16, device="cuda"):
     """x [M, K] and a Block whose FFN fires at `density` with the given pattern (module docstring)."""
     g = torch.Generator(device=device).manual_seed(seed)
@@ -95,6 +126,9 @@ def make_inputs(m, k, n, density, pattern, seed=0, dtype=torch.bfloat16, device=
         w_gate[:, -1] = 1.0
         top = torch.topk(x @ w_gate.T, r + 1, dim=1).values
         x[:, -1] = -(top[:, r - 1] + top[:, r]) / 2
+    elif pattern == "topics":
+        x *= torch.exp(0.12 * torch.randn(m, 1, device=device, generator=g))
+        shift = topic_tokens(x, w_gate, density, g)
     else:
         x *= torch.exp(0.12 * torch.randn(m, 1, device=device, generator=g))
         rates = torch.full((n,), density, device=device) if pattern == "uniform" else skewed_rates(n, density, g)
