@@ -3,7 +3,7 @@
 from rich.console import Console
 from rich.markup import escape
 
-from twell.rendering import Column, Notes, fitted_table
+from twell.report import Column, Notes, fitted_table
 
 NAME = "model.decoder.layers.10[fc1,fc2]"
 COLUMNS = [Column("module"), Column("detail", level=1), Column("speedup", justify="right")]
