@@ -5,8 +5,8 @@
 
 MODEL is a local Hugging Face checkpoint directory, a hub id already in the local cache, or the
 built-in demo model (the default). Nothing is downloaded. The work is done by the Python API
-(twell.loading, twell.passes.find_ffns, twell.calibrate); this module parses, renders and turns every
-failure into a one-line error with a non-zero exit status.
+(twell.loading, twell.passes.find_ffns, twell.calibrate) and the rendering by twell.report; this module
+parses, prints and turns every failure into a one-line error with a non-zero exit status.
 """
 
 from __future__ import annotations
@@ -142,65 +142,16 @@ def report_dict(analysis: Analysis) -> dict:
     }
 
 
-def _summary(data: dict) -> list[tuple[str, str]]:
-    """(label, text) lines of the summary panel; texts are rich markup."""
-    from rich.markup import escape
-
-    summary = data["summary"]
-    lines = [("data", escape(data["data"]))]
-    if data["cost_model"]:
-        lines.append(("cost model", escape(data["cost_model"])))
-    if any((r["decision"] or {}).get("predicted_speedup") for r in data["records"]) and not data["device"].startswith(
-        "cuda"
-    ):
-        lines.append(
-            (
-                f"on {data['device']}",
-                "no CUDA GPU: the rewritten model runs the dense path here, and the speedups are predicted "
-                "for the GPU the cost model names",
-            )
-        )
-    if summary["min_speedup"] is not None:
-        lines.append(
-            ("threshold", f"an FFN is rewritten when its predicted speedup is at least {summary['min_speedup']:.2f}x")
-        )
-    found = f"{summary['candidates']} found, {summary['rewritable']} rewritable, {summary['rewritten']} rewritten"
-    if summary["unmatched"]:
-        found += f"; {summary['unmatched']} FFN-shaped modules not analysed"
-    lines.append(("FFNs", found))
-    for phase in ("prefill", "decode"):
-        s = summary[phase]
-        if not s["timed_ffns"]:
-            lines.append((phase, "FFN share of model time not measured: no model speedup predicted"))
-            continue
-        untimed = summary["rewritable"] - s["timed_ffns"]
-        note = f", {untimed} FFNs not timed" if untimed else ""
-        lines.append(
-            (
-                phase,
-                f"FFNs take {s['ffn_time_share']:.0%} of model time on {data['device']} (rewritten: "
-                f"{s['rewritten_time_share']:.0%}{note}); predicted model speedup [bold]{s['speedup']:.2f}x[/bold]",
-            )
-        )
-    return lines
-
-
 def render(console, analysis: Analysis, plan_path: str | None = None) -> None:
     """Per-FFN table, notes on the reasons it does not show, and a summary panel (rich). The table keeps
     the columns that fit the console: at 80 columns the detail columns (in --json) are left out."""
     from rich.markup import escape
-    from rich.panel import Panel
-    from rich.table import Table
+
+    from twell.report import summary_panel
 
     data = report_dict(analysis)
     console.print(analysis_report(analysis, f"twell report: {data['model']['name']} ({data['model']['class']})"))
-
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(no_wrap=True)
-    grid.add_column(overflow="fold")
-    for label, text in _summary(data):
-        grid.add_row(escape(label), text)
-    console.print(Panel(grid, title="summary", title_align="left", expand=False))
+    console.print(summary_panel(data))
     if plan_path:
         # Unwrapped, so that the path can be copied whole however long it is.
         console.print(f"plan written to {escape(plan_path)}", soft_wrap=True)

@@ -1,5 +1,6 @@
-"""Reports: Record / Report (what twell found in a model and did to it) and the one table renderer that
-twell.report, twell.compile_report and the `twell` command line print through.
+"""Reports: Record / Report (what twell found in a model and did to it), the one table renderer that
+twell.report, twell.compile_report and the `twell` command line print through, and the command
+line's summary panel.
 
 The table keeps its detail columns only when the console is wide enough for them (at 80 columns: the
 FFN, its density and predicted speedup per phase, and the decision), and long texts become numbered
@@ -189,6 +190,65 @@ def render_records(records: list[Record], title: str, width: int, console):
         yield notes
 
 
+def summary_lines(data: dict) -> list[tuple[str, str]]:
+    """(label, text) lines of the command line's summary panel (data: twell.cli.report_dict's); texts
+    are rich markup."""
+    from rich.markup import escape
+
+    summary = data["summary"]
+    lines = [("data", escape(data["data"]))]
+    if data["cost_model"]:
+        lines.append(("cost model", escape(data["cost_model"])))
+    if any((r["decision"] or {}).get("predicted_speedup") for r in data["records"]) and not data["device"].startswith(
+        "cuda"
+    ):
+        lines.append(
+            (
+                f"on {data['device']}",
+                "no CUDA GPU: the rewritten model runs the dense path here, and the speedups are predicted "
+                "for the GPU the cost model names",
+            )
+        )
+    if summary["min_speedup"] is not None:
+        lines.append(
+            ("threshold", f"an FFN is rewritten when its predicted speedup is at least {summary['min_speedup']:.2f}x")
+        )
+    found = f"{summary['candidates']} found, {summary['rewritable']} rewritable, {summary['rewritten']} rewritten"
+    if summary["unmatched"]:
+        found += f"; {summary['unmatched']} FFN-shaped modules not analysed"
+    lines.append(("FFNs", found))
+    for phase in ("prefill", "decode"):
+        s = summary[phase]
+        if not s["timed_ffns"]:
+            lines.append((phase, "FFN share of model time not measured: no model speedup predicted"))
+            continue
+        untimed = summary["rewritable"] - s["timed_ffns"]
+        note = f", {untimed} FFNs not timed" if untimed else ""
+        lines.append(
+            (
+                phase,
+                f"FFNs take {s['ffn_time_share']:.0%} of model time on {data['device']} (rewritten: "
+                f"{s['rewritten_time_share']:.0%}{note}); predicted model speedup [bold]{s['speedup']:.2f}x[/bold]",
+            )
+        )
+    return lines
+
+
+def summary_panel(data: dict):
+    """The command line's summary under the table: the data, the cost model, the threshold, the FFNs
+    found and rewritten, and per phase the predicted model speedup (data: twell.cli.report_dict's)."""
+    from rich.markup import escape
+    from rich.panel import Panel
+    from rich.table import Table
+
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(no_wrap=True)
+    grid.add_column(overflow="fold")
+    for label, text in summary_lines(data):
+        grid.add_row(escape(label), text)
+    return Panel(grid, title="summary", title_align="left", expand=False)
+
+
 @dataclass
 class Record:
     """One row of the report: one candidate FFN (or a module that could not be analysed).
@@ -312,4 +372,6 @@ __all__ = [
     "phase_speedups",
     "record_row",
     "render_records",
+    "summary_lines",
+    "summary_panel",
 ]
