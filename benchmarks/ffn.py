@@ -38,6 +38,7 @@ import triton
 from triton.testing import do_bench
 
 import twell
+from twell.calibrate.timing import cuda_graph
 from twell.kernels import dispatch, policy, reference
 from twell.kernels.gate import gate_twell, pack_dense
 from twell.kernels.updown import _twell_up_down_kernel as updown_kernel
@@ -150,17 +151,7 @@ def timed(fn, graph: bool) -> float:
     """Median ms; decode-sized calls captured in a CUDA graph and timed as replays."""
     if not graph:
         return do_bench(fn, warmup=25, rep=120, return_mode="median")
-    fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph_obj = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph_obj):
-        fn()
-    return do_bench(graph_obj.replay, warmup=25, rep=120, return_mode="median")
+    return do_bench(cuda_graph(fn).replay, warmup=25, rep=120, return_mode="median")
 
 
 def peak_mb(fn) -> float:

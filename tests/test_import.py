@@ -22,18 +22,21 @@ def test_cli_version():
     assert twell.__version__ in result.stdout
 
 
-def test_calibrate_and_sparsify_stay_functions():
-    """twell.calibrate and twell.sparsify share their names with submodules: loading those (as sparsify
-    does when given calibration data) must not replace the public functions, in a fresh interpreter."""
+def test_calibrate_sparsify_and_report_stay_functions():
+    """twell.calibrate, twell.sparsify and twell.report share their names with submodules: loading those
+    (as sparsify does when given calibration data) must not replace the public functions, in a fresh
+    interpreter."""
     code = (
         "import torch, twell\n"
         "model = torch.nn.Sequential(torch.nn.Linear(4, 4))\n"
         "twell.sparsify(model, calibration_data=[{'input': torch.randn(2, 4)}], config={'progress': False})\n"
-        "import twell.calibrate, twell.sparsify\n"
+        "print(twell.report(model))\n"
+        "import twell.calibrate, twell.sparsify, twell.report\n"
         "from twell.calibrate import calibrate\n"
-        "from twell.sparsify import sparsify\n"
+        "from twell.sparsify import report, sparsify\n"
         "assert twell.calibrate is calibrate, twell.calibrate\n"
         "assert twell.sparsify is sparsify, twell.sparsify\n"
+        "assert twell.report is report, twell.report\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

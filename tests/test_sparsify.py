@@ -306,7 +306,7 @@ def test_report_table_and_json():
     text = str(twell.report(twell.sparsify(build("llama", "silu"))))
     assert max(len(line) for line in text.splitlines()) <= 80 and "model.layers.1.mlp  " in text
     # The reason both layers share is one note under the table.
-    assert text.count("no (1)") == LAYERS and text.count("(1) activation silu is not sparse") == 1
+    assert text.count("not rewritable (1)") == LAYERS and text.count("(1) activation silu is not sparse") == 1
 
 
 def test_save_pretrained_while_sparsified(tmp_path):

@@ -21,7 +21,7 @@ from twell.sparsify import compile_report, configure, layer_configs, report, res
 
 __version__ = "0.1.0"
 
-# name -> (module, attribute), imported on first access. `sparsify` and `calibrate` are imported
+# name -> (module, attribute), imported on first access. `sparsify`, `calibrate` and `report` are imported
 # eagerly above: they share their names with submodules, and the import system sets a submodule as an
 # attribute of this package when it is first imported, which would replace a lazily bound function.
 _LAZY = {

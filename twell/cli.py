@@ -5,8 +5,8 @@
 
 MODEL is a local Hugging Face checkpoint directory, a hub id already in the local cache, or the
 built-in demo model (the default). Nothing is downloaded. The work is done by the Python API
-(twell.loading, twell.passes.find_ffns, twell.calibrate); this module parses, renders and turns every
-failure into a one-line error with a non-zero exit status.
+(twell.loading, twell.passes.find_ffns, twell.calibrate) and the rendering by twell.report; this module
+parses, prints and turns every failure into a one-line error with a non-zero exit status.
 """
 
 from __future__ import annotations
@@ -109,16 +109,22 @@ def analyse(args: argparse.Namespace) -> Analysis:
     return Analysis(loaded, candidates, unmatched, decisions, note, cost)
 
 
+def analysis_report(analysis: Analysis, title: str | None = None):
+    """twell.report.Report of the calibration's decisions, where "rewritten" means decided to rewrite."""
+    from twell.report import Report, build_records
+
+    decided = {path for path, d in analysis.decisions.items() if d.rewrite}
+    return Report(build_records(analysis.candidates, analysis.unmatched, analysis.decisions, decided), title)
+
+
 def report_dict(analysis: Analysis) -> dict:
     """The report as JSON-serialisable data (what --json writes): the records and summary of
     twell.report(model).to_dict(), where "rewritten" means the calibration decided to rewrite, plus the
     model, the data and the predicted model speedups."""
     from twell.calibrate import predicted_model_speedup
-    from twell.sparsify import Report, build_records
 
     loaded = analysis.loaded
-    decided = {path for path, d in analysis.decisions.items() if d.rewrite}
-    report = Report(build_records(analysis.candidates, analysis.unmatched, analysis.decisions, decided)).to_dict()
+    report = analysis_report(analysis).to_dict()
     return {
         "twell_version": twell.__version__,
         "model": {"name": loaded.name, "path": str(loaded.path), "class": type(loaded.model).__name__},
@@ -136,160 +142,16 @@ def report_dict(analysis: Analysis) -> dict:
     }
 
 
-def _pct(value: float | None, digits: int = 2) -> str:
-    return "—" if value is None else f"{value:.{digits}%}"
-
-
-# The report's columns, most important at level 0 (see twell.rendering.fitted_table).
-_COLUMNS = [
-    ("FFN", 0, "left"),
-    ("act", 1, "left"),
-    ("N×K", 1, "right"),
-    ("density\npre/decode", 0, "right"),
-    ("nnz/row\nmean p50 p99 max", 2, "right"),
-    ("dead", 2, "right"),
-    ("tile/C", 2, "right"),
-    ("over-\nflow", 2, "right"),
-    ("time\nshare", 1, "right"),
-    ("speedup\npre/decode", 0, "right"),
-    ("decision", 0, "left"),
-]
-
-
-def _decision_cell(record: dict, notes) -> str:
-    """rewrite / keep dense / not rewritable / not analysed, with a note for any reason the other columns
-    do not show (a measured layer's predicted speedup, compared with the threshold in the summary, is its
-    reason)."""
-    from rich.markup import escape
-
-    from twell.rendering import note_for
-
-    decision = record["decision"] or {}
-    if record["rewritten"]:
-        return "[green]rewrite[/green]"
-    if not record["matched"]:
-        return f"[red]not analysed[/red] {escape(notes.mark(record['reason']))}"
-    if decision.get("predicted_speedup"):
-        return "[yellow]keep dense[/yellow]"
-    if not record["rewritable"]:
-        return f"[red]not rewritable[/red] {escape(notes.mark(record['reason']))}"
-    return f"[yellow]keep dense[/yellow] {escape(notes.mark(note_for(record['reason'], record['decision'])))}"
-
-
-def _record_row(record: dict, notes) -> list[str]:
-    from rich.markup import escape
-
-    from twell.calibrate import PHASES
-    from twell.rendering import phase_speedups
-
-    decision = record["decision"] or {}
-    stats = decision.get("stats") or {}
-    main = stats.get("prefill") or stats.get("decode")
-    nnz = main["nnz_per_row"] if main else None
-    dead = "—"
-    if decision.get("dead_neurons") is not None:
-        dead = f"{decision['dead_neurons']} ({decision['dead_neurons'] / record['hidden_size']:.0%})"
-    shape = f"{record['hidden_size']}×{record['model_size']}" if record["hidden_size"] else "—"
-    tile_n = decision.get("tile_n")
-    return [
-        escape(record["path"]),  # inline FFNs' paths hold brackets: "layers.0[fc1,fc2]"
-        escape(record["activation"] or "—"),
-        shape,
-        "/".join(_pct(stats.get(p, {}).get("density")) for p in PHASES),
-        "—" if nnz is None else f"{nnz['mean']:.1f} {nnz['p50']} {nnz['p99']} {nnz['max']}",
-        dead,
-        "—" if tile_n is None else f"{tile_n}/{decision['compression']}",
-        _pct(decision.get("overflow_rows"), 1),
-        _pct((decision.get("time_share") or {}).get("prefill"), 0),
-        phase_speedups(decision),
-        _decision_cell(record, notes),
-    ]
-
-
-def _summary(data: dict) -> list[tuple[str, str]]:
-    """(label, text) lines of the summary panel; texts are rich markup."""
-    from rich.markup import escape
-
-    summary = data["summary"]
-    lines = [("data", escape(data["data"]))]
-    if data["cost_model"]:
-        lines.append(("cost model", escape(data["cost_model"])))
-    if any((r["decision"] or {}).get("predicted_speedup") for r in data["records"]) and not data["device"].startswith(
-        "cuda"
-    ):
-        lines.append(
-            (
-                f"on {data['device']}",
-                "no CUDA GPU: the rewritten model runs the dense path here, and the speedups are predicted "
-                "for the GPU the cost model names",
-            )
-        )
-    if summary["min_speedup"] is not None:
-        lines.append(
-            ("threshold", f"an FFN is rewritten when its predicted speedup is at least {summary['min_speedup']:.2f}x")
-        )
-    found = f"{summary['candidates']} found, {summary['rewritable']} rewritable, {summary['rewritten']} rewritten"
-    if summary["unmatched"]:
-        found += f"; {summary['unmatched']} FFN-shaped modules not analysed"
-    lines.append(("FFNs", found))
-    for phase in ("prefill", "decode"):
-        s = summary[phase]
-        if not s["timed_ffns"]:
-            lines.append((phase, "FFN share of model time not measured: no model speedup predicted"))
-            continue
-        untimed = summary["rewritable"] - s["timed_ffns"]
-        note = f", {untimed} FFNs not timed" if untimed else ""
-        lines.append(
-            (
-                phase,
-                f"FFNs take {s['ffn_time_share']:.0%} of model time on {data['device']} (rewritten: "
-                f"{s['rewritten_time_share']:.0%}{note}); predicted model speedup [bold]{s['speedup']:.2f}x[/bold]",
-            )
-        )
-    return lines
-
-
 def render(console, analysis: Analysis, plan_path: str | None = None) -> None:
     """Per-FFN table, notes on the reasons it does not show, and a summary panel (rich). The table keeps
     the columns that fit the console: at 80 columns the detail columns (in --json) are left out."""
-    from rich import box
     from rich.markup import escape
-    from rich.panel import Panel
-    from rich.table import Table
 
-    from twell.rendering import Column, Notes, fitted_table
+    from twell.report import summary_panel
 
     data = report_dict(analysis)
-    title = f"twell report: {data['model']['name']} ({data['model']['class']})"
-    notes = Notes()
-    rows = [_record_row(record, notes) for record in data["records"]]
-    if rows:
-        columns = [Column(header, level, justify) for header, level, justify in _COLUMNS]
-        table = fitted_table(
-            console,
-            console.width,
-            columns,
-            rows,
-            title=escape(title),
-            title_justify="left",
-            header_style="bold",
-            box=box.SIMPLE_HEAD,
-            show_edge=False,
-            pad_edge=False,
-            collapse_padding=True,
-        )
-        console.print(table)
-        if notes:
-            console.print(notes)
-    else:
-        console.print(f"[bold]{escape(title)}[/bold]: no feed-forward blocks found")
-
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(no_wrap=True)
-    grid.add_column(overflow="fold")
-    for label, text in _summary(data):
-        grid.add_row(escape(label), text)
-    console.print(Panel(grid, title="summary", title_align="left", expand=False))
+    console.print(analysis_report(analysis, f"twell report: {data['model']['name']} ({data['model']['class']})"))
+    console.print(summary_panel(data))
     if plan_path:
         # Unwrapped, so that the path can be copied whole however long it is.
         console.print(f"plan written to {escape(plan_path)}", soft_wrap=True)

@@ -15,12 +15,13 @@ Importing this module is light: the passes (and networkx) load on first call.
 
 from __future__ import annotations
 
-import io
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from twell.report import Report, build_records
 
 # Attribute on the model instance holding what sparsify did (a _State): restore, report and save_plan
 # read it, and it travels with copy.deepcopy of the model.
@@ -36,126 +37,6 @@ class _State:
     rewritten: set[str] = field(default_factory=set)
     # path -> (module holding the layer's LayerConfig, expert index or None), for every rewritten FFN
     configs: dict = field(default_factory=dict)
-
-
-@dataclass
-class Record:
-    """One row of the report: one candidate FFN (or a module that could not be analysed).
-
-    decision: after calibration or a plan, the decision's fields (density, predicted speedup, ...).
-    """
-
-    path: str
-    kind: str  # "gated", "plain", or "" when unmatched
-    matched: bool
-    activation: str
-    rewritable: bool
-    rewritten: bool
-    reason: str
-    hidden_size: int | None = None
-    model_size: int | None = None
-    threshold: float | None = None
-    decision: dict | None = None
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-class Report:
-    """What sparsify found and did, one Record per candidate. print() renders a rich table."""
-
-    def __init__(self, records: list[Record]):
-        self.records = records
-
-    def __iter__(self):
-        return iter(self.records)
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def __getitem__(self, path: str) -> Record:
-        for record in self.records:
-            if record.path == path:
-                return record
-        raise KeyError(path)
-
-    def summary(self) -> dict:
-        return {
-            "candidates": sum(r.matched for r in self.records),
-            "rewritable": sum(r.rewritable for r in self.records),
-            "rewritten": sum(r.rewritten for r in self.records),
-            "unmatched": sum(not r.matched for r in self.records),
-        }
-
-    def to_dict(self) -> dict:
-        """JSON-serialisable: {"records": [...], "summary": {...}}."""
-        return {"records": [r.to_dict() for r in self.records], "summary": self.summary()}
-
-    def __rich_console__(self, console, options):
-        """The table, with the columns that fit the width (details go first), and numbered notes with
-        the reasons for what was not rewritten."""
-        from rich import box
-        from rich.markup import escape
-
-        from twell.rendering import Column, Notes, fitted_table, note_for, phase_speedups
-
-        summary = self.summary()
-        notes = Notes()
-        rows = []
-        for r in self.records:
-            decision = r.decision or {}
-            density = decision.get("density")
-            rewritten = "[green]yes[/]" if r.rewritten else "[red]no[/]"
-            if r.reason and not r.rewritten:
-                rewritten += " " + escape(notes.mark(note_for(r.reason, r.decision)))
-            rows.append(
-                [
-                    escape(r.path or "<model>"),
-                    r.kind or "-",
-                    r.activation or "-",
-                    f"{r.hidden_size}x{r.model_size}" if r.hidden_size else "-",
-                    f"{density:.1%}" if isinstance(density, float) else "-",
-                    phase_speedups(r.decision, "-") if decision.get("predicted_speedup") else "-",
-                    rewritten,
-                ]
-            )
-        columns = [
-            Column("module"),
-            Column("kind", level=1),
-            Column("activation", level=1),
-            Column("N x K", level=1, justify="right"),
-            Column("density", justify="right"),
-            Column("speedup pre/decode", justify="right"),
-            Column("rewritten"),
-        ]
-        title = f"twell: {summary['rewritten']} of {summary['candidates']} FFNs rewritten"
-        if summary["unmatched"]:
-            title += f", {summary['unmatched']} FFN-shaped modules not analysed"
-        yield fitted_table(
-            console,
-            options.max_width,
-            columns,
-            rows,
-            title=title,
-            title_justify="left",
-            header_style="bold",
-            box=box.SIMPLE_HEAD,
-            show_edge=False,
-            pad_edge=False,
-            collapse_padding=True,
-        )
-        if notes:
-            yield notes
-
-    def __str__(self) -> str:
-        from rich.console import Console
-
-        buffer = io.StringIO()
-        Console(file=buffer, width=80, force_terminal=False, color_system=None).print(self)
-        return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines())
-
-    def __repr__(self) -> str:
-        return f"Report({self.summary()})"
 
 
 def _check_model(model) -> None:
@@ -366,37 +247,6 @@ def _warmup_calls(replacements) -> list:
     return calls
 
 
-def build_records(candidates, unmatched, decisions: dict | None, rewritten: set[str]) -> list[Record]:
-    """The report's records: one per candidate (module order), then one per module not analysed.
-
-    decisions: {path: twell.calibrate.Decision} or None; rewritten: the paths that are (or, for a report
-    of calibration alone, would be) rewritten. twell.report and `twell report --json` share these."""
-    records = []
-    for c in candidates:
-        decision = decisions.get(c.path) if decisions is not None else None
-        reason = c.reason
-        if not reason and decision is not None and not decision.rewrite:
-            reason = decision.reason
-        records.append(
-            Record(
-                path=c.path,
-                kind=c.kind,
-                matched=True,
-                activation=c.activation,
-                rewritable=c.rewritable,
-                rewritten=c.path in rewritten,
-                reason=reason,
-                hidden_size=c.hidden_size,
-                model_size=c.model_size,
-                threshold=c.threshold,
-                decision=decision.to_dict() if decision is not None else None,
-            )
-        )
-    for u in unmatched:
-        records.append(Record(u.path, "", False, "", False, False, u.reason))
-    return records
-
-
 def report(model: torch.nn.Module) -> Report:
     """The FFNs of `model`: what sparsify did to it, or (not sparsified) what it would find."""
     _check_model(model)
@@ -432,9 +282,6 @@ def save_plan(model: torch.nn.Module, path: str | os.PathLike) -> None:
 
 
 __all__ = [
-    "Record",
-    "Report",
-    "build_records",
     "compile_report",
     "configure",
     "Configured",

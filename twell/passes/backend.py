@@ -33,6 +33,7 @@ import twell.ops  # noqa: F401  (registers torch.ops.twell.*)
 from twell.kernels.policy import DEFAULT, LayerConfig
 from twell.passes.decided import decision_for, decisions_digest, record_compiled
 from twell.passes.match import Dialect, FFNMatch, Projection, find_matches, op_name
+from twell.report import Record, Report
 
 
 def _tensor_meta(node: fx.Node):
@@ -236,10 +237,8 @@ def _read_plan(path):
 
 
 def compile_records(found, dialect: Dialect, plan: _Plan) -> list:
-    """The report records (twell.sparsify.Record) of what one graph rewrite did, one per FFN found;
+    """The report records (twell.report.Record) of what one graph rewrite did, one per FFN found;
     each is also kept by the FFN's gate weight for twell.compile_report(model)."""
-    from twell.sparsify import Record
-
     records = []
     for match, reason in found:
         path, decision = plan.lookup(match, dialect)
@@ -340,9 +339,7 @@ class TwellInductorPass(CustomGraphPass):
         self.records.extend(compile_records(found, dialect, plan))
 
     def report(self):
-        """The records as a twell.sparsify.Report."""
-        from twell.sparsify import Report
-
+        """The records as a twell.report.Report."""
         return Report(list(self.records))
 
     def uuid(self) -> bytes:

@@ -13,7 +13,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 # gate weight -> (candidate path, Decision): set by sparsify with decisions, dropped by restore
 _decisions = WeakIdKeyDictionary()
-# gate weight -> twell.sparsify.Record: what the latest compilation that found this FFN did to it
+# gate weight -> twell.report.Record: what the latest compilation that found this FFN did to it
 _compiled = WeakIdKeyDictionary()
 
 

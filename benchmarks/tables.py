@@ -1,0 +1,234 @@
+"""The figure tables of README.md and docs/performance.md, written from the result files.
+
+    PYTHONPATH=. python benchmarks/tables.py       # after adding results to benchmarks/results/
+
+Each table sits between markers (`<!-- tables:NAME -->` ... `<!-- /tables:NAME -->`) and is rewritten
+whole; tests/test_tables.py fails when a committed page differs from what this script writes, so no
+figure is copied by hand. Every row names the result file it comes from (each file records the commit
+it measured). Which results count, newest first (file names carry the run's UTC time):
+
+- ffn (benchmarks/ffn.py): per point (K, N, tokens, pattern, density), the newest run's module as a user
+  calls it (twell.sparsify's, routed by its LayerConfig) against the faster of dense eager and dense
+  compiled; only runs timed as today's benchmark times them (calls of up to 256 tokens as CUDA-graph
+  replays over several layers: points that record `layers_per_graph`) and that record their commit.
+- e2e (benchmarks/e2e.py): per (model, neuron profile, phase, batch, sequence), the newest full run
+  (not --smoke) that measured a dense and a twell row there; the faster of each side, from one run.
+- train (benchmarks/train.py): the newest run's points.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+PAGES = ("README.md", "docs/performance.md")
+RESULT_FILE = re.compile(r"^(?P<kind>[a-z0-9_-]+?)-(?P<stamp>\d{8}-\d{6})\.json$")
+# The whole-model run the README quotes: the paper's 2B shape, neurons at 0.5% with skewed rates.
+README_MODEL, README_PROFILE = "2b", "skewed"
+
+
+def runs(results: Path, kind: str) -> list[tuple[str, dict]]:
+    """(file name, contents) of every result file of `kind`, newest first."""
+    found = [(m["stamp"], p) for p in results.iterdir() if (m := RESULT_FILE.match(p.name)) and m["kind"] == kind]
+    return [(p.name, json.loads(p.read_text())) for _, p in sorted(found, reverse=True)]
+
+
+def source(name: str, run: dict) -> str:
+    return f"`{name}` ({run.get('commit') or 'no commit'})"
+
+
+def speedup(x: float) -> str:
+    return f"{x:.2f}x"
+
+
+def ms(x: float) -> str:
+    return f"{x:.3g}"
+
+
+def span(values: list[float]) -> str:
+    low, high = min(values), max(values)
+    return speedup(low) if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f}-{high:.2f}x"
+
+
+def ffn_points(results: Path) -> list[dict]:
+    """The newest measurement of each FFN point, with its file and commit (see the module doc)."""
+    newest: dict[tuple, dict] = {}
+    for name, run in runs(results, "ffn"):
+        if not run.get("commit"):
+            continue
+        for p in run["points"]:
+            key = (p["K"], p["N"], p["M"], p["pattern"], p["density"])
+            if "layers_per_graph" in p and key not in newest:
+                newest[key] = {**p, "source": source(name, run)}
+    return sorted(newest.values(), key=lambda p: (p["K"], -p["M"], p["pattern"], p["density"]))
+
+
+def e2e_points(results: Path) -> list[dict]:
+    """Per (model, profile, phase, batch, seq): the newest run's faster dense and faster twell row."""
+    newest: dict[tuple, dict] = {}
+    for name, run in runs(results, "e2e"):
+        if run.get("smoke"):
+            continue
+        for model in run["models"]:
+            for phase in ("prefill", "generation"):
+                sides: dict[tuple, dict] = {}
+                for row in model["rows"]:
+                    if row.get("error"):
+                        continue
+                    side = "dense" if row["row"].startswith("dense") else "twell"
+                    profiles = [row["profile"]] if side == "twell" else list(model.get("profiles") or [None])
+                    for point in row.get(phase, []):
+                        for profile in profiles:
+                            key = (model["model"], profile, phase, point["batch"], point.get("seq"))
+                            best = sides.setdefault(key, {}).get(side)
+                            if best is None or point["tokens_per_s"] > best["tokens_per_s"]:
+                                sides[key][side] = {**point, "row": row["row"]}
+                for key, both in sides.items():
+                    if len(both) == 2 and key not in newest:
+                        newest[key] = {
+                            **both,
+                            "layers": model["config"]["num_hidden_layers"],
+                            "source": source(name, run),
+                        }
+    order = {"prefill": 0, "generation": 1}
+    ranked = sorted(newest, key=lambda k: (k[0], str(k[1]), order[k[2]], k[3], k[4] or 0))
+    return [{"key": key, **newest[key]} for key in ranked]
+
+
+def train_points(results: Path) -> list[dict]:
+    """The newest training run's points."""
+    for name, run in runs(results, "train"):
+        return [{**p, "source": source(name, run)} for p in run["points"]]
+    return []
+
+
+def shape(e: dict) -> str:
+    model, profile, phase, batch, seq = e["key"]
+    if phase == "prefill":
+        return f"prefill, {batch} x {seq} tokens"
+    return f"generation, batch {batch} ({e['twell']['prompt']}-token prompt, {e['twell']['new_tokens']} new tokens)"
+
+
+def ffn_table(points: list[dict]) -> str:
+    rows = [
+        "| K x N | tokens | pattern | density | dense ms | twell ms | speedup | path | source |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in points:
+        dense = min(p["dense_eager_ms"], p["dense_compiled_ms"])
+        hot = f", {p['hot_neurons']} hot" if p.get("hot_neurons") else ""
+        rows.append(
+            f"| {p['K']}x{p['N']} | {p['M']} | {p['pattern']} | {p['density']:.1%} | {ms(dense)} | {ms(p['twell_ms'])} "
+            f"| {speedup(p['speedup'])} | {p['path']}{hot} | {p['source']} |"
+        )
+    return "\n".join(rows)
+
+
+def e2e_table(points: list[dict]) -> str:
+    rows = [
+        "| model | neurons | measured | dense tokens/s | twell tokens/s | speedup | source |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for e in points:
+        dense, twell = e["dense"], e["twell"]
+        rows.append(
+            f"| {e['key'][0]} ({e['layers']} layers) | {e['key'][1]} | {shape(e)} | {dense['tokens_per_s']:.0f} "
+            f"({dense['row']}) | {twell['tokens_per_s']:.0f} ({twell['row']}) "
+            f"| {speedup(twell['tokens_per_s'] / dense['tokens_per_s'])} | {e['source']} |"
+        )
+    return "\n".join(rows)
+
+
+def train_table(points: list[dict]) -> str:
+    rows = [
+        "| K x N | tokens | pattern | density | dense ms | twell ms | speedup | peak memory twell / dense | source |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in points:
+        dense = min(p["dense_eager_ms"], p["dense_compiled_ms"])
+        rows.append(
+            f"| {p['K']}x{p['N']} | {p['M']} | {p['pattern']} | {p['density']:.1%} | {ms(dense)} | {ms(p['twell_ms'])} "
+            f"| {speedup(dense / p['twell_ms'])} | {p['memory_ratio']:.0%} | {p['source']} |"
+        )
+    return "\n".join(rows)
+
+
+def summary_table(ffn: list[dict], e2e: list[dict], train: list[dict]) -> str:
+    """What a user gets: whole-model prefill and generation at the paper's 2B shape (the sparsified model
+    compiled), a training step, and the FFN block's range per path, at 0.5% density (the paper's
+    ReLU models trained with the L1 penalty keep about 29 of 5632 neurons a token: 0.5%)."""
+    rows = ["| what | measured | dense | twell | speedup | source |", "|---|---|---|---|---|---|"]
+    for e in e2e:
+        # the way docs/usage.md recommends running a sparsified model: compiled
+        if e["key"][:2] != (README_MODEL, README_PROFILE) or e["twell"]["row"] != "twell-compiled":
+            continue
+        dense, twell = e["dense"], e["twell"]
+        rows.append(
+            f"| whole model, {e['key'][0].upper()} shape ({e['layers']} layers, 0.5% {README_PROFILE}) | {shape(e)} "
+            f"| {dense['tokens_per_s']:.0f} tokens/s ({dense['row']}) | {twell['tokens_per_s']:.0f} tokens/s "
+            f"({twell['row']}) | {speedup(twell['tokens_per_s'] / dense['tokens_per_s'])} | {e['source']} |"
+        )
+    step = [p for p in train if p["density"] == 0.005]
+    if step:
+        dense = [min(p["dense_eager_ms"], p["dense_compiled_ms"]) for p in step]
+        twell = [p["twell_ms"] for p in step]
+        rows.append(
+            f"| a training step, one FFN layer (forward + backward, L1 penalty) | {step[0]['M']} tokens, 0.5%, "
+            f"K={'/'.join(sorted({str(p['K']) for p in step}))} | {min(dense):.3g}-{max(dense):.3g} ms "
+            f"| {min(twell):.3g}-{max(twell):.3g} ms, {min(p['memory_ratio'] for p in step):.0%}-"
+            f"{max(p['memory_ratio'] for p in step):.0%} of dense's peak memory "
+            f"| {span([d / t for d, t in zip(dense, twell, strict=True)])} | {step[0]['source']} |"
+        )
+    for path, what in (("decode", "decode kernels"), ("prefill", "prefill kernels"), ("dense", "dense route")):
+        points = [p for p in ffn if p["path"] == path and p["density"] == 0.005]
+        if not points:
+            continue
+        tokens = "/".join(map(str, sorted({p["M"] for p in points})))
+        tokens += " token" if tokens == "1" else " tokens"
+        files = sorted({p["source"] for p in points})
+        rows.append(
+            f"| the FFN block alone, {what} | {tokens} a call, 0.5%, K=2048 and 4096 | the faster of eager "
+            f"and compiled | twell.sparsify's module | {span([p['speedup'] for p in points])} "
+            f"| {len(files)} file{'s' if len(files) > 1 else ''}, newest {files[-1]} |"
+        )
+    return "\n".join(rows)
+
+
+def tables(results: Path = RESULTS) -> dict[str, str]:
+    """{marker name: markdown table} of every generated table."""
+    ffn, e2e, train = ffn_points(results), e2e_points(results), train_points(results)
+    return {
+        "summary": summary_table(ffn, e2e, train),
+        "ffn": ffn_table(ffn),
+        "e2e": e2e_table(e2e),
+        "train": train_table(train),
+    }
+
+
+def with_tables(text: str, generated: dict[str, str]) -> str:
+    """`text` with every marked table replaced by its generated one (unknown markers raise)."""
+
+    def replace(match: re.Match) -> str:
+        name = match["name"]
+        if name not in generated:
+            raise ValueError(f"unknown table marker {name!r}; known: {sorted(generated)}")
+        return f"<!-- tables:{name} -->\n{generated[name]}\n<!-- /tables:{name} -->"
+
+    return re.sub(r"<!-- tables:(?P<name>[a-z0-9_]+) -->.*?<!-- /tables:(?P=name) -->", replace, text, flags=re.S)
+
+
+def main() -> int:
+    generated = tables()
+    for page in PAGES:
+        path = ROOT / page
+        path.write_text(with_tables(path.read_text(), generated))
+        print(f"wrote the tables of {page}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""The README's and docs/performance.md's figure tables are written from the result files by
+benchmarks/tables.py: no figure copied by hand, none stale, and the newest run of each point counts."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("benchmark_tables", ROOT / "benchmarks" / "tables.py")
+tables = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tables)
+
+MARKERS = {"README.md": ["summary"], "docs/performance.md": ["ffn", "e2e", "train"]}
+
+
+@pytest.mark.parametrize("page", tables.PAGES)
+def test_committed_tables_are_what_tables_py_writes(page):
+    text = (ROOT / page).read_text()
+    for name in MARKERS[page]:
+        assert f"<!-- tables:{name} -->" in text and f"<!-- /tables:{name} -->" in text, f"{page}: no {name} table"
+    assert text == tables.with_tables(text, tables.tables()), (
+        f"{page}: its tables differ from the result files; run PYTHONPATH=. python benchmarks/tables.py"
+    )
+
+
+def ffn_point(m, speedup, **extra):
+    dense = 1.0
+    return {
+        "K": 2048,
+        "N": 5632,
+        "M": m,
+        "pattern": "uniform",
+        "density": 0.005,
+        "dense_eager_ms": dense * 1.5,
+        "dense_compiled_ms": dense,
+        "twell_ms": dense / speedup,
+        "speedup": speedup,
+        "path": "decode" if m == 1 else "prefill",
+        "layers_per_graph": 8,
+        "memory_ratio": 0.4,
+        **extra,
+    }
+
+
+def e2e_run(commit, tokens_per_s, smoke=False):
+    def rows(side, profile, rate):
+        return {
+            "row": side,
+            "profile": profile,
+            "prefill": [{"batch": 16, "seq": 2048, "tokens_per_s": rate}],
+            "generation": [{"batch": 1, "prompt": 16, "new_tokens": 64, "tokens_per_s": rate / 100}],
+        }
+
+    model = {
+        "model": "2b",
+        "config": {"num_hidden_layers": 38},
+        "profiles": {"skewed": {}},
+        "rows": [
+            rows("dense-eager", None, 900.0),
+            rows("dense-compiled", None, 1000.0),
+            rows("twell-compiled", "skewed", tokens_per_s),
+            {"row": "twell-eager", "profile": "skewed", "error": "failed"},
+        ],
+    }
+    return {"commit": commit, "smoke": smoke, "models": [model]}
+
+
+def write(folder, name, data):
+    (folder / name).write_text(json.dumps(data))
+
+
+def test_the_newest_run_of_each_point_counts(tmp_path):
+    write(tmp_path, "ffn-20260101-000000.json", {"commit": "old", "points": [ffn_point(1, 1.5), ffn_point(32768, 1.2)]})
+    write(tmp_path, "ffn-20260102-000000.json", {"commit": "new", "points": [ffn_point(1, 2.5)]})
+    # newer still, but not usable: no commit recorded, or timed the old way (no layers_per_graph)
+    write(tmp_path, "ffn-20260103-000000.json", {"commit": "", "points": [ffn_point(1, 9.0)]})
+    old_way = ffn_point(32768, 9.0)
+    del old_way["layers_per_graph"]
+    write(tmp_path, "ffn-20260104-000000.json", {"commit": "c4", "points": [old_way]})
+    write(tmp_path, "e2e-20260101-000000.json", e2e_run("e1", 1100.0))
+    write(tmp_path, "e2e-20260102-000000.json", e2e_run("e2", 1200.0))
+    write(tmp_path, "e2e-20260103-000000.json", e2e_run("e3", 5000.0, smoke=True))
+    write(tmp_path, "train-20260101-000000.json", {"commit": "t1", "points": [ffn_point(32768, 0.5)]})
+    write(tmp_path, "train-20260102-000000.json", {"commit": "t2", "points": [ffn_point(32768, 1.05)]})
+
+    points = {p["M"]: p for p in tables.ffn_points(tmp_path)}
+    assert (points[1]["speedup"], points[1]["source"]) == (2.5, "`ffn-20260102-000000.json` (new)")
+    assert (points[32768]["speedup"], points[32768]["source"]) == (1.2, "`ffn-20260101-000000.json` (old)")
+
+    e2e = {e["key"][2]: e for e in tables.e2e_points(tmp_path)}
+    prefill = e2e["prefill"]
+    assert prefill["key"] == ("2b", "skewed", "prefill", 16, 2048) and prefill["source"].endswith("(e2)")
+    assert (prefill["dense"]["row"], prefill["twell"]["row"]) == ("dense-compiled", "twell-compiled")
+    assert prefill["twell"]["tokens_per_s"] == 1200.0
+
+    generated = tables.tables(tmp_path)
+    assert "| 1.20x | `e2e-20260102-000000.json` (e2) |" in generated["summary"]
+    assert "| 1.05x | 40% | `train-20260102-000000.json` (t2) |" in generated["train"]
+    assert "| 2.50x | decode | `ffn-20260102-000000.json` (new) |" in generated["ffn"]
+
+
+def test_markers_are_replaced_whole_and_unknown_ones_refused():
+    text = "a\n<!-- tables:ffn -->\nstale\n<!-- /tables:ffn -->\nb\n"
+    assert tables.with_tables(text, {"ffn": "| new |"}) == "a\n<!-- tables:ffn -->\n| new |\n<!-- /tables:ffn -->\nb\n"
+    with pytest.raises(ValueError, match="unknown table marker 'nope'"):
+        tables.with_tables("<!-- tables:nope -->\n<!-- /tables:nope -->", {"ffn": ""})
