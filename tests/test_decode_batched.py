@@ -1,0 +1,199 @@
+"""The batched decode (9-256 tokens a call: cuBLAS gate, the union's W_u / W_d rows) against float64
+references, its routing by LayerConfig.batched_max_m, and calibration's setting of it."""
+
+import pytest
+import torch
+from conftest import DEVICE, HAS_CUDA, rel_err
+from ffn_cases import TOL, gated_ref, make_ffn, plain_ref
+
+from twell.calibrate import Decision
+from twell.kernels import dispatch, policy
+from twell.kernels.decode import batched_decode_ffn, decode_ffn
+from twell.kernels.policy import LayerConfig
+
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
+MIXED = [0.0, 0.03, 0.1, 0.02, 0.05, 0.01, 0.04, 0.0, 0.03, 1.0]
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """torch.empty / empty_like return NaN (floats) or 1 (ints: a valid neuron id and a nonzero arrival
+    counter): any element a kernel reads before writing it, or fails to write, shows in the result."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        return t.fill_(float("nan") if t.is_floating_point() else 1)
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
+
+
+BATCHED_CASES = {
+    # m, k, n, densities, up_config, down_config (None: the launcher's table)
+    "m9-empty-union": (9, 40, 100, [0.0], None, None),
+    "m16-full-union": (16, 24, 70, [1.0], None, None),
+    "m16-many-splits": (16, 40, 200, MIXED, (16, 16, 16, 4, 1), (16, 16, 16, 64, 4, 1)),
+    "m33-token-blocks": (33, 130, 300, MIXED, (16, 32, 32, 4, 1), (16, 32, 32, 24, 4, 1)),
+    "m70-one-split": (70, 24, 100, [0.02], None, (32, 16, 64, 1, 4, 1)),
+    "m1": (1, 16, 64, [0.03], None, None),
+    "m257-defaults": (257, 40, 150, [0.01, 0.0], None, None),
+    "m300-defaults": (300, 24, 100, MIXED, None, None),
+}
+
+
+def _call(case, gated, variant, **configs):
+    gate_w, gate_b = ("gate_weight", "gate_bias") if gated else ("up_weight", "up_bias")
+    return batched_decode_ffn(
+        case["x"],
+        case[gate_w],
+        case[gate_b],
+        case["up_weight"] if gated else None,
+        case["up_bias"] if gated else None,
+        case["down_weight"].t(),
+        case["down_bias"],
+        0.0,
+        drelu=variant == "drelu",
+        square=variant == "relu2",
+        **configs,
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("variant", ["gated", "drelu", "plain", "relu2", "nobias"])
+@pytest.mark.parametrize("case_id", list(BATCHED_CASES))
+def test_batched_decode_matches_reference(case_id, dtype, variant, poisoned_empty):
+    """1-300 tokens, one and several token blocks in each kernel, one split and many (partials summed by
+    the last arrival), empty and full unions, awkward K and N; every output and scratch element
+    poisoned before the kernels run."""
+    m, k, n, densities, up_config, down_config = BATCHED_CASES[case_id]
+    gated = variant in ("gated", "drelu", "nobias")
+    case = make_ffn(m, k, n, densities, dtype, DEVICE, seed=m + k, biases=variant != "nobias", gated=gated)
+    y = _call(case, gated, variant, up_config=up_config, down_config=down_config)
+    ref = gated_ref(case, drelu=variant == "drelu") if gated else plain_ref(case, squared=variant == "relu2")
+    assert y.dtype == dtype and y.shape == (m, k)
+    assert rel_err(y, ref) <= TOL[dtype] * (4 if variant == "relu2" else 1)
+
+
+def test_batched_decode_is_deterministic_and_rerunnable():
+    """Partials of several splits are summed in a fixed order, and the arrival counters are ready for the
+    next call: the same bits every call."""
+    case = make_ffn(20, 40, 200, MIXED, torch.float32, DEVICE, seed=5, biases=True)
+    runs = [_call(case, True, "gated", down_config=(16, 16, 16, 64, 4, 1)) for _ in "abc"]
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[1], runs[2])
+
+
+def test_batched_and_one_token_decode_agree():
+    """The two decode designs compute the same FFN (rounding apart) on the same call."""
+    case = make_ffn(16, 40, 200, MIXED, torch.float32, DEVICE, seed=8, biases=True)
+    args = (case["x"], case["gate_weight"], case["gate_bias"], case["up_weight"], case["up_bias"])
+    args += (case["down_weight"].t(), case["down_bias"], 0.0)
+    assert rel_err(batched_decode_ffn(*args), decode_ffn(*args)) <= 1e-5
+
+
+@pytest.mark.parametrize("m,k,n", [(12, 8, 0), (0, 8, 64), (3, 0, 64)], ids=["no-neurons", "no-tokens", "no-width"])
+def test_batched_decode_of_an_empty_call_is_the_down_bias(m, k, n, poisoned_empty):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=g).to(DEVICE)
+    w = torch.randn(n, k, generator=g).to(DEVICE)
+    bias = torch.randn(k, generator=g).to(DEVICE)
+    assert torch.equal(batched_decode_ffn(x, w, None, w, None, w, bias, 0.0), bias.expand(m, k))
+    assert torch.equal(batched_decode_ffn(x, w, None, w, None, w, None, 0.0), torch.zeros(m, k, device=DEVICE))
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"x": "3d"}, r"x must be a 2-dim tensor \[M, K\], got \[1, 12, 16\]"),
+        ({"up_weight": "half"}, r"up_weight must be \[64, 16\] torch.float32"),
+        ({"down_config": (16, 16, 16, 0, 4, 1)}, r"down_config needs PROGRAMS >= 1, got \(16, 16, 16, 0, 4, 1\)"),
+    ],
+    ids=["x-3d", "up-dtype", "no-programs"],
+)
+def test_batched_decode_checks_its_inputs(change, match):
+    case = make_ffn(12, 16, 64, [0.1], torch.float32, DEVICE)
+    x = case["x"][None] if change.get("x") == "3d" else case["x"]
+    up = case["up_weight"].half() if change.get("up_weight") == "half" else case["up_weight"]
+    with pytest.raises(ValueError, match=match):
+        batched_decode_ffn(
+            x, case["gate_weight"], None, up, None, case["down_weight"].t(), None, 0.0,
+            down_config=change.get("down_config"),
+        )  # fmt: skip
+
+
+def test_route_of_batched_max_m():
+    """Calls above decode_max_m and up to batched_max_m take the batched decode, before the density-gated
+    decode; off (0) by default, so today's routes stand until it is measured."""
+    assert policy.DEFAULT.batched_max_m == 0
+    assert [policy.route(m, 2048, policy.DEFAULT, density=0.005) for m in (8, 16, 64)] == ["decode", "decode", "dense"]
+    config = LayerConfig(batched_max_m=64)
+    assert [policy.route(m, 2048, config, density=0.005) for m in (8, 9, 64, 65)] == [
+        "decode",
+        "batched",
+        "batched",
+        "dense",
+    ]
+    assert policy.route(64, policy.MAX_K + 1, config) == "dense"
+    forced = policy.DEFAULT.replace(route="batched")
+    assert [policy.route(m, 2048, forced) for m in (1, 300, 1 << 20)] == ["batched"] * 3
+    assert policy.DEFAULT.replace(route="dense").batched_max_m == 0
+    assert config.op_args()[-1] == 64 and policy.from_op_args(*config.op_args()) == config
+    with pytest.raises(ValueError, match="batched_max_m must be a non-negative int, got -1"):
+        LayerConfig(batched_max_m=-1)
+
+
+def test_calibrated_batched_max_m_from_a_crossover_table():
+    table = ((0.006, 256), (0.012, 64), (0.05, 16))
+    assert [policy.calibrated_batched_max_m(d, table) for d in (0.005, 0.006, 0.01, 0.03, 0.2, None)] == [
+        256,
+        256,
+        64,
+        16,
+        0,
+        0,
+    ]
+    assert policy.calibrated_batched_max_m(0.001) == 0  # no measured crossover yet: off
+
+
+def test_calibration_sets_batched_max_m_from_the_decode_density(monkeypatch):
+    """A decision's LayerConfig takes batched_max_m from its decode calls' density (the mean over all
+    calls where decode was not seen); a decode phase calibrated dense turns it off."""
+    real = policy.calibrated_batched_max_m
+    monkeypatch.setattr(policy, "calibrated_batched_max_m", lambda d: real(d, ((0.006, 256), (0.012, 64))))
+    decision = Decision(path="mlp", rewrite=True, reason="", density=0.02, stats={"decode": {"density": 0.01}})
+    assert decision.layer_config().batched_max_m == 64
+    assert Decision(path="mlp", rewrite=True, reason="", density=0.005).layer_config().batched_max_m == 256
+    decision.dense_phases = ["decode"]
+    assert decision.layer_config().batched_max_m == 0
+
+
+@pytest.mark.parametrize("m,path", [(8, "decode"), (24, "batched"), (65, "dense")])
+def test_dispatch_sends_batched_calls_to_the_batched_kernels(m, path, monkeypatch):
+    dispatch.forget_layers()
+    calls = []
+    for name, fn in (("decode_ffn", decode_ffn), ("batched_decode_ffn", batched_decode_ffn)):
+        monkeypatch.setattr(dispatch, name, lambda *a, _n=name, _f=fn, **k: calls.append(_n) or _f(*a, **k))
+    case = make_ffn(m, 24, 96, MIXED, torch.float32, DEVICE, seed=m, biases=True)
+    args = [case[k] for k in ("gate_weight", "up_weight", "down_weight", "gate_bias", "up_bias", "down_bias")]
+    y = dispatch.gated_ffn(case["x"], *args, 0.0, False, LayerConfig(batched_max_m=64, prefill_min_m=None))
+    assert calls == {"decode": ["decode_ffn"], "batched": ["batched_decode_ffn"], "dense": []}[path]
+    assert rel_err(y, gated_ref(case)) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [9, 16, 64, 128, 256])
+@pytest.mark.parametrize("k,n", [(2048, 5632), (4096, 14336)], ids=["2048x5632", "4096x14336"])
+def test_batched_decode_on_the_gpu_at_model_shapes(m, k, n):
+    """bf16 at the benchmark shapes with the launcher's configs (the interpreter has no bf16): the float64
+    reference, and the same bits replayed from a CUDA graph."""
+    case = make_ffn(m, k, n, [0.005, 0.02, 0.0, 0.3], torch.bfloat16, "cuda", seed=m, biases=True)
+    args = (case["x"], case["gate_weight"], case["gate_bias"], case["up_weight"], case["up_bias"])
+    args += (case["down_weight"].t().contiguous(), case["down_bias"], 0.0)
+    y = batched_decode_ffn(*args)
+    assert rel_err(y, gated_ref(case)) <= TOL[torch.bfloat16]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = batched_decode_ffn(*args)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, y)
