@@ -87,7 +87,7 @@ def batched_floor_bytes(k, n, m, union) -> int:
 
 def batched_variants(m, sweep) -> list[tuple[str, dict]]:
     """(name, batched_decode_ffn keyword arguments) to time at m tokens: the launcher's choice, and with
-    sweep the up kernel's BLOCK_N and the down kernel's WALK / PROGRAMS around it."""
+    sweep the up kernel's BLOCK_N and the down kernel's WALK / STEPS around it."""
     variants = [("batched", {})]
     if not sweep:
         return variants
@@ -99,9 +99,9 @@ def batched_variants(m, sweep) -> list[tuple[str, dict]]:
     for walk in (32, 64, 128):
         if walk != down[2]:
             variants.append((f"down WALK {walk}", {"down_config": (*down[:2], walk, *down[3:])}))
-    for programs in (128, 256, 512, 1024, 2048):
-        if programs != down[3]:
-            variants.append((f"down PROGRAMS {programs}", {"down_config": (*down[:3], programs, *down[4:])}))
+    for steps in (1, 2, 4, 8, 16):
+        if steps != down[3]:
+            variants.append((f"down STEPS {steps}", {"down_config": (*down[:3], steps, *down[4:])}))
     return variants
 
 

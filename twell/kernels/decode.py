@@ -566,16 +566,19 @@ BATCHED_UP_CONFIG = {
     128: (64, 64, 64, 4, 3),
     256: (64, 128, 64, 8, 3),
 }
-# Down kernel (BLOCK_M, BLOCK_K, WALK, PROGRAMS, num_warps, num_stages): 64-element K blocks (one
-# 128-byte line of a bf16 W_d row), the slots cut into as many splits as bring the grid to about
-# PROGRAMS programs (3-4 an SM on 132 SMs at 16 tokens, so that every SM has gathers in flight; fewer
-# at more tokens, where each walk step has more valid rows and the partials grow with M).
+# Down kernel (BLOCK_M, BLOCK_K, WALK, STEPS, num_warps, num_stages): each split walks STEPS steps of
+# WALK slots, as many splits as that takes. A program's steps are not overlapped with each other (~1 us
+# a step, the walking kernel of NOTES v23): few steps a program, and many programs an SM to hide them.
+# The price is the partials, programs * BLOCK_M * BLOCK_K * 4 bytes (through L2), hence more steps at
+# 64+ tokens, where each step also has more of its rows valid (27-72% of them at 0.5%); 64-element K
+# blocks (one 128-byte line of a bf16 W_d row), 128-wide at 128+ tokens, where every K block reads the
+# union's h again (K / BLOCK_K * M * union * 2 bytes).
 BATCHED_DOWN_CONFIG = {
-    16: (16, 64, 128, 512, 4, 3),
-    32: (32, 64, 128, 512, 4, 3),
-    64: (64, 64, 64, 256, 4, 3),
-    128: (64, 64, 64, 256, 4, 3),
-    256: (64, 64, 64, 256, 4, 3),
+    16: (16, 64, 128, 4, 4, 3),
+    32: (32, 64, 128, 4, 4, 3),
+    64: (64, 64, 128, 8, 4, 3),
+    128: (128, 128, 64, 8, 8, 3),
+    256: (128, 128, 64, 8, 8, 3),
 }
 
 
@@ -784,16 +787,15 @@ def batched_decode_ffn(
         return y + down_bias if down_bias is not None else y
     bucket = _batched_bucket(m)
     up_m, block_n, up_k, up_warps, up_stages = up_config or BATCHED_UP_CONFIG[bucket]
-    down_m, down_k, walk, programs, down_warps, down_stages = down_config or BATCHED_DOWN_CONFIG[bucket]
-    if programs < 1:
-        raise ValueError(f"down_config needs PROGRAMS >= 1, got {down_config}")
+    down_m, down_k, walk, steps, down_warps, down_stages = down_config or BATCHED_DOWN_CONFIG[bucket]
+    if steps < 1:
+        raise ValueError(f"down_config needs STEPS >= 1, got {down_config}")
     g = F.linear(x, gate_weight, gate_bias)
     n_blocks = triton.cdiv(n, block_n)
     n_slots = n_blocks * block_n
     up_blocks, down_blocks, k_blocks = triton.cdiv(m, up_m), triton.cdiv(m, down_m), triton.cdiv(k, down_k)
-    walks = triton.cdiv(n_slots, walk)
-    span = triton.cdiv(walks, max(1, min(programs // (k_blocks * down_blocks), walks))) * walk
-    splits = triton.cdiv(n_slots, span)  # every split walks at least one step
+    span = steps * walk
+    splits = triton.cdiv(n_slots, span)
     hc = torch.empty(n_slots, m, dtype=x.dtype, device=x.device)
     ids = torch.empty(n_slots, dtype=torch.int32, device=x.device)
     sems = torch.empty(k_blocks * down_blocks, dtype=torch.int32, device=x.device)
