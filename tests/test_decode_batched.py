@@ -1,6 +1,7 @@
 """The batched decode (9-256 tokens a call: cuBLAS gate, the union's W_u / W_d rows) against float64
 references, its routing by LayerConfig.batched_max_m, and calibration's setting of it."""
 
+import copy
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import triton
 from conftest import DEVICE, HAS_CUDA, rel_err
 from ffn_cases import TOL, gated_ref, make_ffn, plain_ref
 
+import twell
 from twell.calibrate import Decision
 from twell.kernels import dispatch, policy
 from twell.kernels.decode import batched_decode_ffn, decode_ffn
@@ -239,8 +241,10 @@ def test_batched_kernels_compile_for_hopper_without_spills(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [9, 16, 64, 128, 256])
-@pytest.mark.parametrize("k,n", [(2048, 5632), (4096, 14336)], ids=["2048x5632", "4096x14336"])
+@pytest.mark.parametrize(
+    "m,k,n", [(9, 2048, 5632), (16, 2048, 5632), (64, 2048, 5632), (128, 2048, 5632), (256, 2048, 5632),
+              (16, 4096, 14336), (256, 4096, 14336)],
+)  # fmt: skip
 def test_batched_decode_on_the_gpu_at_model_shapes(m, k, n):
     """bf16 at the benchmark shapes with the launcher's configs (the interpreter has no bf16): the float64
     reference, and the same bits replayed from a CUDA graph."""
@@ -256,3 +260,38 @@ def test_batched_decode_on_the_gpu_at_model_shapes(m, k, n):
         graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(replayed, y)
+
+
+@pytest.mark.gpu
+def test_batched_decode_generates_the_same_tokens_and_compiles_whole(monkeypatch):
+    """Greedy generation of 16 sequences, every step (16 tokens a call) through the batched decode: the
+    same tokens as the untouched model; torch.compile(fullgraph=True) traces the step's FFN."""
+    transformers = pytest.importorskip("transformers")
+    dispatch.forget_layers()
+    calls = []
+    monkeypatch.setattr(
+        dispatch, "batched_decode_ffn", lambda *a, **k: calls.append(a[0].shape[0]) or batched_decode_ffn(*a, **k)
+    )
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, hidden_act="relu", mlp_bias=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    for layer in model.model.layers:  # a negative gate bias makes the ReLU gate sparse (~2% active)
+        torch.nn.init.constant_(layer.mlp.gate_proj.bias, -0.65)
+    model = model.to("cuda", torch.bfloat16)
+    untouched = copy.deepcopy(model)
+    twell.sparsify(model, layer_config={"batched_max_m": 64})
+    prompt = torch.randint(0, 128, (16, 12), device="cuda")  # 192 tokens: dense
+    kwargs = {"max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        ref = untouched.generate(prompt, **kwargs)
+        out = model.generate(prompt, **kwargs)
+        mlp = model.model.layers[0].mlp
+        x = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16)
+        compiled = torch.compile(mlp, fullgraph=True)(x)
+        eager = mlp(x)
+    assert calls and set(calls) == {16}
+    assert torch.equal(out, ref)
+    assert rel_err(compiled, eager) <= 1e-2
