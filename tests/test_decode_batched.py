@@ -90,6 +90,18 @@ def test_batched_decode_is_deterministic_and_rerunnable():
     assert torch.equal(runs[0], runs[1]) and torch.equal(runs[1], runs[2])
 
 
+@pytest.mark.parametrize("cap,splits", [(16 * 40 * 4 * 2, 2), (0, 0)], ids=["two-splits", "one-split"])
+def test_batched_decode_caps_its_partials(cap, splits, monkeypatch):
+    """Past max_parts_bytes of partials the splits walk more steps instead (one split: no partials)."""
+    case = make_ffn(16, 40, 200, MIXED, torch.float32, DEVICE, seed=6, biases=True)
+    shapes = []
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: shapes.append(tuple(a)) or empty(*a, **k))
+    y = _call(case, True, "gated", down_config=(16, 16, 16, 1, 4, 1), max_parts_bytes=cap)
+    assert (splits, 16, 40) in shapes
+    assert rel_err(y, gated_ref(case)) <= TOL[torch.float32]
+
+
 def test_batched_and_one_token_decode_agree():
     """The two decode designs compute the same FFN (rounding apart) on the same call."""
     case = make_ffn(16, 40, 200, MIXED, torch.float32, DEVICE, seed=8, biases=True)

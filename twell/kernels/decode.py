@@ -573,6 +573,9 @@ BATCHED_UP_CONFIG = {
 # 64+ tokens, where each step also has more of its rows valid (27-72% of them at 0.5%); 64-element K
 # blocks (one 128-byte line of a bf16 W_d row), 128-wide at 128+ tokens, where every K block reads the
 # union's h again (K / BLOCK_K * M * union * 2 bytes).
+# Past BATCHED_PARTS_BYTES of partials (128-256 tokens at K=4096: 57-117 MB by STEPS alone; any call
+# far past 256 tokens), the splits walk more steps instead: fewer splits, at least one.
+BATCHED_PARTS_BYTES = 16 << 20
 BATCHED_DOWN_CONFIG = {
     16: (16, 64, 128, 4, 4, 3),
     32: (32, 64, 128, 4, 4, 3),
@@ -767,6 +770,7 @@ def batched_decode_ffn(
     square: bool = False,
     up_config: tuple[int, int, int, int, int] | None = None,
     down_config: tuple[int, int, int, int, int, int] | None = None,
+    max_parts_bytes: int = BATCHED_PARTS_BYTES,
 ) -> torch.Tensor:
     """Batched decode (9-256 tokens a call): decode_ffn's arguments and result, by three launches with no
     host synchronisation and no memset (CUDA graphs capture it):
@@ -777,7 +781,8 @@ def batched_decode_ffn(
     3. _batched_down_kernel: y = h W_d over the union's W_d rows, in wide walk steps per (token block,
        K block, split).
     Exact at any density (a full union reads every row). The configs override BATCHED_UP_CONFIG /
-    BATCHED_DOWN_CONFIG (tests, benchmarks).
+    BATCHED_DOWN_CONFIG (tests, benchmarks); max_parts_bytes caps the down kernel's partials
+    (BATCHED_PARTS_BYTES).
     """
     m, k, n = _check_ffn(
         "batched_decode_ffn", x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold
@@ -794,7 +799,8 @@ def batched_decode_ffn(
     n_blocks = triton.cdiv(n, block_n)
     n_slots = n_blocks * block_n
     up_blocks, down_blocks, k_blocks = triton.cdiv(m, up_m), triton.cdiv(m, down_m), triton.cdiv(k, down_k)
-    span = steps * walk
+    splits = min(triton.cdiv(n_slots, steps * walk), max(1, max_parts_bytes // (m * k * 4)))
+    span = triton.cdiv(triton.cdiv(n_slots, walk), splits) * walk
     splits = triton.cdiv(n_slots, span)
     hc = torch.empty(n_slots, m, dtype=x.dtype, device=x.device)
     ids = torch.empty(n_slots, dtype=torch.int32, device=x.device)
