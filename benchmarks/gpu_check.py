@@ -87,7 +87,7 @@ def batched_floor_bytes(k, n, m, union) -> int:
 
 def batched_variants(m, sweep) -> list[tuple[str, dict]]:
     """(name, batched_decode_ffn keyword arguments) to time at m tokens: the launcher's choice, and with
-    sweep the up kernel's BLOCK_N and the down kernel's WALK / STEPS around it."""
+    sweep the up kernel's BLOCK_N, the down kernel's WALK / STEPS around it and a wider partials cap."""
     variants = [("batched", {})]
     if not sweep:
         return variants
@@ -102,6 +102,7 @@ def batched_variants(m, sweep) -> list[tuple[str, dict]]:
     for steps in (1, 2, 4, 8, 16):
         if steps != down[3]:
             variants.append((f"down STEPS {steps}", {"down_config": (*down[:3], steps, *down[4:])}))
+    variants.append(("partials cap 64 MB", {"max_parts_bytes": 64 << 20}))
     return variants
 
 
