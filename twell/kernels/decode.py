@@ -555,7 +555,7 @@ DOWN_CONFIG = {1: (32, 4, 64, 64, 4), 16: (128, 8, 16, 0, 4), 32: (128, 8, 16, 0
 
 # Batched decode (batched_decode_ffn), by token bucket (the call's M rounded up to a power of two in
 # [16, 256]; larger calls take the 256 row). Not yet measured: chosen from the bytes floor
-# (benchmarks/NOTES.md, v27); `gpu_check.py batched --sweep` times the alternatives.
+# (benchmarks/NOTES.md, "Batched decode"); `gpu_check.py batched --sweep` times the alternatives.
 # Up kernel (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): every program reads its token block's x
 # whole, so BLOCK_N grows with M (x's L2 traffic, N / BLOCK_N * M * K * 2 bytes, stays below the
 # union's W_u rows) while 176-448 programs keep every SM loading at 16-32 tokens.

@@ -33,7 +33,7 @@ DECODE_SPARSE_MAX_M = 16
 PREFILL_MIN_M: int | None = 16384
 # Calls of decode_max_m < M <= batched_max_m take the batched decode (twell.kernels.decode.
 # batched_decode_ffn: cuBLAS gate, the union's W_u / W_d rows only). 0 (none) until measured on the GPU
-# (benchmarks/NOTES.md, v27); calibration sets a layer's from its density by BATCHED_CROSSOVER.
+# (benchmarks/NOTES.md, "Batched decode"); calibration sets a layer's from its density by BATCHED_CROSSOVER.
 BATCHED_MAX_M = 0
 # Gate of the prefill path: the persistent TMA GEMM with the packing epilogue (True) or cuBLAS + the
 # pack pass (False); the faster measured at K=2048/N=5632 and K=4096/N=14336 on an H200.
@@ -55,7 +55,7 @@ TRAIN_MIN_M: int | None = None
 # Batched decode from calibration: (density, tokens) rows, a layer calibrated at most `density` dense
 # serving calls of up to `tokens` by the batched decode (the first row that holds). Empty, so no layer
 # does, until the crossovers are measured (gpu_check.py batched); predicted: ((0.006, 128), (0.012, 64),
-# (0.025, 32), (0.05, 16)) (benchmarks/NOTES.md, v27).
+# (0.025, 32), (0.05, 16)) (benchmarks/NOTES.md, "Batched decode").
 BATCHED_CROSSOVER: tuple[tuple[float, int], ...] = ()
 
 # Fixed for every layer:
