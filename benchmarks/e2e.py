@@ -23,10 +23,11 @@ What each layer then fires on its calibration tokens is in the JSON (profiles.*.
 Rows (--rows): "dense-eager"; "dense-compiled" (torch.compile(model)); "twell-eager" (twell.sparsify(
 model): every FFN rewritten, no calibration); "twell-compiled" (torch.compile(twell.sparsify(model)):
 the backend="twell" alone leaves the down weights in the layout that sends the ops to their dense route,
-0.98x of dense compiled in e2e-20261130-234915.json), compiled once per row (twell-compiled once per
-profile): the prefill points share one dynamic-shape graph, generation one graph per
-batch size. Dense
-times do not depend on the profile (the same kernels on other values): the dense rows run once, on
+0.98x of dense compiled in e2e-20261130-234915.json); "twell-batched-compiled": twell-compiled with
+the batched decode for calls of 9-256 tokens (LayerConfig.batched_max_m = 256, off by default until
+measured: every generation step of batch 16-128 takes it), compiled once per row (the twell rows once
+per profile): the prefill points share one dynamic-shape graph, generation one graph per batch size.
+Dense times do not depend on the profile (the same kernels on other values): the dense rows run once, on
 the first profile. Speedups are against the faster dense row at each point.
 
 Timed, per model, profile and row (each call a CUDA-event pair, synchronised after each; median of
@@ -108,7 +109,10 @@ SMOKE_SHAPES = {
         vocab_size=512,
     ),
 }  # fmt: skip
-ROWS = ("dense-eager", "dense-compiled", "twell-compiled", "twell-eager")  # run order: compiled rows need a dense model
+# run order: compiled rows need a dense model
+ROWS = ("dense-eager", "dense-compiled", "twell-compiled", "twell-batched-compiled", "twell-eager")
+# sparsify's layer_config of each compiled twell row
+TWELL_COMPILED = {"twell-compiled": None, "twell-batched-compiled": {"batched_max_m": 256}}
 DENSITY = 0.005
 ROW_SPREAD = 0.3  # weight of the gate direction all neurons of a layer share
 CALIB_TOKENS = 8192
@@ -412,8 +416,8 @@ def run_model(name, shape, args, meter, demo, cuda, save) -> dict:
             row = run_row(meter, model, model, work, args, eager=True, decoders=decoders, reference=reference)
             row["report"] = twell.report(model).summary()
             return row
-        if row_name == "twell-compiled":  # sparsified per profile (restored after each row), so compiled anew
-            twell.sparsify(model)
+        if row_name in TWELL_COMPILED:  # sparsified per profile (restored after each row), so compiled anew
+            twell.sparsify(model, layer_config=TWELL_COMPILED[row_name])
             torch._dynamo.reset()
             forward = torch.compile(model)
         else:
@@ -424,7 +428,7 @@ def run_model(name, shape, args, meter, demo, cuda, save) -> dict:
         # captured per profile: a graph keeps the paths the layers' measured densities chose at capture
         decoders = make_decoders(model, work, cuda, forward)
         row = run_row(meter, model, forward, work, args, eager=False, decoders=decoders, reference=reference)
-        if row_name == "twell-compiled":
+        if row_name in TWELL_COMPILED:
             row["report"] = twell.report(model).summary()
         return row
 
@@ -495,7 +499,7 @@ def main():
     parser.add_argument("--profiles", default="skewed,demo")
     parser.add_argument("--seqs", default="2048,8192")
     parser.add_argument("--tokens", default="32768,131072", help="tokens per prefill forward")
-    parser.add_argument("--batches", default="1,16", help="generation batch sizes")
+    parser.add_argument("--batches", default="1,16,64,128", help="generation batch sizes")
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls per prefill point")

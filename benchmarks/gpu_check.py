@@ -1,6 +1,7 @@
 """Kernel variants on the GPU in one run: correctness at real shapes, then timings, a short table last.
 
     PYTHONPATH=. python benchmarks/gpu_check.py decode [--shapes 2048x5632,4096x14336]
+    PYTHONPATH=. python benchmarks/gpu_check.py batched [--tokens 16,32,64,128,256] [--sweep]
 
 Used to choose kernel configurations (the shipped ones are in the kernel files, with the result file
 that chose them); benchmarks/ffn.py is the benchmark of record. Writes JSON to $OUT or
@@ -74,6 +75,82 @@ def decode_point(k, n, m, density, variants, pattern) -> list[dict]:
             print(
                 f"{k:>5} {n:>6} {m:>4} {density:.3f} {str(variant):>60} {dense_ms * 1e3:8.1f}us "
                 f"{ms * 1e3:8.1f}us {dense_ms / ms:5.2f}x err {err:.1e}",
+                flush=True,
+            )
+    return rows
+
+
+def batched_floor_bytes(k, n, m, union) -> int:
+    """The batched decode's bytes floor (bf16): W_g once, the union's rows of W_u and W_d, x and y."""
+    return 2 * (n * k + 2 * union * k + 2 * m * k)
+
+
+def batched_variants(m, sweep) -> list[tuple[str, dict]]:
+    """(name, batched_decode_ffn keyword arguments) to time at m tokens: the launcher's choice, and with
+    sweep the up kernel's BLOCK_N, the down kernel's WALK / STEPS around it and a wider partials cap."""
+    variants = [("batched", {})]
+    if not sweep:
+        return variants
+    bucket = decode._batched_bucket(m)
+    up, down = decode.BATCHED_UP_CONFIG[bucket], decode.BATCHED_DOWN_CONFIG[bucket]
+    for block_n in (16, 32, 64, 128):
+        if block_n != up[1]:
+            variants.append((f"up BLOCK_N {block_n}", {"up_config": (up[0], block_n, *up[2:])}))
+    for walk in (32, 64, 128):
+        if walk != down[2]:
+            variants.append((f"down WALK {walk}", {"down_config": (*down[:2], walk, *down[3:])}))
+    for steps in (1, 2, 4, 8, 16):
+        if steps != down[3]:
+            variants.append((f"down STEPS {steps}", {"down_config": (*down[:3], steps, *down[4:])}))
+    variants.append(("partials cap 64 MB", {"max_parts_bytes": 64 << 20}))
+    return variants
+
+
+def batched_point(k, n, m, density, pattern, sweep) -> list[dict]:
+    """At one point, per layer of a graph over LAYERS_PER_GRAPH layers: dense; the module as sparsify
+    installs it; the one-token design's kernels forced (decode_ffn); the batched decode (each variant),
+    with its bytes floor, the union it met, and at 0.5% the time of each of its kernels in the graph."""
+    x, block = make_inputs(m, k, n, density, pattern, seed=m + n)
+    blocks = [block] + [neuron_permuted(block, i) for i in range(1, LAYERS_PER_GRAPH)]
+
+    def per_layer(fn):
+        return timed(lambda: [fn(b) for b in blocks], True) / len(blocks)
+
+    rows = []
+    with torch.no_grad():
+        dense_ms = per_layer(lambda b: b(x))
+        for b in blocks:
+            twell.sparsify(b)
+        ws = {id(b): weights(b) for b in blocks}
+        w = ws[id(block)]
+        kept = F.linear(x, w["gate_weight"], w["gate_bias"]) > 0
+        union = int(kept.any(0).sum())
+        floor = batched_floor_bytes(k, n, m, union)
+
+        def args(b):
+            w = ws[id(b)]
+            return (x, w["gate_weight"], w["gate_bias"], w["up_weight"], None, w["down_weight"].t(), None, 0.0)
+
+        calls = [("installed", lambda b: b(x)), ("decode", lambda b: decode.decode_ffn(*args(b)))]
+        for name, kwargs in batched_variants(m, sweep):
+            calls.append((name, lambda b, kw=kwargs: decode.batched_decode_ffn(*args(b), **kw)))
+        for name, call in calls:
+            try:
+                err = rel_err_sample(call(block), x, block)
+                ms = per_layer(call)
+            except Exception as e:  # a config the compiler refuses (shared memory, registers)
+                print(f"{name}: {type(e).__name__}: {e}", flush=True)
+                continue
+            row = {"K": k, "N": n, "M": m, "density": density, "pattern": pattern, "variant": name,
+                   "dense_ms": dense_ms, "ms": ms, "speedup": dense_ms / ms, "rel_err": err, "union": union,
+                   "floor_bytes": floor, "tb_s_of_floor": floor / ms / 1e9}  # fmt: skip
+            if name == "batched" and density == 0.005:
+                row["kernels_us"] = graph_kernel_us(lambda c=call: [c(b) for b in blocks])
+            rows.append(row)
+            print(
+                f"{k:>5} {n:>6} {m:>4} {density:.3f} union {union / n:6.1%} {name:>20} dense {dense_ms * 1e3:7.1f}us"
+                f" {ms * 1e3:7.1f}us {dense_ms / ms:5.2f}x floor {floor / 1e6:6.1f} MB ({floor / ms / 1e9:4.2f} TB/s)"
+                f" err {err:.1e}",
                 flush=True,
             )
     return rows
@@ -247,10 +324,12 @@ def first_call_seconds() -> dict:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("part", choices=["decode", "first-call", "prefill", "profile", "floors"])
+    parser.add_argument("part", choices=["decode", "batched", "first-call", "prefill", "profile", "floors"])
     parser.add_argument("--shapes", default="2048x5632,4096x14336")
     parser.add_argument("--pattern", default="exact", help="decode and floors inputs (ffn.py's patterns)")
-    parser.add_argument("--tokens", default="1,16,64", help="floors: tokens per call")
+    parser.add_argument("--tokens", default=None, help="floors (default 1,16,64), batched (16,32,64,128,256)")
+    parser.add_argument("--densities", default="0.005,0.01,0.05", help="batched")
+    parser.add_argument("--sweep", action="store_true", help="batched: also the configs around the shipped ones")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -276,10 +355,17 @@ def main():
                 for density in (0.005, 0.01, 0.05):
                     result["rows"] += decode_point(k, n, m, density, variants, args.pattern)
             path.write_text(json.dumps(result, indent=1))  # kept if a later shape runs out of time
+    elif args.part == "batched":
+        for shape in args.shapes.split(","):
+            k, n = map(int, shape.split("x"))
+            for m in map(int, (args.tokens or "16,32,64,128,256").split(",")):
+                for density in map(float, args.densities.split(",")):
+                    result["rows"] += batched_point(k, n, m, density, args.pattern, args.sweep and density == 0.005)
+                path.write_text(json.dumps(result, indent=1))  # kept if a later point runs out of time
     elif args.part == "floors":
         for shape in args.shapes.split(","):
             k, n = map(int, shape.split("x"))
-            for m in map(int, args.tokens.split(",")):
+            for m in map(int, (args.tokens or "1,16,64").split(",")):
                 result["rows"].append(floors_point(k, n, m, args.pattern))
     elif args.part == "profile":
         for k, n, m, pattern in ((2048, 5632, 1, "uniform"), (2048, 5632, 16, "uniform"), (4096, 14336, 16, "uniform")):

@@ -55,7 +55,8 @@ class Decision:
     def layer_config(self, changes: Mapping | None = None) -> LayerConfig:
         """The LayerConfig the FFN runs with once rewritten: this decision's layout (the defaults without
         one) and its dense phases' routes turned off, then `changes` (checked by layer_changes)."""
-        config = policy.DEFAULT
+        density = self.stats.get("decode", {}).get("density", self.density)
+        config = policy.DEFAULT.replace(batched_max_m=policy.calibrated_batched_max_m(density))
         if self.tile_n is not None:
             config = config.replace(tile_n=self.tile_n, slots=self.tile_n // self.compression)
         return config.replace(**{**self.route_changes(), **(changes or {})})
@@ -64,7 +65,7 @@ class Decision:
         """LayerConfig changes that send the dense phases' calls to the dense route."""
         changes = {}
         if "decode" in self.dense_phases:
-            changes.update(decode_max_m=0, decode_sparse_max_m=0)
+            changes.update(decode_max_m=0, decode_sparse_max_m=0, batched_max_m=0)
         if "prefill" in self.dense_phases:
             changes["prefill_min_m"] = None
         return changes

@@ -18,11 +18,20 @@ One token at K <= 2048 (down_rows) skips the list: kernel 1 reads each active ne
 rows together and writes its block's fp32 row of y (sum of h[n] W_d[n, :]) and count; the rows kernel
 sums the rows of blocks with a nonzero count (two memory rounds: counts, rows) instead of the list
 path's counts, then ids and h, then W_d gathers.
+
+Batched decode (batched_decode_ffn, 9-256 tokens a call; behind LayerConfig.batched_max_m, off by
+default): W_g is read once by cuBLAS (F.linear, at GEMM speed; kernel 1 above runs too few programs
+for it at 16+ tokens), then the union of the call's kept neurons decides which rows of W_u and W_d
+are read at all: the up kernel compacts each neuron block's union ids (the rest of its segment -1) and
+the tokens' h for them; the down kernel walks all segments in wide steps (ids, then the valid slots'
+W_d rows and h, independent of how many are valid), split across programs so that every SM has gathers
+in flight, partials summed by the last arrival.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -401,6 +410,131 @@ def _decode_down_rows_kernel(
     tl.store(y_ptr + offs_k * stride_yk, acc.to(y_ptr.dtype.element_ty), mask=k_ok)
 
 
+@triton.jit
+def _batched_up_kernel(
+    g_ptr, x_ptr, wu_ptr, bu_ptr, hc_ptr, ids_ptr, sem_ptr, n_sems, M, N, K, threshold, stride_gm, stride_xm,
+    stride_xk, stride_un, stride_uk, stride_hc, HAS_UP: tl.constexpr, HAS_UP_BIAS: tl.constexpr,
+    DRELU: tl.constexpr, SQUARE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SEM_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Batched decode, after the gate GEMM g [M, N] (cuBLAS): one program per (block of BLOCK_M tokens,
+    block of BLOCK_N neurons). The block's union (neurons kept for any token of the call: every program
+    of a neuron block finds the same one from all M rows of g) is compacted to the front of its segment
+    of `ids`, the rest of the segment -1 (written by the token block 0); the token block's h for the
+    union, act(g) * u from the union's W_u rows only (masked rows move no bytes), rounded as the dense
+    FFN rounds it, goes to the same slots of hc (slot-major, stride_hc = M). No counts: the down
+    kernel reads validity from ids."""
+    pid_m = tl.program_id(0)  # token blocks of a neuron block run together: its W_u rows are reused from L2
+    pid_n = tl.program_id(1)
+    if pid_n == 0 and pid_m == 0:  # the down kernel's arrival counters start at zero
+        for s0 in range(0, n_sems, SEM_BLOCK):
+            offs_s = s0 + tl.arange(0, SEM_BLOCK)
+            tl.store(sem_ptr + offs_s, tl.zeros([SEM_BLOCK], tl.int32), mask=offs_s < n_sems)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    cols = offs_n.to(tl.int64)
+    dtype = hc_ptr.dtype.element_ty
+    union = tl.zeros([BLOCK_N], dtype=tl.int32)
+    for m0 in range(0, M, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        ok = (rows < M)[:, None] & n_ok[None, :]
+        g = tl.load(g_ptr + rows.to(tl.int64)[:, None] * stride_gm + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        kept = ((g > threshold) | (g != g)) & ok  # not (g <= t): NaN kept, as by relu
+        union = tl.maximum(union, tl.max(kept.to(tl.int32), axis=0))
+    active = union > 0
+    n_active = tl.sum(union, axis=0)
+    slot = tl.cumsum(union, axis=0) - 1
+    seg = pid_n.to(tl.int64) * BLOCK_N
+    if pid_m == 0:
+        local = tl.arange(0, BLOCK_N)
+        tl.store(ids_ptr + seg + local, tl.full([BLOCK_N], -1, tl.int32), mask=local >= n_active)
+        tl.store(ids_ptr + seg + slot, offs_n, mask=active)
+    if n_active > 0:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < M
+        rows = offs_m.to(tl.int64)
+        ok = m_ok[:, None] & active[None, :]
+        g = tl.load(g_ptr + rows[:, None] * stride_gm + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        kept = ((g > threshold) | (g != g)) & ok
+        h = tl.where(kept, g, 0.0)
+        if SQUARE:
+            h = (h * h).to(dtype).to(tl.float32)
+        if HAS_UP:
+            u = _rows_times_x(
+                x_ptr, wu_ptr, rows, cols, m_ok, active, K, stride_xm, stride_xk, stride_un, stride_uk,
+                DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, False,
+            )  # fmt: skip
+            if HAS_UP_BIAS:
+                u += tl.load(bu_ptr + offs_n, mask=active, other=0.0).to(tl.float32)[None, :]
+            u = u.to(dtype).to(tl.float32)
+            if DRELU:
+                u = tl.where(u <= 0.0, 0.0, u)
+            h = tl.where(kept, h * u, 0.0)
+        tl.store(hc_ptr + (seg + slot)[None, :] * stride_hc + rows[:, None], h.to(dtype), mask=ok)
+
+
+@triton.jit
+def _batched_down_kernel(
+    hc_ptr, ids_ptr, wd_ptr, bd_ptr, y_ptr, part_ptr, sem_ptr, M, K, n_slots, span, stride_hc, stride_dn,
+    stride_dk, stride_ym, stride_yk, HAS_DOWN_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, WALK: tl.constexpr,
+):  # fmt: skip
+    """Batched decode's down projection: one program per (token block, K block, split); split s walks the
+    slots [s * span, (s + 1) * span) of the union's segments WALK at a time: one load of their ids, then
+    the valid slots' W_d rows [WALK, BLOCK_K] and h [BLOCK_M, WALK] (independent loads, masked rows move
+    no bytes) into one fp32 product. The walk does not depend on the union's size (no counts, no chain
+    of dependent loads beyond ids -> rows). With one split the program writes y; otherwise partials go
+    to a scratch buffer and the last split of each (K block, token block) to arrive (a counter, zeroed
+    by the up kernel of the same call) sums them in split order: deterministic, no atomics on data."""
+    pid_m = tl.program_id(0)  # token blocks of a (K block, split) run together: its W_d rows are reused from L2
+    pid_k = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    splits = tl.num_programs(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    k_ok = offs_k < K
+    rows = offs_m.to(tl.int64)
+    lo = pid_s * span
+    hi = tl.minimum(lo + span, n_slots)
+    acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for s0 in range(lo, hi, WALK):
+        offs_s = s0 + tl.arange(0, WALK)
+        neuron = tl.load(ids_ptr + offs_s, mask=offs_s < hi, other=-1)
+        valid = neuron >= 0
+        wd = tl.load(
+            wd_ptr + neuron.to(tl.int64)[:, None] * stride_dn + offs_k[None, :] * stride_dk,
+            mask=valid[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        hv = tl.load(
+            hc_ptr + offs_s.to(tl.int64)[None, :] * stride_hc + rows[:, None],
+            mask=m_ok[:, None] & valid[None, :],
+            other=0.0,
+        )
+        acc = tl.dot(hv, wd, acc, input_precision=DOT_PRECISION)
+    out_mask = m_ok[:, None] & k_ok[None, :]
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_k[None, :] * stride_yk
+    if splits == 1:
+        if HAS_DOWN_BIAS:
+            acc += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        part = part_ptr + rows[:, None] * K + offs_k[None, :]
+        split_stride = tl.cast(M, tl.int64) * K  # one split's [M, K] partials
+        tl.store(part + pid_s * split_stride, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is stored before the arrival is published
+        sem = sem_ptr + pid_k * tl.num_programs(0) + pid_m
+        arrived = tl.atomic_add(sem, 1, sem="acq_rel")
+        if arrived == splits - 1:  # the last split of this tile: sum the partials in split order
+            total = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+            for split in range(0, splits):
+                total += tl.load(part + split * split_stride, mask=out_mask, other=0.0, cache_modifier=".cg")
+            if HAS_DOWN_BIAS:
+                total += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, EACH) of the gate + up kernel for one token and for more;
 # the fastest at both of K=2048/N=5632 and K=4096/N=14336 on an H200 (gpu_check-decode-20261130-161902.json,
 # -230248.json, -231118.json).
@@ -418,6 +552,55 @@ GATE_UP_CONFIG_WIDE = (16, 256, 4, 3, True)
 # ids, then hc and W_d) is not overlapped; 64 tokens gain from smaller K blocks (34.6 against 40.6 us
 # at K=2048). gpu_check-decode-20261201-114215.json, -114635.json.
 DOWN_CONFIG = {1: (32, 4, 64, 64, 4), 16: (128, 8, 16, 0, 4), 32: (128, 8, 16, 0, 4), 64: (64, 8, 32, 0, 4)}
+
+# Batched decode (batched_decode_ffn), by token bucket (the call's M rounded up to a power of two in
+# [16, 256]; larger calls take the 256 row). Not yet measured: chosen from the bytes floor
+# (benchmarks/NOTES.md, "Batched decode"); `gpu_check.py batched --sweep` times the alternatives.
+# Up kernel (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): every program reads its token block's x
+# whole, so BLOCK_N grows with M (x's L2 traffic, N / BLOCK_N * M * K * 2 bytes, stays below the
+# union's W_u rows) while 176-448 programs keep every SM loading at 16-32 tokens.
+BATCHED_UP_CONFIG = {
+    16: (16, 32, 128, 4, 3),
+    32: (32, 32, 128, 4, 3),
+    64: (64, 64, 64, 4, 3),
+    128: (64, 64, 64, 4, 3),
+    256: (64, 128, 64, 8, 3),
+}
+# Down kernel (BLOCK_M, BLOCK_K, WALK, STEPS, num_warps, num_stages): each split walks STEPS steps of
+# WALK slots, as many splits as that takes. A program's steps are not overlapped with each other (~1 us
+# a step, the walking kernel of NOTES v23): few steps a program, and many programs an SM to hide them.
+# The price is the partials, programs * BLOCK_M * BLOCK_K * 4 bytes (through L2), hence more steps at
+# 64+ tokens, where each step also has more of its rows valid (27-72% of them at 0.5%); 64-element K
+# blocks (one 128-byte line of a bf16 W_d row), 128-wide at 128+ tokens, where every K block reads the
+# union's h again (K / BLOCK_K * M * union * 2 bytes).
+# Past BATCHED_PARTS_BYTES of partials (128-256 tokens at K=4096: 57-117 MB by STEPS alone; any call
+# far past 256 tokens), the splits walk more steps instead: fewer splits, at least one.
+BATCHED_PARTS_BYTES = 16 << 20
+BATCHED_DOWN_CONFIG = {
+    16: (16, 64, 128, 4, 4, 3),
+    32: (32, 64, 128, 4, 4, 3),
+    64: (64, 64, 128, 8, 4, 3),
+    128: (128, 128, 64, 8, 8, 3),
+    256: (128, 128, 64, 8, 8, 3),
+}
+
+
+def _check_ffn(caller, x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold):
+    """(M, K, N) of a decode launcher's arguments, checked (ValueError naming expected and actual)."""
+    check_input("x", x)
+    check_threshold(threshold)
+    m, k = x.shape
+    if not isinstance(gate_weight, torch.Tensor) or gate_weight.dim() != 2:
+        raise ValueError(f"{caller} expects gate_weight [N, {k}] (K of x)")
+    n = gate_weight.shape[0]
+    for name, t in (("gate_weight", gate_weight), ("up_weight", up_weight), ("down_weight_t", down_weight_t)):
+        if t is not None:
+            check_operand(name, t, (n, k), x)  # [N, K of x], x's dtype and device
+    if up_bias is not None and up_weight is None:
+        raise ValueError("up_bias needs up_weight (a plain FFN has its bias as gate_bias)")
+    for name, b, size in (("gate_bias", gate_bias, n), ("up_bias", up_bias, n), ("down_bias", down_bias, k)):
+        check_bias(name, b, size, x)
+    return m, k, n
 
 
 def decode_ffn(
@@ -448,19 +631,9 @@ def decode_ffn(
     token by block rows (True; only one token with K <= 4096, the list otherwise) or by the list
     (False), None leaving it to K.
     """
-    check_input("x", x)
-    check_threshold(threshold)
-    m, k = x.shape
-    if not isinstance(gate_weight, torch.Tensor) or gate_weight.dim() != 2:
-        raise ValueError(f"decode_ffn expects gate_weight [N, {k}] (K of x)")
-    n = gate_weight.shape[0]
-    for name, t in (("gate_weight", gate_weight), ("up_weight", up_weight), ("down_weight_t", down_weight_t)):
-        if t is not None:
-            check_operand(name, t, (n, k), x)  # [N, K of x], x's dtype and device
-    if up_bias is not None and up_weight is None:
-        raise ValueError("up_bias needs up_weight (a plain FFN has its bias as gate_bias)")
-    for name, b, size in (("gate_bias", gate_bias, n), ("up_bias", up_bias, n), ("down_bias", down_bias, k)):
-        check_bias(name, b, size, x)
+    m, k, n = _check_ffn(
+        "decode_ffn", x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold
+    )
     if m == 0 or n == 0 or k == 0:  # no tokens, neurons or width: y is the down bias (no launch)
         y = torch.zeros_like(x)
         return y + down_bias if down_bias is not None else y
@@ -576,4 +749,77 @@ def decode_ffn(
         SPLIT_MIN=split_min,
         num_warps=down_warps,
     )
+    return y
+
+
+def _batched_bucket(m: int) -> int:
+    return min(max(triton.next_power_of_2(m), 16), 256)
+
+
+def batched_decode_ffn(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    gate_bias: torch.Tensor | None,
+    up_weight: torch.Tensor | None,
+    up_bias: torch.Tensor | None,
+    down_weight_t: torch.Tensor,
+    down_bias: torch.Tensor | None,
+    threshold: float,
+    *,
+    drelu: bool = False,
+    square: bool = False,
+    up_config: tuple[int, int, int, int, int] | None = None,
+    down_config: tuple[int, int, int, int, int, int] | None = None,
+    max_parts_bytes: int = BATCHED_PARTS_BYTES,
+) -> torch.Tensor:
+    """Batched decode (9-256 tokens a call): decode_ffn's arguments and result, by three launches with no
+    host synchronisation and no memset (CUDA graphs capture it):
+    1. the gate g = x W_g^T (+ bias) [M, N] by cuBLAS (F.linear, as the dense FFN computes it): W_g read
+       once at GEMM speed;
+    2. _batched_up_kernel: the union of the call's kept neurons, compacted per neuron block, and h for
+       the union only, from the union's W_u rows;
+    3. _batched_down_kernel: y = h W_d over the union's W_d rows, in wide walk steps per (token block,
+       K block, split).
+    Exact at any density (a full union reads every row). The configs override BATCHED_UP_CONFIG /
+    BATCHED_DOWN_CONFIG (tests, benchmarks); max_parts_bytes caps the down kernel's partials
+    (BATCHED_PARTS_BYTES).
+    """
+    m, k, n = _check_ffn(
+        "batched_decode_ffn", x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold
+    )
+    if m == 0 or n == 0 or k == 0:  # no tokens, neurons or width: y is the down bias (no launch)
+        y = torch.zeros_like(x)
+        return y + down_bias if down_bias is not None else y
+    bucket = _batched_bucket(m)
+    up_m, block_n, up_k, up_warps, up_stages = up_config or BATCHED_UP_CONFIG[bucket]
+    down_m, down_k, walk, steps, down_warps, down_stages = down_config or BATCHED_DOWN_CONFIG[bucket]
+    if steps < 1:
+        raise ValueError(f"down_config needs STEPS >= 1, got {down_config}")
+    g = F.linear(x, gate_weight, gate_bias)
+    n_blocks = triton.cdiv(n, block_n)
+    n_slots = n_blocks * block_n
+    up_blocks, down_blocks, k_blocks = triton.cdiv(m, up_m), triton.cdiv(m, down_m), triton.cdiv(k, down_k)
+    splits = min(triton.cdiv(n_slots, steps * walk), max(1, max_parts_bytes // (m * k * 4)))
+    span = triton.cdiv(triton.cdiv(n_slots, walk), splits) * walk
+    splits = triton.cdiv(n_slots, span)
+    hc = torch.empty(n_slots, m, dtype=x.dtype, device=x.device)
+    ids = torch.empty(n_slots, dtype=torch.int32, device=x.device)
+    sems = torch.empty(k_blocks * down_blocks, dtype=torch.int32, device=x.device)
+    parts = torch.empty(splits if splits > 1 else 0, m, k, dtype=torch.float32, device=x.device)
+    y = torch.empty_like(x)
+    precision = dot_precision(x.dtype)
+    _batched_up_kernel[(up_blocks, n_blocks)](
+        g, x, up_weight if up_weight is not None else x, up_bias if up_bias is not None else x, hc, ids, sems,
+        sems.numel(), m, n, k, threshold_in(threshold, x.dtype), g.stride(0), x.stride(0), x.stride(1),
+        *(up_weight.stride() if up_weight is not None else (0, 0)), hc.stride(0),
+        HAS_UP=up_weight is not None, HAS_UP_BIAS=up_bias is not None, DRELU=drelu, SQUARE=square,
+        DOT_PRECISION=precision, BLOCK_M=up_m, BLOCK_N=block_n, BLOCK_K=up_k, SEM_BLOCK=256,
+        num_warps=up_warps, num_stages=up_stages,
+    )  # fmt: skip
+    _batched_down_kernel[(down_blocks, k_blocks, splits)](
+        hc, ids, down_weight_t, down_bias if down_bias is not None else x, y, parts, sems, m, k, n_slots, span,
+        hc.stride(0), down_weight_t.stride(0), down_weight_t.stride(1), y.stride(0), y.stride(1),
+        HAS_DOWN_BIAS=down_bias is not None, DOT_PRECISION=precision, BLOCK_M=down_m, BLOCK_K=down_k, WALK=walk,
+        num_warps=down_warps, num_stages=down_stages,
+    )  # fmt: skip
     return y

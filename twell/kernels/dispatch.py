@@ -5,7 +5,8 @@ Each call brings its layer's twell.kernels.policy.LayerConfig (the op's argument
 and TwELL layout; policy.route decides.
 - M <= decode_max_m tokens, or up to decode_sparse_max_m for a layer whose prefill calls measured at
   most DECODE_SPARSE_DENSITY: the two decode kernels (gate + up, then down; only active rows of W_u /
-  W_d are read).
+  W_d are read); decode_max_m < M <= batched_max_m: the batched decode (cuBLAS gate, then the union's
+  W_u / W_d rows).
 - M >= prefill_min_m: the gate packed to TwELL at the layer's tile_n / slots (fused_gate: the
   persistent TMA GEMM packing in its epilogue, where the operands allow; otherwise cuBLAS + a pack
   pass), then the fused up+down kernels, which recompute the gate of tiles that overflow their slots:
@@ -38,7 +39,7 @@ import triton
 
 from twell.kernels import dense as dense_route
 from twell.kernels import policy
-from twell.kernels.decode import decode_ffn
+from twell.kernels.decode import batched_decode_ffn, decode_ffn
 from twell.kernels.gate import fused_gate_supported, gate_twell, hot_values, pack_dense
 from twell.kernels.updown import twell_up_down
 
@@ -155,7 +156,7 @@ def _run(
     wd_t = down_weight.t()
     # under CUDA-graph capture the layer's density state is frozen: no event queries, no new probes
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    sparse_decode = config.decode_max_m < m <= config.decode_sparse_max_m
+    sparse_decode = max(config.decode_max_m, config.batched_max_m) < m <= config.decode_sparse_max_m
     density = layer_density(gate_weight, capturing, config) if sparse_decode else None
     path = policy.route(m, x2.shape[1], config, density) if wd_t.stride(1) == 1 else "dense"
     if path == "prefill":
@@ -167,8 +168,9 @@ def _run(
             path = "dense"
     if path == "dense":
         return dense_fn(x2).reshape(shape)
-    if path == "decode":
-        return decode_ffn(
+    if path in ("decode", "batched"):
+        decode = decode_ffn if path == "decode" else batched_decode_ffn
+        return decode(
             x2, gate_weight, gate_bias, up_weight, up_bias, wd_t, down_bias, threshold, drelu=drelu, square=square
         ).reshape(shape)
 

@@ -6,7 +6,7 @@ that dispatches to Triton (twell.kernels.dispatch, imported on first CUDA call, 
 compiles nothing).
 
 Route arguments: gated_ffn and ffn take the fields of the layer's twell.kernels.policy.LayerConfig
-(tile_n ... hot_rate, in LayerConfig.op_args' order, defaulting to its defaults): the CUDA dispatcher
+(tile_n ... batched_max_m, in LayerConfig.op_args' order, defaulting to its defaults): the CUDA dispatcher
 routes by them; every implementation checks them, so a bad value fails the same on any device.
 
 Training: twell::ffn_train (a forward that also returns the compact record of the hidden layer) and
@@ -126,9 +126,20 @@ def gated_ffn(
     dense_above: float = _D.dense_above,
     fused_gate: bool = _D.fused_gate,
     hot_rate: Optional[float] = _D.hot_rate,
+    batched_max_m: int = _D.batched_max_m,
 ) -> torch.Tensor:
     check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold)
-    route_config(tile_n, slots, decode_max_m, decode_sparse_max_m, prefill_min_m, dense_above, fused_gate, hot_rate)
+    route_config(
+        tile_n,
+        slots,
+        decode_max_m,
+        decode_sparse_max_m,
+        prefill_min_m,
+        dense_above,
+        fused_gate,
+        hot_rate,
+        batched_max_m,
+    )
     return reference.gated_ffn(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu)
 
 
@@ -167,9 +178,20 @@ def ffn(
     dense_above: float = _D.dense_above,
     fused_gate: bool = _D.fused_gate,
     hot_rate: Optional[float] = _D.hot_rate,
+    batched_max_m: int = _D.batched_max_m,
 ) -> torch.Tensor:
     check_plain(x, up_weight, down_weight, up_bias, down_bias, threshold)
-    route_config(tile_n, slots, decode_max_m, decode_sparse_max_m, prefill_min_m, dense_above, fused_gate, hot_rate)
+    route_config(
+        tile_n,
+        slots,
+        decode_max_m,
+        decode_sparse_max_m,
+        prefill_min_m,
+        dense_above,
+        fused_gate,
+        hot_rate,
+        batched_max_m,
+    )
     return reference.ffn(x, up_weight, down_weight, up_bias, down_bias, threshold, squared)
 
 

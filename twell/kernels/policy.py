@@ -31,6 +31,10 @@ DECODE_MAX_M = 8
 # 9-16 tokens: decode where the layer is known sparse (1.19-1.37x at <= 1%; 1.06-1.17x at 2%, 0.85x at 5%)
 DECODE_SPARSE_MAX_M = 16
 PREFILL_MIN_M: int | None = 16384
+# Calls of decode_max_m < M <= batched_max_m take the batched decode (twell.kernels.decode.
+# batched_decode_ffn: cuBLAS gate, the union's W_u / W_d rows only). 0 (none) until measured on the GPU
+# (benchmarks/NOTES.md, "Batched decode"); calibration sets a layer's from its density by BATCHED_CROSSOVER.
+BATCHED_MAX_M = 0
 # Gate of the prefill path: the persistent TMA GEMM with the packing epilogue (True) or cuBLAS + the
 # pack pass (False); the faster measured at K=2048/N=5632 and K=4096/N=14336 on an H200.
 FUSED_GATE = False
@@ -48,6 +52,12 @@ HOT_RATE: float | None = 0.02
 # 0.16-0.31x of dense at 32768 tokens (dx and dW kernels 6-7x their floors, train-20261130-234135.json).
 TRAIN_MIN_M: int | None = None
 
+# Batched decode from calibration: (density, tokens) rows, a layer calibrated at most `density` dense
+# serving calls of up to `tokens` by the batched decode (the first row that holds). Empty, so no layer
+# does, until the crossovers are measured (gpu_check.py batched); predicted: ((0.006, 128), (0.012, 64),
+# (0.025, 32), (0.05, 16)) (benchmarks/NOTES.md, "Batched decode").
+BATCHED_CROSSOVER: tuple[tuple[float, int], ...] = ()
+
 # Fixed for every layer:
 DECODE_SPARSE_DENSITY = 0.01  # "known sparse" for decode_sparse_max_m: the 1% of the measurement above
 MAX_K = 8192  # wider models run dense: the up+down kernel keeps whole x and y rows in registers
@@ -57,7 +67,7 @@ HOT_ALIGN = 16  # hot neurons come in multiples of this (GEMM shapes); fewer: no
 HOT_MAX_SHARE = 0.25  # at most this share of N is hot (past it the layer is dense: dense_above)
 # decode_max_m / prefill_min_m of a route that takes every call (K permitting): any token count
 EVERY = 1 << 62
-ROUTES = ("decode", "prefill", "dense")
+ROUTES = ("decode", "batched", "prefill", "dense")
 
 
 def check_tile(tile_n: int, slots: int) -> None:
@@ -81,6 +91,8 @@ class LayerConfig:
     decode_max_m: calls of at most this many tokens take the decode kernels, and calls of up to
         decode_sparse_max_m tokens do on a layer whose prefill calls measured it at most
         DECODE_SPARSE_DENSITY dense.
+    batched_max_m: calls of more than decode_max_m and at most this many tokens take the batched decode
+        kernels (0: none does; calibration sets it from the layer's density, calibrated_batched_max_m).
     prefill_min_m: calls of at least this many tokens take the prefill kernels (None: none does).
     dense_above: a layer whose prefill call measured it denser than this runs its next DENSE_RETRY
         prefill calls dense.
@@ -101,11 +113,12 @@ class LayerConfig:
     dense_above: float = DENSE_ABOVE
     fused_gate: bool = FUSED_GATE
     hot_rate: float | None = HOT_RATE
+    batched_max_m: int = BATCHED_MAX_M  # op_args' order: train_min_m is no op argument
     train_min_m: int | None = TRAIN_MIN_M
 
     def __post_init__(self):
         check_tile(self.tile_n, self.slots)
-        for name in ("decode_max_m", "decode_sparse_max_m", "prefill_min_m", "train_min_m"):
+        for name in ("decode_max_m", "decode_sparse_max_m", "batched_max_m", "prefill_min_m", "train_min_m"):
             value = getattr(self, name)
             optional = name in ("prefill_min_m", "train_min_m")
             if (value is None and optional) or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
@@ -121,9 +134,9 @@ class LayerConfig:
             raise ValueError(f"hot_rate must be a number in [0, 1] or None, got {rate!r}")
 
     def replace(self, *, route: str | None = None, **changes) -> LayerConfig:
-        """A copy with `changes` (field values). route: "decode", "prefill" or "dense" sets the route
-        limits so that every call takes that path (K permitting; a forced prefill never falls back to
-        dense for a measured density), before `changes`."""
+        """A copy with `changes` (field values). route: "decode", "batched", "prefill" or "dense" sets
+        the route limits so that every call takes that path (K permitting; a forced prefill never falls
+        back to dense for a measured density), before `changes`."""
         known = [f.name for f in dataclasses.fields(self)]
         unknown = sorted(set(changes) - set(known))
         if unknown:
@@ -133,6 +146,7 @@ class LayerConfig:
                 raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
             decode = EVERY if route == "decode" else 0
             limits = {"decode_max_m": decode, "decode_sparse_max_m": decode}
+            limits["batched_max_m"] = EVERY if route == "batched" else 0
             limits["prefill_min_m"] = 1 if route == "prefill" else None
             if route == "prefill":
                 limits["dense_above"] = 1.0  # no density exceeds 1
@@ -150,6 +164,7 @@ class LayerConfig:
             self.dense_above,
             self.fused_gate,
             self.hot_rate,
+            self.batched_max_m,
         )
 
 
@@ -164,17 +179,28 @@ def from_op_args(*args) -> LayerConfig:
 
 
 def route(m: int, k: int, config: LayerConfig, density: float | None = None) -> str:
-    """ "decode", "prefill" or "dense" for a call of m tokens of width k on a layer with `config`;
+    """ "decode", "batched", "prefill" or "dense" for a call of m tokens of width k on a layer with `config`;
     density: the layer's, where measured."""
     if m == 0 or k > MAX_K:
         return "dense"
-    if m <= config.decode_max_m or (
-        m <= config.decode_sparse_max_m and density is not None and density <= DECODE_SPARSE_DENSITY
-    ):
+    if m <= config.decode_max_m:
+        return "decode"
+    if m <= config.batched_max_m:
+        return "batched"
+    if m <= config.decode_sparse_max_m and density is not None and density <= DECODE_SPARSE_DENSITY:
         return "decode"
     if config.prefill_min_m is not None and m >= config.prefill_min_m:
         return "prefill"
     return "dense"
+
+
+def calibrated_batched_max_m(density: float | None, crossover=BATCHED_CROSSOVER) -> int:
+    """The batched_max_m of a layer calibrated at `density` (mean kept fraction of its decode calls):
+    the tokens of crossover's first (density, tokens) row with density >= `density`; 0 where none holds
+    or the density was not measured."""
+    if density is None:
+        return 0
+    return next((tokens for most, tokens in crossover if density <= most), 0)
 
 
 def hot_count(counts, rows: int, rate: float) -> int:
