@@ -80,104 +80,71 @@ def _pack_slice(
 
 
 @triton.jit
-def _pack_columns(
-    acc, offs_m, tile, col0, before, M, N, threshold, words_ptr, pos_ptr, hot_ptr, n_hot, n_tiles,
-    VALUE: tl.constexpr, TILE_N: tl.constexpr, SLOTS: tl.constexpr, SQUARE: tl.constexpr, WIDTH: tl.constexpr,
+def _pack_tile(
+    acc, offs_m, tile, M, N, threshold, words_ptr, cnt_ptr, pos_ptr, hot_ptr, n_hot, n_tiles,
+    VALUE: tl.constexpr, TILE_N: tl.constexpr, SLOTS: tl.constexpr, SQUARE: tl.constexpr, SPLIT: tl.constexpr,
     HAS_HOT: tl.constexpr,
 ):  # fmt: skip
-    """_pack_slice of columns [col0, col0 + WIDTH) of a tile, and with HAS_HOT the hot neurons' columns
-    to hot_ptr [M, n_hot] instead. Gathering each slot by a row reduction instead was 2.5x slower on
-    the H200 (benchmarks/NOTES.md)."""
+    """Pack one [BLOCK_M, TILE_N] fp32 tile into TwELL slots and store its rows' counts, in SPLIT column
+    slices (1 or 2: fewer live registers next to a GEMM accumulator); with HAS_HOT, the hot neurons'
+    columns go to hot_ptr [M, n_hot] instead. Gathering each slot by a row reduction instead was 2.5x
+    slower on the H200 (benchmarks/NOTES.md)."""
     if HAS_HOT:
-        cols = tile * TILE_N + col0 + tl.arange(0, WIDTH)
+        cols = tile * TILE_N + tl.arange(0, TILE_N)
         pos = tl.load(pos_ptr + cols, mask=cols < N, other=-1)
         hot = ((pos >= 0) & (pos < n_hot))[None, :]  # a position past hot_values is no store
         hot_off = offs_m.to(tl.int64)[:, None] * n_hot + pos[None, :]
         tl.store(hot_ptr + hot_off, acc.to(hot_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & hot)
         acc = tl.where(hot, float("-inf"), acc)  # never kept, NaN included
-    return _pack_slice(
-        acc, offs_m, tile, col0, before, M, N, threshold, words_ptr, n_tiles, VALUE, TILE_N, SLOTS, SQUARE, WIDTH
-    )
+    cnt = tl.zeros([offs_m.shape[0]], dtype=tl.int32)
+    if SPLIT == 1:
+        cnt = _pack_slice(
+            acc, offs_m, tile, 0, cnt, M, N, threshold, words_ptr, n_tiles, VALUE, TILE_N, SLOTS, SQUARE, TILE_N
+        )
+    else:
+        left, right = tl.split(tl.permute(tl.reshape(acc, [acc.shape[0], 2, TILE_N // 2]), [0, 2, 1]))
+        cnt = _pack_slice(
+            left, offs_m, tile, 0, cnt, M, N, threshold, words_ptr, n_tiles, VALUE, TILE_N, SLOTS, SQUARE, TILE_N // 2
+        )
+        cnt = _pack_slice(
+            right, offs_m, tile, TILE_N // 2, cnt, M, N, threshold, words_ptr, n_tiles, VALUE, TILE_N, SLOTS, SQUARE,
+            TILE_N // 2,
+        )  # fmt: skip
+    tl.store(cnt_ptr + offs_m.to(tl.int64) * n_tiles + tile, cnt, mask=offs_m < M)
 
 
 # (BLOCK_M, BLOCK_K, num_warps, num_stages, SPLIT); BLOCK_N is the TwELL tile width: one GEMM tile packs
 # exactly one TwELL tile. Measured on the H200 at M=131072, K=2048, N=5632, tile 128
-# (gpu_check-prefill-20261201-204221.json; cuBLAS alone 4.35, + the pack pass 5.47): 128 rows SPLIT 2
-# (then the accumulator reshaped into halves) 6.03 ms, SPLIT 1 9.45, 3 stages 6.60, BLOCK_K 32 with 8
-# stages 8.27; at K=4096, N=14336, M=65536 SPLIT 2 13.8 against cuBLAS's 11.3. The probe's kernel ran
-# 4.97 with no bias, a constant threshold and NaN dropped: the epilogue's registers decide
-# (benchmarks/gate_epilogue.py, gate_epilogue-20261201-205328.json). ptxas (sm_90, Triton 3.9) spills
-# 760 bytes a thread at 128 rows, 320 with two half accumulators, none at 64 rows with 8 warps (254
-# registers; 4 warps spill 976): the 64-row rows, to measure.
+# (gpu_check-prefill-20261201-204221.json; cuBLAS alone 4.35, + the pack pass 5.47): SPLIT 2 6.03 ms,
+# SPLIT 1 9.45 (ptxas, sm_90: 184 against 768 bytes of spills a thread), 3 stages 6.60, BLOCK_K 32 with
+# 8 stages 8.27; at K=4096, N=14336, M=65536 SPLIT 2 13.8 against cuBLAS's 11.3. The probe's kernel ran
+# 4.97 with no bias, a constant threshold and NaN dropped: those features cost the registers
+# (benchmarks/gate_epilogue.py, gate_epilogue-20261201-205328.json).
 GATE_CONFIGS = [
-    (64, 64, 8, 4, 1),
-    (64, 64, 8, 5, 1),
-    (64, 128, 8, 3, 1),
     (128, 64, 8, 4, 2),
+    (128, 64, 8, 4, 1),
 ]
 
 
 @triton.jit
-def _tile_of(out_tile, grid_m, n_tiles, GROUP_M: tl.constexpr):
-    """(row block, column tile) of output tile `out_tile` of the persistent gate GEMM. Grouped order:
-    programs that run together share W_g tiles in L2."""
+def _gate_tile(
+    x_desc, w_desc, out_tile, grid_m, n_tiles, k_steps,
+    DOT_PRECISION: tl.constexpr, TILE_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """Output tile `out_tile` of the persistent gate GEMM: (row block, column tile, fp32 x W_g^T tile),
+    TMA loads of x and W_g. Grouped order: programs that run together share W_g tiles in L2."""
     group = out_tile // (GROUP_M * n_tiles)
     first_m = group * GROUP_M
     group_size = tl.minimum(grid_m - first_m, GROUP_M)
     pid_m = first_m + (out_tile % (GROUP_M * n_tiles)) % group_size
     tile = (out_tile % (GROUP_M * n_tiles)) // group_size
-    return pid_m, tile
-
-
-@triton.jit
-def _gate_tile(
-    x_desc, w_desc, pid_m, tile, k_steps, DOT_PRECISION: tl.constexpr, TILE_N: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """The fp32 x W_g^T tile (row block pid_m, column tile `tile`), TMA loads of x and W_g."""
     acc = tl.zeros([BLOCK_M, TILE_N], dtype=tl.float32)
     for ks in range(k_steps):
         a = x_desc.load([pid_m * BLOCK_M, ks * BLOCK_K])
         b = w_desc.load([tile * TILE_N, ks * BLOCK_K])
         acc = tl.dot(a, b.T, acc, input_precision=DOT_PRECISION)
-    return acc
-
-
-@triton.jit
-def _gate_halves(
-    x_desc, w_desc, pid_m, tile, k_steps, DOT_PRECISION: tl.constexpr, TILE_N: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """_gate_tile as two [BLOCK_M, TILE_N / 2] accumulators (W_g loaded in half tiles): the epilogue
-    packs one while the other waits, with no reshape of the accumulator."""
-    half: tl.constexpr = TILE_N // 2
-    lo = tl.zeros([BLOCK_M, half], dtype=tl.float32)
-    hi = tl.zeros([BLOCK_M, half], dtype=tl.float32)
-    for ks in range(k_steps):
-        a = x_desc.load([pid_m * BLOCK_M, ks * BLOCK_K])
-        b_lo = w_desc.load([tile * TILE_N, ks * BLOCK_K])
-        b_hi = w_desc.load([tile * TILE_N + half, ks * BLOCK_K])
-        lo = tl.dot(a, b_lo.T, lo, input_precision=DOT_PRECISION)
-        hi = tl.dot(a, b_hi.T, hi, input_precision=DOT_PRECISION)
-    return lo, hi
-
-
-@triton.jit
-def _gate_epilogue(
-    acc, offs_m, tile, col0, before, b_ptr, M, N, threshold, words_ptr, pos_ptr, hot_ptr, n_hot, n_tiles,
-    HAS_BIAS: tl.constexpr, VALUE: tl.constexpr, TILE_N: tl.constexpr, SLOTS: tl.constexpr, SQUARE: tl.constexpr,
-    WIDTH: tl.constexpr, HAS_HOT: tl.constexpr,
-):  # fmt: skip
-    """Bias, the dense FFN's rounding, then the packing of columns [col0, col0 + WIDTH) of a gate tile."""
-    if HAS_BIAS:
-        cols = tile * TILE_N + col0 + tl.arange(0, WIDTH)
-        acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    # decide on the value the dense FFN sees: the gate rounded to the output dtype
-    acc = acc.to(VALUE).to(tl.float32)
-    return _pack_columns(
-        acc, offs_m, tile, col0, before, M, N, threshold, words_ptr, pos_ptr, hot_ptr, n_hot, n_tiles, VALUE,
-        TILE_N, SLOTS, SQUARE, WIDTH, HAS_HOT,
-    )  # fmt: skip
+    return pid_m, tile, acc
 
 
 def _smem(block_m: int, block_k: int, stages: int, tile_n: int, element: int) -> int:
@@ -201,7 +168,7 @@ def _prune(configs, named_args, **kwargs):
 def _set_blocks(nargs):
     """Descriptor block shapes follow the config being run."""
     nargs["x_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
-    nargs["w_desc"].block_shape = [nargs["TILE_N"] // nargs["SPLIT"], nargs["BLOCK_K"]]
+    nargs["w_desc"].block_shape = [nargs["TILE_N"], nargs["BLOCK_K"]]
 
 
 @triton.autotune(
@@ -249,26 +216,19 @@ def _gate_twell_kernel(
     n_out = grid_m * n_tiles
     k_steps = tl.cdiv(K, BLOCK_K)
     for out_tile in tl.range(tl.program_id(0), n_out, tl.num_programs(0), flatten=True):
-        pid_m, tile = _tile_of(out_tile, grid_m, n_tiles, GROUP_M)
+        pid_m, tile, acc = _gate_tile(
+            x_desc, w_desc, out_tile, grid_m, n_tiles, k_steps, DOT_PRECISION, TILE_N, BLOCK_M, BLOCK_K, GROUP_M
+        )
+        if HAS_BIAS:
+            cols = tile * TILE_N + tl.arange(0, TILE_N)
+            acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        # decide on the value the dense FFN sees: the gate rounded to the output dtype
+        acc = acc.to(VALUE).to(tl.float32)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cnt = tl.zeros([BLOCK_M], dtype=tl.int32)
-        if SPLIT == 1:
-            acc = _gate_tile(x_desc, w_desc, pid_m, tile, k_steps, DOT_PRECISION, TILE_N, BLOCK_M, BLOCK_K)
-            cnt = _gate_epilogue(
-                acc, offs_m, tile, 0, cnt, b_ptr, M, N, threshold, words_ptr, pos_ptr, hot_ptr, n_hot, n_tiles,
-                HAS_BIAS, VALUE, TILE_N, SLOTS, SQUARE, TILE_N, HAS_HOT,
-            )  # fmt: skip
-        else:
-            lo, hi = _gate_halves(x_desc, w_desc, pid_m, tile, k_steps, DOT_PRECISION, TILE_N, BLOCK_M, BLOCK_K)
-            cnt = _gate_epilogue(
-                lo, offs_m, tile, 0, cnt, b_ptr, M, N, threshold, words_ptr, pos_ptr, hot_ptr, n_hot, n_tiles,
-                HAS_BIAS, VALUE, TILE_N, SLOTS, SQUARE, TILE_N // 2, HAS_HOT,
-            )  # fmt: skip
-            cnt = _gate_epilogue(
-                hi, offs_m, tile, TILE_N // 2, cnt, b_ptr, M, N, threshold, words_ptr, pos_ptr, hot_ptr, n_hot,
-                n_tiles, HAS_BIAS, VALUE, TILE_N, SLOTS, SQUARE, TILE_N // 2, HAS_HOT,
-            )  # fmt: skip
-        tl.store(cnt_ptr + offs_m.to(tl.int64) * n_tiles + tile, cnt, mask=offs_m < M)
+        _pack_tile(
+            acc, offs_m, tile, M, N, threshold, words_ptr, cnt_ptr, pos_ptr, hot_ptr, n_hot, n_tiles, VALUE, TILE_N,
+            SLOTS, SQUARE, SPLIT, HAS_HOT,
+        )  # fmt: skip
 
 
 PACK_CONFIGS = [
@@ -316,11 +276,10 @@ def _pack_dense_kernel(
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_n[None, :] * stride_hn
     acc = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    cnt = _pack_columns(
-        acc, offs_m, tile, 0, tl.zeros([BLOCK_M], dtype=tl.int32), M, N, threshold, words_ptr, pos_ptr, hot_ptr,
-        n_hot, n_tiles, h_ptr.dtype.element_ty, TILE_N, SLOTS, SQUARE, TILE_N, HAS_HOT,
+    _pack_tile(
+        acc, offs_m, tile, M, N, threshold, words_ptr, cnt_ptr, pos_ptr, hot_ptr, n_hot, n_tiles,
+        h_ptr.dtype.element_ty, TILE_N, SLOTS, SQUARE, 1, HAS_HOT,
     )  # fmt: skip
-    tl.store(cnt_ptr + offs_m.to(tl.int64) * n_tiles + tile, cnt, mask=offs_m < M)
 
 
 def _alloc(m: int, n: int, tile_n: int, slots: int, dtype, device):
