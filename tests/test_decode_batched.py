@@ -186,6 +186,22 @@ def test_calibration_sets_batched_max_m_from_the_decode_density(monkeypatch):
     assert decision.layer_config().batched_max_m == 0
 
 
+def test_calibration_sends_9_to_16_token_calls_of_a_sparse_layer_to_the_decode_kernels():
+    """A layer calibrated at most DECODE_SPARSE_DENSITY dense takes the decode kernels up to
+    decode_sparse_max_m tokens from its first call (no prefill needs to have measured it); a denser or
+    unmeasured layer up to decode_max_m; a decode phase calibrated dense never."""
+    sparse = Decision(path="mlp", rewrite=True, reason="", density=0.02, stats={"decode": {"density": 0.005}})
+    assert sparse.layer_config().decode_max_m == policy.DECODE_SPARSE_MAX_M == 16
+    assert policy.route(16, 2048, sparse.layer_config()) == "decode"
+    dense = Decision(path="mlp", rewrite=True, reason="", density=0.005, stats={"decode": {"density": 0.03}})
+    assert dense.layer_config().decode_max_m == policy.DECODE_MAX_M == 8
+    assert policy.route(16, 2048, dense.layer_config()) == "dense"
+    assert Decision(path="mlp", rewrite=True, reason="").layer_config().decode_max_m == 8
+    assert Decision(path="mlp", rewrite=True, reason="", density=0.01).layer_config().decode_max_m == 16
+    sparse.dense_phases = ["decode"]
+    assert sparse.layer_config().decode_max_m == 0
+
+
 @pytest.mark.parametrize("m,path", [(8, "decode"), (24, "batched"), (65, "dense")])
 def test_dispatch_sends_batched_calls_to_the_batched_kernels(m, path, monkeypatch):
     dispatch.forget_layers()

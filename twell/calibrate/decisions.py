@@ -56,7 +56,9 @@ class Decision:
         """The LayerConfig the FFN runs with once rewritten: this decision's layout (the defaults without
         one) and its dense phases' routes turned off, then `changes` (checked by layer_changes)."""
         density = self.stats.get("decode", {}).get("density", self.density)
-        config = policy.DEFAULT.replace(batched_max_m=policy.calibrated_batched_max_m(density))
+        config = policy.DEFAULT.replace(
+            decode_max_m=policy.calibrated_decode_max_m(density), batched_max_m=policy.calibrated_batched_max_m(density)
+        )
         if self.tile_n is not None:
             config = config.replace(tile_n=self.tile_n, slots=self.tile_n // self.compression)
         return config.replace(**{**self.route_changes(), **(changes or {})})

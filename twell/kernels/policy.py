@@ -194,6 +194,18 @@ def route(m: int, k: int, config: LayerConfig, density: float | None = None) -> 
     return "dense"
 
 
+def calibrated_decode_max_m(density: float | None, config: LayerConfig = DEFAULT) -> int:
+    """The decode_max_m of a layer calibrated at `density` (mean kept fraction of its decode calls):
+    `config`'s decode_sparse_max_m where that is at most DECODE_SPARSE_DENSITY, else its decode_max_m.
+    What a prefill call's measured density does at run time, decided once from calibration instead, so
+    a served model whose prompts are short takes the decode kernels too (9-16 tokens at 0.5% / 1%:
+    1.30x / 1.21x at K=2048, 1.51x / 1.43x at K=4096 against the module's 1.03-1.09x;
+    gpu_check-batched-20261201-213212.json)."""
+    if density is not None and density <= DECODE_SPARSE_DENSITY:
+        return max(config.decode_max_m, config.decode_sparse_max_m)
+    return config.decode_max_m
+
+
 def calibrated_batched_max_m(density: float | None, crossover=BATCHED_CROSSOVER) -> int:
     """The batched_max_m of a layer calibrated at `density` (mean kept fraction of its decode calls):
     the tokens of crossover's first (density, tokens) row with density >= `density`; 0 where none holds
