@@ -19,18 +19,18 @@ the L1 penalty's term, whose gradient dl1 * sign(h) the backward adds to dh.
 Backward, per kept (m, n), with dh = dy_m . W_d^T[n] (+ dl1 * sign h):
     gated: dg = dh * a(u) (a: ReLU with dReLU, else identity), du = dh * g * a'(u), h = g * a(u)
     plain: dg = dh (relu) or 2 g dh (relu²), h = g or g²
-- _train_dx_kernel, one program per row: dx_m = sum_n dg W_g[n] + du W_u[n] (three weight rows
-  gathered per pair, as the forward's up+down kernel gathers two), storing dg / du into the record's
-  shape. Dense-backup rows take a second launch of it: each walks all N neurons and adds its dW and
-  dbias terms with fp32 atomics.
+- _train_dx_kernel, one program per row, heaviest rows first: dx_m = sum_n dg W_g[n] + du W_u[n]
+  (three weight rows gathered per pair, as the forward's up+down kernel gathers two), storing (dg, du,
+  h) at each entry's record slot. Dense-backup rows: the heaviest ceil(M / BACKUP_SHARE) rows through
+  cuBLAS GEMMs over those rows and one elementwise kernel for their hidden gradients
+  (_backup_grads_kernel), any past them through the persistent per-row walk of _train_backup_kernel;
+  their dW and dbias terms land in fp32 accumulators.
 - The pairs grouped by neuron (CSC): a stable sort of the record's neuron ids (invalid slots keyed N;
   int16 keys where N allows, two radix passes) and segment starts by searchsorted, all on the device.
-- _train_dw_kernel, one program per (neuron, part): dW_g[n] += sum_m dg x_m, dW_u[n] += sum_m du x_m,
-  dW_d^T[n] += sum_m h dy_m over its part of the neuron's pairs. A neuron active in many tokens is split
-  in up to SPLITS parts of at least MIN_PAIRS pairs, so it never serialises one program; parts add into
-  fp32 accumulators with atomics (the dense-backup rows' terms land there too): no second pass over
-  partial sums and no per-neuron scratch, at the price of dW sums that are not bit-reproducible across
-  runs (order of fp32 additions), though exact to fp32 rounding.
+- _train_dw_kernel, one program per (16 neurons, K block): dW_g[n] = sum_m dg x_m, dW_u[n] = sum_m du
+  x_m, dW_d^T[n] = sum_m h dy_m over the group's pairs (their coefficients gathered through the sorted
+  slot list) by tensor-core products, plus the accumulators, stored once in the weight dtype: no
+  atomics per pair.
 W_d is read as rows of down_weight^T ([N, K], unit stride on K), the layout sparsify stores.
 """
 
@@ -70,6 +70,10 @@ DW_STAGES = 3
 BACKUP_SHARE = 32
 BACKUP_PROGRAMS = 264
 BACKUP_TILE = 2048
+# _backup_grads_kernel's tile: elementwise over the dense pass's [T, N] products (64 x 128 bf16: 16 KB a
+# tensor, three read and three written)
+BACKUP_BLOCK_T = 64
+BACKUP_BLOCK_N = 128
 
 
 @triton.jit
@@ -280,13 +284,13 @@ def _backup_row(
 
 @triton.jit
 def _train_dx_kernel(
-    rows_ptr, inv_ptr, dy_ptr, dl1_ptr, wg_ptr, wu_ptr, wd_ptr, ids_ptr, gate_ptr, up_ptr, cnt_ptr, cg_ptr, cu_ptr,
+    rows_ptr, dy_ptr, dl1_ptr, wg_ptr, wu_ptr, wd_ptr, ids_ptr, gate_ptr, up_ptr, cnt_ptr, cg_ptr, cu_ptr,
     ch_ptr, dx_ptr, K, stride_dym, stride_gn, stride_un, stride_dn, stride_dxm,
     HAS_UP: tl.constexpr, DRELU: tl.constexpr, SQUARE: tl.constexpr, WIDTH: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Row m = rows[program_id] (heaviest first, so long rows start early instead of trailing the
-    launch): dx_m, and each record entry's (dg, du, h) stored at its place in the neuron-sorted pair
-    list (inv[slot]) for the dW kernel. Dense-backup rows are left to _dense_backup and
+    launch): dx_m, and each record entry's (dg, du, h) stored at the entry's record slot, where the dW
+    kernel gathers them through the neuron-sorted slot list. Dense-backup rows are left to _dense_backup and
     _train_backup_kernel. dl1: the gradient of sum |h| (the L1 penalty's), added to dh as dl1 * sign(h)."""
     m = tl.load(rows_ptr + tl.program_id(0)).to(tl.int64)
     count = tl.load(cnt_ptr + m)
@@ -310,13 +314,12 @@ def _train_dx_kernel(
         dg, du = _hidden_grads(tl.sum(dyv * wd, axis=0) + dl1 * _sign(h), g, u, HAS_UP, DRELU, SQUARE)
         wg = tl.load(wg_ptr + neuron * stride_gn + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         dx += dg * wg
-        pair = tl.load(inv_ptr + slot + e)
-        tl.store(cg_ptr + pair, dg.to(dtype))
-        tl.store(ch_ptr + pair, h.to(dtype))
+        tl.store(cg_ptr + slot + e, dg.to(dtype))
+        tl.store(ch_ptr + slot + e, h.to(dtype))
         if HAS_UP:
             wu = tl.load(wu_ptr + neuron * stride_un + offs_k, mask=k_ok, other=0.0).to(tl.float32)
             dx += du * wu
-            tl.store(cu_ptr + pair, du.to(dtype))
+            tl.store(cu_ptr + slot + e, du.to(dtype))
     tl.store(dx_ptr + m * stride_dxm + offs_k, dx.to(dtype), mask=k_ok)
 
 
@@ -354,6 +357,43 @@ def _train_backup_kernel(
 
 
 @triton.jit
+def _backup_grads_kernel(
+    pre_ptr, up_ptr, dhp_ptr, cnt_ptr, dl1_ptr, dg_ptr, du_ptr, h_ptr, accbg_ptr, accbu_ptr, T, N, threshold,
+    HAS_UP: tl.constexpr, HAS_GATE_BIAS: tl.constexpr, HAS_UP_BIAS: tl.constexpr, DRELU: tl.constexpr,
+    SQUARE: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The dense pass's hidden gradients, one [BLOCK_T, BLOCK_N] tile of its [T, N] products at a time
+    (all [T, N], unit stride on N): from the gate g (pre), up u and dh = dy W_d^T of the pass's rows,
+    (dg, du, h) in the dtype, zero outside kept entries of dense-backup rows (count > WIDTH), and the
+    tile's column sums of dg / du added to the fp32 bias accumulators. One pass over the tile in place
+    of torch's ~20 elementwise kernels over [T, N]."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    backup = tl.load(cnt_ptr + offs_t, mask=offs_t < T, other=0) > WIDTH
+    ok = (offs_t < T)[:, None] & (offs_n < N)[None, :]
+    at = offs_t.to(tl.int64)[:, None] * N + offs_n[None, :]
+    dtype = dg_ptr.dtype.element_ty
+    g = tl.load(pre_ptr + at, mask=ok, other=0.0).to(tl.float32)
+    u = g
+    if HAS_UP:
+        u = tl.load(up_ptr + at, mask=ok, other=0.0).to(tl.float32)
+    kept = _kept(g, threshold) & backup[:, None] & ok
+    h = tl.where(kept, _hidden(g, u, HAS_UP, DRELU, SQUARE, dtype), 0.0)
+    dh = tl.load(dhp_ptr + at, mask=ok, other=0.0).to(tl.float32) + tl.load(dl1_ptr) * _sign(h)
+    dg, du = _hidden_grads(dh, g, u, HAS_UP, DRELU, SQUARE)
+    dg = tl.where(kept, dg, 0.0)
+    tl.store(dg_ptr + at, dg.to(dtype), mask=ok)
+    tl.store(h_ptr + at, h.to(dtype), mask=ok)
+    if HAS_GATE_BIAS:
+        tl.atomic_add(accbg_ptr + offs_n, tl.sum(dg, axis=0), mask=offs_n < N, sem="relaxed")
+    if HAS_UP:
+        du = tl.where(kept, du, 0.0)
+        tl.store(du_ptr + at, du.to(dtype), mask=ok)
+        if HAS_UP_BIAS:
+            tl.atomic_add(accbu_ptr + offs_n, tl.sum(du, axis=0), mask=offs_n < N, sem="relaxed")
+
+
+@triton.jit
 def _train_dw_kernel(
     order_ptr, starts_ptr, x_ptr, dy_ptr, cg_ptr, cu_ptr, ch_ptr, accg_ptr, accu_ptr, accd_ptr, accbg_ptr,
     accbu_ptr, dwg_ptr, dwu_ptr, dwd_ptr, dbg_ptr, dbu_ptr, N, K, stride_xm, stride_dym,
@@ -388,18 +428,19 @@ def _train_dw_kernel(
         p = p0 + tl.arange(0, PAIRS)
         ok = p < hi
         owner = (begin[:, None] <= p[None, :]) & (p[None, :] < end[:, None])  # [GROUP, PAIRS]
-        m = tl.load(order_ptr + p, mask=ok, other=0) // WIDTH
+        q = tl.load(order_ptr + p, mask=ok, other=0)  # the pair's record slot
+        m = q // WIDTH
         tile_ok = ok[:, None] & k_ok[None, :]
         xt = tl.load(x_ptr + m[:, None] * stride_xm + offs_k[None, :], mask=tile_ok, other=0.0)
         dyt = tl.load(dy_ptr + m[:, None] * stride_dym + offs_k[None, :], mask=tile_ok, other=0.0)
-        cg = tl.where(owner, tl.load(cg_ptr + p, mask=ok, other=0.0)[None, :], 0.0)
+        cg = tl.where(owner, tl.load(cg_ptr + q, mask=ok, other=0.0)[None, :], 0.0)
         acc_g = tl.dot(cg.to(dtype), xt, acc_g, input_precision=PRECISION)
-        ch = tl.where(owner, tl.load(ch_ptr + p, mask=ok, other=0.0)[None, :], 0.0)
+        ch = tl.where(owner, tl.load(ch_ptr + q, mask=ok, other=0.0)[None, :], 0.0)
         acc_d = tl.dot(ch.to(dtype), dyt, acc_d, input_precision=PRECISION)
         if HAS_GATE_BIAS:
             sum_g += tl.sum(cg.to(tl.float32), axis=1)
         if HAS_UP:
-            cu = tl.where(owner, tl.load(cu_ptr + p, mask=ok, other=0.0)[None, :], 0.0)
+            cu = tl.where(owner, tl.load(cu_ptr + q, mask=ok, other=0.0)[None, :], 0.0)
             acc_u = tl.dot(cu.to(dtype), xt, acc_u, input_precision=PRECISION)
             if HAS_UP_BIAS:
                 sum_u += tl.sum(cu.to(tl.float32), axis=1)
@@ -552,41 +593,30 @@ def _dense_backup(
     threshold, drelu, square,
 ) -> None:  # fmt: skip
     """The dense-backup rows among `top` (the heaviest rows, a fixed number: no host sync), as dense
-    autograd computes them, in cuBLAS GEMMs over those rows alone: dx rows written (the others of `top`
-    keep the dx kernel's), dW and dbias terms added to the fp32 accumulators acc = (g, u, d, bg, bu)."""
-    backup = (counts.index_select(0, top) > width)[:, None]
-    xb, dyb = x.index_select(0, top), dy.index_select(0, top)
-    g = F.linear(xb, gate_weight, gate_bias)
-    kept = ~(g <= threshold) & backup
-    g = g.float()
-    if up_weight is not None:
-        u = F.linear(xb, up_weight, up_bias).float()
-        act = u.relu() if drelu else u
-        h = (g * act).to(x.dtype).float()
-    else:
-        h = (g * g if square else g).to(x.dtype).float()
-    h = torch.where(kept, h, 0.0)
-    dh = F.linear(dyb, down_weight_t).float() + l1_grad * h.sign()
-    if up_weight is not None:
-        dg = dh * act
-        du = torch.where(u > 0, dh * g, 0.0) if drelu else dh * g
-    else:
-        dg = 2.0 * g * dh if square else dh
-    dg = torch.where(kept, dg, 0.0)
-    dgt = dg.to(x.dtype)
-    dxb = dgt @ gate_weight
-    acc[0].add_(dgt.t() @ xb)
-    acc[2].add_(h.to(x.dtype).t() @ dyb)
-    if gate_bias is not None:
-        acc[3].add_(dg.sum(0))
-    if up_weight is not None:
-        du = torch.where(kept, du, 0.0)
-        dut = du.to(x.dtype)
-        dxb = dxb + dut @ up_weight
-        acc[1].add_(dut.t() @ xb)
-        if up_bias is not None:
-            acc[4].add_(du.sum(0))
-    dx.index_copy_(0, top, torch.where(backup, dxb, dx.index_select(0, top)))
+    autograd computes them, in cuBLAS GEMMs over those rows alone and one elementwise kernel: dx rows
+    written (the others of `top` keep the dx kernel's), dW and dbias terms added to the fp32
+    accumulators acc = (g, u, d, bg, bu)."""
+    t, n = top.numel(), gate_weight.shape[0]
+    xb, dyb, top_counts = x.index_select(0, top), dy.index_select(0, top), counts.index_select(0, top)
+    pre = F.linear(xb, gate_weight, gate_bias)
+    has_up = up_weight is not None
+    up = F.linear(xb, up_weight, up_bias) if has_up else pre
+    dhp = F.linear(dyb, down_weight_t)
+    dg, h = _alloc((t, n), x.dtype, x.device), _alloc((t, n), x.dtype, x.device)
+    du = _alloc((t, n), x.dtype, x.device) if has_up else dg
+    _backup_grads_kernel[(triton.cdiv(t, BACKUP_BLOCK_T), triton.cdiv(n, BACKUP_BLOCK_N))](
+        pre, up, dhp, top_counts, l1_grad, dg, du, h, acc[3], acc[4], t, n,
+        threshold_in(threshold, x.dtype), HAS_UP=has_up, HAS_GATE_BIAS=gate_bias is not None,
+        HAS_UP_BIAS=up_bias is not None, DRELU=drelu, SQUARE=square, WIDTH=width, BLOCK_T=BACKUP_BLOCK_T,
+        BLOCK_N=BACKUP_BLOCK_N,
+    )  # fmt: skip
+    dxb = dg @ gate_weight
+    acc[0].add_(dg.t() @ xb)
+    acc[2].add_(h.t() @ dyb)
+    if has_up:
+        dxb = dxb + du @ up_weight
+        acc[1].add_(du.t() @ xb)
+    dx.index_copy_(0, top, torch.where((top_counts > width)[:, None], dxb, dx.index_select(0, top)))
 
 
 def train_backward(
@@ -638,7 +668,7 @@ def train_backward(
     acc_d = torch.zeros(n, k, **f32)
     acc_bg = torch.zeros(n if gate_bias is not None else 0, **f32)
     acc_bu = torch.zeros(n if up_bias is not None else 0, **f32)
-    # (dg, du, h) of each record pair, in the neuron-sorted order the dW kernel reads
+    # (dg, du, h) of each record pair at its record slot (the dW kernel gathers them in neuron order)
     coef_g = _alloc((m * width,), x.dtype, x.device)
     coef_u = _alloc((m * width,), x.dtype, x.device) if has_up else coef_g
     coef_h = _alloc((m * width,), x.dtype, x.device)
@@ -646,11 +676,9 @@ def train_backward(
         block_k = triton.next_power_of_2(k)
         wu = up_weight if has_up else x
         order, starts = _neuron_segments(ids, counts, n)
-        inv = torch.empty_like(order, dtype=torch.int32 if order.numel() < 2**31 else torch.int64)
-        inv[order] = torch.arange(order.numel(), device=x.device, dtype=inv.dtype)
         rows = torch.argsort(counts, descending=True)  # heaviest first (dense-backup rows lead)
         _train_dx_kernel[(m,)](
-            rows, inv, dy, l1_grad, gate_weight, wu, down_weight_t, ids, gate, up, counts, coef_g, coef_u, coef_h,
+            rows, dy, l1_grad, gate_weight, wu, down_weight_t, ids, gate, up, counts, coef_g, coef_u, coef_h,
             dx, k, dy.stride(0), gate_weight.stride(0), wu.stride(0), down_weight_t.stride(0), dx.stride(0),
             HAS_UP=has_up, DRELU=drelu, SQUARE=square, WIDTH=width, BLOCK_K=block_k,
             num_warps=_row_warps(block_k),
