@@ -59,7 +59,7 @@ from triton.testing import do_bench  # noqa: E402
 import twell  # noqa: E402
 import twell.ops  # noqa: E402, F401  (registers torch.ops.twell.*)
 import twell.train  # noqa: E402
-from twell.kernels import policy, reference  # noqa: E402
+from twell.kernels import backward, policy, reference  # noqa: E402
 
 LAM = 2e-5  # the paper's L1 coefficient
 INPUT_SETS = 3
@@ -87,12 +87,12 @@ def dense_loss(x, dy, gate_weight, gate_bias, up_weight, down_weight):
     return (F.linear(hidden, down_weight) * dy).float().sum() + LAM * hidden.abs().float().mean()
 
 
-def twell_loss(x, dy, gate_weight, gate_bias, up_weight, down_weight):
+def twell_loss(x, dy, gate_weight, gate_bias, up_weight, down_weight, entries):
     """The sparsified layer's loss as one function of its weights (twell's compiled side): the sparse
     training op, its L1 term the mean |h| from the op's own sum (as twell.train's penalty takes it)."""
     n = gate_weight.shape[0]
     y, *_, l1_sum, _ = torch.ops.twell.ffn_train(
-        x, gate_weight, up_weight, down_weight, gate_bias, None, None, 0.0, False, False, policy.train_width(n)
+        x, gate_weight, up_weight, down_weight, gate_bias, None, None, 0.0, False, False, policy.train_width(n), entries
     )  # fmt: skip
     return (y * dy).float().sum() + LAM * l1_sum / (x.shape[0] * n)
 
@@ -149,7 +149,7 @@ def floors(k, n, m, pairs, gemm_tflop_s) -> dict:
     }
 
 
-def bench_point(k, n, m, density, pattern, compiled, twell_compiled, gemm_tflop_s) -> dict:
+def bench_point(k, n, m, density, pattern, compiled, twell_compiled, gemm_tflop_s, entries) -> dict:
     x0, block = make_inputs(m, k, n, density, pattern, seed=m + n)
     block.train()
     # more input sets for the same layer: x does not depend on the weights (make_inputs), only its seed
@@ -184,7 +184,8 @@ def bench_point(k, n, m, density, pattern, compiled, twell_compiled, gemm_tflop_
     dense_compiled()
     compiled_ms = do_bench(dense_compiled, warmup=50, rep=REP_MS, return_mode="median")
 
-    twell.sparsify(block, layer_config={"train_min_m": 1})  # the sparse training path is opt-in: at every size
+    # the sparse training path is opt-in: at every size
+    twell.sparsify(block, layer_config={"train_min_m": 1, "train_entries": entries})
     tracker = twell.train.track_l1(block)
     twell_ms, twell_peak, (twell_dx, twell_grads) = measure(user_step)
     stages = stage_times(lambda: module_step(block, x0, dys[0]))
@@ -194,7 +195,7 @@ def bench_point(k, n, m, density, pattern, compiled, twell_compiled, gemm_tflop_
     def sparse_compiled():
         x, dy = nxt()
         x = x.detach().requires_grad_()
-        return torch.autograd.grad(twell_compiled(x, dy, *sparse_params), [x, *sparse_params])
+        return torch.autograd.grad(twell_compiled(x, dy, *sparse_params, entries), [x, *sparse_params])
 
     sparse_compiled()
     twell_compiled_ms = do_bench(sparse_compiled, warmup=50, rep=REP_MS, return_mode="median")
@@ -212,6 +213,7 @@ def bench_point(k, n, m, density, pattern, compiled, twell_compiled, gemm_tflop_
         "density": density,
         "pattern": pattern,
         "width": width,
+        "train_entries": entries,
         "nnz_mean": nnz.float().mean().item(),
         "nnz_max": nnz.max().item(),
         "backup_rows": (nnz > width).sum().item(),
@@ -301,7 +303,7 @@ def time_steps(step, steps: int, meter) -> dict:
     }
 
 
-def model_main(args) -> None:
+def model_main(args, constants: dict) -> None:
     """The whole-model training step (module docstring, --model)."""
     from decode import llama, set_gate_biases
     from e2e import ROW_SPREAD, Meter, share_gate_direction
@@ -328,6 +330,8 @@ def model_main(args) -> None:
         "seq": args.seq,
         "parameters_b": sum(p.numel() for p in model.parameters()) / 1e9,
         "layers": layers,
+        "train_entries": args.entries,
+        "backward_constants": constants,
         "rows": {},
     }
     path = result_path(args.out, "train-model")
@@ -335,7 +339,8 @@ def model_main(args) -> None:
         if row not in MODEL_ROWS:
             raise SystemExit(f"--rows takes {','.join(MODEL_ROWS)}, got {row!r}")
         if row.startswith("twell") and not hasattr(model, "_twell_sparsified"):
-            twell.sparsify(model, layer_config={"train_min_m": 1})  # the sparse training path: opt-in
+            # the sparse training path: opt-in
+            twell.sparsify(model, layer_config={"train_min_m": 1, "train_entries": args.entries})
             model._twell_sparsified = True
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -370,6 +375,17 @@ def model_main(args) -> None:
     print(f"wrote {path}")
 
 
+def set_backward_constants(settings: list[str]) -> dict:
+    """Apply NAME=VALUE settings to twell.kernels.backward's int constants (benchmark variants: the
+    launchers read them at each call); returns every such constant's value, for the result file."""
+    for setting in settings:
+        name, _, value = setting.partition("=")
+        if not (name.isupper() and isinstance(getattr(backward, name, None), int) and value.isdigit()):
+            raise SystemExit(f"--backward-constant takes NAME=INT for an int constant of backward, got {setting!r}")
+        setattr(backward, name, int(value))
+    return {name: v for name, v in vars(backward).items() if name.isupper() and isinstance(v, int)}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default="2048x5632,4096x14336")
@@ -378,6 +394,14 @@ def main():
     parser.add_argument("--patterns", default="uniform,skewed")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: interpreter check only)")
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--entries", type=int, default=1, help="twell's LayerConfig.train_entries")
+    parser.add_argument(
+        "--backward-constant",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a variant: set an int constant of twell.kernels.backward (BACKUP_SHARE, DW_BLOCK_K, DW_WARPS, ...)",
+    )
     parser.add_argument("--model", action="store_true", help="a whole model's training step (module docstring)")
     parser.add_argument("--layers", type=int, default=8, help="--model: decoder layers")
     parser.add_argument("--batch", type=int, default=16, help="--model: sequences a step")
@@ -391,15 +415,16 @@ def main():
         return
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/train.py times on a CUDA GPU; without one, run it with --smoke")
+    constants = set_backward_constants(args.backward_constant)
     if args.model:
-        model_main(args)
+        model_main(args, constants)
         return
     if args.smoke:
         args.shapes, args.ms, args.densities, args.patterns = "256x704", "4096", "0.01", "skewed"
     torch.backends.cuda.matmul.allow_tf32 = False
     compiled = torch.compile(dense_loss, dynamic=True)
     twell_compiled = torch.compile(twell_loss, dynamic=True)
-    result = {**environment(), "ceilings": ceilings(), "lam": LAM, "points": []}
+    result = {**environment(), "ceilings": ceilings(), "lam": LAM, "backward_constants": constants, "points": []}
     print(json.dumps(result["ceilings"]), flush=True)
     path = result_path(args.out, "train-smoke" if args.smoke else "train")
     columns = "K N M dens pat nnz max bkup dense twell x twc xc memx err gemm fl fwd fl dx fl dW fl sort other oth_c"
@@ -412,7 +437,15 @@ def main():
             for pattern in args.patterns.split(","):
                 for density in map(float, args.densities.split(",")):
                     row = bench_point(
-                        k, n, m, density, pattern, compiled, twell_compiled, result["ceilings"]["gemm_tflop_s"]
+                        k,
+                        n,
+                        m,
+                        density,
+                        pattern,
+                        compiled,
+                        twell_compiled,
+                        result["ceilings"]["gemm_tflop_s"],
+                        args.entries,
                     )
                     torch.cuda.empty_cache()
                     result["points"].append(row)

@@ -70,10 +70,11 @@ DW_STAGES = 3
 BACKUP_SHARE = 32
 BACKUP_PROGRAMS = 264
 BACKUP_TILE = 2048
-# _backup_grads_kernel's tile: elementwise over the dense pass's [T, N] products (64 x 128 bf16: 16 KB a
-# tensor, three read and three written)
-BACKUP_BLOCK_T = 64
+# _backup_grads_kernel's tile and warps: elementwise over the dense pass's [T, N] products, 16 elements a
+# thread a tensor (ptxas for sm_90: 64 x 128 at 4 warps spills 1.2 KB a thread)
+BACKUP_BLOCK_T = 32
 BACKUP_BLOCK_N = 128
+BACKUP_WARPS = 8
 
 
 @triton.jit
@@ -127,12 +128,15 @@ def _hidden_grads(dh, g, u, HAS_UP: tl.constexpr, DRELU: tl.constexpr, SQUARE: t
 
 
 @triton.jit
-def _up_value(xv, neuron, offs_k, k_ok, wu_ptr, bu_ptr, stride_un, HAS_UP_BIAS: tl.constexpr, DTYPE: tl.constexpr):
-    """u = x . W_u[neuron] (+ b_u), rounded to the dtype."""
-    wu = tl.load(wu_ptr + neuron * stride_un + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-    u = tl.sum(wu * xv, axis=0)
+def _up_values(
+    xv, neurons, valid, offs_k, k_ok, wu_ptr, bu_ptr, stride_un, HAS_UP_BIAS: tl.constexpr, DTYPE: tl.constexpr
+):
+    """u = x . W_u[n] (+ b_u) of the valid entries' neurons [E], rounded to the dtype."""
+    tile_ok = valid[:, None] & k_ok[None, :]
+    wu = tl.load(wu_ptr + neurons[:, None] * stride_un + offs_k[None, :], mask=tile_ok, other=0.0)
+    u = tl.sum(wu.to(tl.float32) * xv[None, :], axis=1)
     if HAS_UP_BIAS:
-        u += tl.load(bu_ptr + neuron).to(tl.float32)
+        u += tl.load(bu_ptr + neurons, mask=valid, other=0.0).to(tl.float32)
     return _round(u, DTYPE)
 
 
@@ -154,23 +158,27 @@ def _compact(pre_row, c0, N, threshold, ids_row, gate_row, before, LIMIT, SCAN: 
 def _forward_entries(
     y, l1, nonzero, xv, ids_row, gate_row, up_row, count, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un, stride_dn,
     STORE_UP: tl.constexpr, HAS_UP: tl.constexpr, HAS_UP_BIAS: tl.constexpr, DRELU: tl.constexpr,
-    SQUARE: tl.constexpr, DTYPE: tl.constexpr,
+    SQUARE: tl.constexpr, DTYPE: tl.constexpr, ENTRIES: tl.constexpr,
 ):  # fmt: skip
     """y + sum over the first `count` record entries of h W_d^T[n], with sum |h| and the number of
-    nonzero h added to l1 and nonzero; their u into up_row with STORE_UP."""
-    for e in range(0, count):
-        neuron = tl.load(ids_row + e).to(tl.int64)
-        g = tl.load(gate_row + e).to(tl.float32)
+    nonzero h added to l1 and nonzero; their u into up_row with STORE_UP. ENTRIES entries a step: their
+    weight rows gathered as one [ENTRIES, BLOCK_K] tile each (more loads in flight a program)."""
+    for e0 in range(0, count, ENTRIES):
+        e = e0 + tl.arange(0, ENTRIES)
+        valid = e < count
+        neurons = tl.load(ids_row + e, mask=valid, other=0).to(tl.int64)
+        g = tl.load(gate_row + e, mask=valid, other=0.0).to(tl.float32)
         u = g
         if HAS_UP:
-            u = _up_value(xv, neuron, offs_k, k_ok, wu_ptr, bu_ptr, stride_un, HAS_UP_BIAS, DTYPE)
+            u = _up_values(xv, neurons, valid, offs_k, k_ok, wu_ptr, bu_ptr, stride_un, HAS_UP_BIAS, DTYPE)
             if STORE_UP:
-                tl.store(up_row + e, u)
-        wd = tl.load(wd_ptr + neuron * stride_dn + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        h = _hidden(g, u, HAS_UP, DRELU, SQUARE, DTYPE)
-        y += h * wd
-        l1 += tl.abs(h)
-        nonzero += (h != 0.0).to(tl.int32)
+                tl.store(up_row + e, u, mask=valid)
+        tile_ok = valid[:, None] & k_ok[None, :]
+        wd = tl.load(wd_ptr + neurons[:, None] * stride_dn + offs_k[None, :], mask=tile_ok, other=0.0)
+        h = _hidden(g, u, HAS_UP, DRELU, SQUARE, DTYPE)  # 0 past the count: g and u load as 0
+        y += tl.sum(h[:, None] * wd.to(tl.float32), axis=0)
+        l1 += tl.sum(tl.abs(h), axis=0)
+        nonzero += tl.sum((h != 0.0).to(tl.int32), axis=0)
     return y, l1, nonzero
 
 
@@ -180,6 +188,7 @@ def _train_forward_kernel(
     N, K, threshold, stride_pm, stride_xm, stride_un, stride_dn, stride_ym,
     HAS_UP: tl.constexpr, HAS_UP_BIAS: tl.constexpr, HAS_DOWN_BIAS: tl.constexpr, DRELU: tl.constexpr,
     SQUARE: tl.constexpr, WIDTH: tl.constexpr, SCAN: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+    ENTRIES: tl.constexpr,
 ):  # fmt: skip
     """Row m: compact the dense gate row into the record, then y_m = sum h W_d^T[n] (+ b_d), and the
     row's sum |h| and nonzero count for the L1 penalty. A row past WIDTH walks its gate row again, CHUNK
@@ -214,7 +223,7 @@ def _train_forward_kernel(
     if total <= WIDTH:
         y, l1, nonzero = _forward_entries(
             y, l1, nonzero, xv, ids_row, gate_row, up_row, total, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un,
-            stride_dn, True, HAS_UP, HAS_UP_BIAS, DRELU, SQUARE, dtype,
+            stride_dn, True, HAS_UP, HAS_UP_BIAS, DRELU, SQUARE, dtype, ENTRIES,
         )  # fmt: skip
     else:
         for c0 in range(0, N, CHUNK):
@@ -222,7 +231,7 @@ def _train_forward_kernel(
             tl.debug_barrier()
             y, l1, nonzero = _forward_entries(
                 y, l1, nonzero, xv, ids_row, gate_row, up_row, count, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr,
-                stride_un, stride_dn, False, HAS_UP, HAS_UP_BIAS, DRELU, SQUARE, dtype,
+                stride_un, stride_dn, False, HAS_UP, HAS_UP_BIAS, DRELU, SQUARE, dtype, ENTRIES,
             )  # fmt: skip
             tl.debug_barrier()  # the next chunk overwrites the slots
     if HAS_DOWN_BIAS:
@@ -287,6 +296,7 @@ def _train_dx_kernel(
     rows_ptr, dy_ptr, dl1_ptr, wg_ptr, wu_ptr, wd_ptr, ids_ptr, gate_ptr, up_ptr, cnt_ptr, cg_ptr, cu_ptr,
     ch_ptr, dx_ptr, K, stride_dym, stride_gn, stride_un, stride_dn, stride_dxm,
     HAS_UP: tl.constexpr, DRELU: tl.constexpr, SQUARE: tl.constexpr, WIDTH: tl.constexpr, BLOCK_K: tl.constexpr,
+    ENTRIES: tl.constexpr,
 ):  # fmt: skip
     """Row m = rows[program_id] (heaviest first, so long rows start early instead of trailing the
     launch): dx_m, and each record entry's (dg, du, h) stored at the entry's record slot, where the dW
@@ -303,23 +313,27 @@ def _train_dx_kernel(
     dx = tl.zeros([BLOCK_K], dtype=tl.float32)
     dtype = dx_ptr.dtype.element_ty
     slot = m * WIDTH
-    for e in range(0, count):
-        neuron = tl.load(ids_ptr + slot + e).to(tl.int64)
-        g = tl.load(gate_ptr + slot + e).to(tl.float32)
+    for e0 in range(0, count, ENTRIES):  # ENTRIES entries a step, their weight rows as [ENTRIES, BLOCK_K] tiles
+        e = e0 + tl.arange(0, ENTRIES)
+        valid = e < count
+        tile_ok = valid[:, None] & k_ok[None, :]
+        neurons = tl.load(ids_ptr + slot + e, mask=valid, other=0).to(tl.int64)
+        g = tl.load(gate_ptr + slot + e, mask=valid, other=0.0).to(tl.float32)
         u = g
         if HAS_UP:
-            u = tl.load(up_ptr + slot + e).to(tl.float32)
-        wd = tl.load(wd_ptr + neuron * stride_dn + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            u = tl.load(up_ptr + slot + e, mask=valid, other=0.0).to(tl.float32)
+        wd = tl.load(wd_ptr + neurons[:, None] * stride_dn + offs_k[None, :], mask=tile_ok, other=0.0)
         h = _hidden(g, u, HAS_UP, DRELU, SQUARE, dtype)
-        dg, du = _hidden_grads(tl.sum(dyv * wd, axis=0) + dl1 * _sign(h), g, u, HAS_UP, DRELU, SQUARE)
-        wg = tl.load(wg_ptr + neuron * stride_gn + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        dx += dg * wg
-        tl.store(cg_ptr + slot + e, dg.to(dtype))
-        tl.store(ch_ptr + slot + e, h.to(dtype))
+        dh = tl.sum(wd.to(tl.float32) * dyv[None, :], axis=1) + dl1 * _sign(h)
+        dg, du = _hidden_grads(dh, g, u, HAS_UP, DRELU, SQUARE)  # 0 past the count: g, u, dh load or sum to 0
+        wg = tl.load(wg_ptr + neurons[:, None] * stride_gn + offs_k[None, :], mask=tile_ok, other=0.0)
+        dx += tl.sum(dg[:, None] * wg.to(tl.float32), axis=0)
+        tl.store(cg_ptr + slot + e, dg.to(dtype), mask=valid)
+        tl.store(ch_ptr + slot + e, h.to(dtype), mask=valid)
         if HAS_UP:
-            wu = tl.load(wu_ptr + neuron * stride_un + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            dx += du * wu
-            tl.store(cu_ptr + slot + e, du.to(dtype))
+            wu = tl.load(wu_ptr + neurons[:, None] * stride_un + offs_k[None, :], mask=tile_ok, other=0.0)
+            dx += tl.sum(du[:, None] * wu.to(tl.float32), axis=0)
+            tl.store(cu_ptr + slot + e, du.to(dtype), mask=valid)
     tl.store(dx_ptr + m * stride_dxm + offs_k, dx.to(dtype), mask=k_ok)
 
 
@@ -504,16 +518,29 @@ def _check_record(x, ids, gate, up, counts, has_up: bool, l1_grad) -> None:
         raise ValueError(f"l1_grad must be on {x.device}, got {l1_grad.device}")
 
 
-def _row_warps(block_k: int, backup: bool = False) -> int:
+def _row_warps(block_k: int, backup: bool = False, entries: int = 1) -> int:
     """Warps of the one-row-per-program kernels: whole rows in registers. ptxas for sm_90 (Triton 3.9,
     with the launcher's divisibility hints): the dx kernel takes 87 registers a thread at K=2048 with 4
     warps, 161 at K=8192 with 8. The dense-backup overflow kernel (backup) is irregular under this
     ptxas: at K=2048 8 warps spill 32 bytes without W_u and 16 warps take 96-122 registers; at K=4096
     8 warps take 250-254, 16 spill 80 bytes; at K=8192 every count spills (296-712 bytes), which
-    only that rare path pays."""
+    only that rare path pays. Entries gathered a step (`entries`) past 2 double the warps per doubling:
+    each [entries, BLOCK_K] weight tile then takes the registers of a 2-entry tile a thread."""
     if backup:
         return 8 if block_k == 4096 else 16
-    return 8 if block_k > 2048 else 4
+    return min(16, (8 if block_k > 2048 else 4) * max(1, entries // 2))
+
+
+def _row_entries(entries: int, block_k: int) -> int:
+    """Entries a step of the row kernels at rows of block_k: LayerConfig.train_entries, at most
+    16384 / block_k (a [entries, BLOCK_K] tile within 16 warps' registers: ptxas for sm_90 spills the
+    forward kernel at K=4096 with 8 entries)."""
+    return min(entries, max(1, 16384 // block_k))
+
+
+def _check_entries(entries: int) -> None:
+    if not isinstance(entries, int) or isinstance(entries, bool) or entries not in policy.TRAIN_ENTRIES:
+        raise ValueError(f"entries must be one of {policy.TRAIN_ENTRIES}, got {entries!r}")
 
 
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -539,15 +566,18 @@ def train_forward(
     drelu: bool,
     square: bool,
     width: int,
+    entries: int = 1,
 ) -> tuple[torch.Tensor, ...]:
     """(y, ids, gate, up, counts, l1, nonzero): y [M, K] of the FFN, its record (module docstring),
     sum |h| over the hidden activation h [M, N] (fp32) and the number of its nonzeros (int64).
 
     x: [M, K] with unit stride on K; gate_weight, up_weight (None: plain FFN, h = relu_t(gate) or its
-    square), down_weight_t: [N, K] with unit stride on K (down_weight_t = down_weight.t()).
+    square), down_weight_t: [N, K] with unit stride on K (down_weight_t = down_weight.t()). entries:
+    record entries the row kernel gathers a step (LayerConfig.train_entries).
     """
     check_input("x", x, unit_stride=True)
     check_threshold(threshold)
+    _check_entries(entries)
     m, n = _check_weights(x, gate_weight, up_weight, down_weight_t, width)
     k = x.shape[1]
     _check_biases(x, n, gate_bias, up_weight, up_bias, down_bias)
@@ -560,14 +590,16 @@ def train_forward(
     row_l1 = _alloc((m,), torch.float32, x.device)
     row_nonzero = _alloc((m,), torch.int32, x.device)
     if m > 0:
+        block_k = triton.next_power_of_2(k)
+        row_entries = _row_entries(entries, block_k)
         _train_forward_kernel[(m,)](
             pre, x, up_weight if up_weight is not None else x, up_bias if up_bias is not None else x,
             down_weight_t, down_bias if down_bias is not None else x, y, ids, gate, up, counts, row_l1, row_nonzero,
             n, k, threshold_in(threshold, x.dtype), pre.stride(0), x.stride(0),
             up_weight.stride(0) if up_weight is not None else 0, down_weight_t.stride(0), y.stride(0),
             HAS_UP=up_weight is not None, HAS_UP_BIAS=up_bias is not None, HAS_DOWN_BIAS=down_bias is not None,
-            DRELU=drelu, SQUARE=square, WIDTH=width, SCAN=SCAN, CHUNK=_chunk(width), BLOCK_K=triton.next_power_of_2(k),
-            num_warps=_row_warps(triton.next_power_of_2(k)),
+            DRELU=drelu, SQUARE=square, WIDTH=width, SCAN=SCAN, CHUNK=_chunk(width), BLOCK_K=block_k,
+            ENTRIES=row_entries, num_warps=_row_warps(block_k, entries=row_entries),
         )  # fmt: skip
     return y, ids, gate, up, counts, row_l1.sum(), row_nonzero.sum(dtype=torch.int64)
 
@@ -608,7 +640,7 @@ def _dense_backup(
         pre, up, dhp, top_counts, l1_grad, dg, du, h, acc[3], acc[4], t, n,
         threshold_in(threshold, x.dtype), HAS_UP=has_up, HAS_GATE_BIAS=gate_bias is not None,
         HAS_UP_BIAS=up_bias is not None, DRELU=drelu, SQUARE=square, WIDTH=width, BLOCK_T=BACKUP_BLOCK_T,
-        BLOCK_N=BACKUP_BLOCK_N,
+        BLOCK_N=BACKUP_BLOCK_N, num_warps=BACKUP_WARPS,
     )  # fmt: skip
     dxb = dg @ gate_weight
     acc[0].add_(dg.t() @ xb)
@@ -637,13 +669,15 @@ def train_backward(
     threshold: float,
     drelu: bool,
     square: bool,
+    entries: int = 1,
 ) -> tuple[torch.Tensor, ...]:
     """(dx, d gate_weight, d up_weight, d down_weight_t, d gate_bias, d up_bias, d down_bias) from the
     record (ids, gate, up, counts) of train_forward with the same weights, biases and flags; dy, x:
     [M, K] with unit stride on K; l1_grad: the gradient of train_forward's l1 (a one-element fp32
-    tensor). Gradients of absent tensors are empty."""
+    tensor); entries: as for train_forward (the dx kernel's). Gradients of absent tensors are empty."""
     check_input("x", x, unit_stride=True)
     check_threshold(threshold)
+    _check_entries(entries)
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         raise ValueError("ids must be the record's [M, W] int32 tensor")
     m, n = _check_weights(x, gate_weight, up_weight, down_weight_t, ids.shape[1])
@@ -674,14 +708,15 @@ def train_backward(
     coef_h = _alloc((m * width,), x.dtype, x.device)
     if m > 0:
         block_k = triton.next_power_of_2(k)
+        row_entries = _row_entries(entries, block_k)
         wu = up_weight if has_up else x
         order, starts = _neuron_segments(ids, counts, n)
         rows = torch.argsort(counts, descending=True)  # heaviest first (dense-backup rows lead)
         _train_dx_kernel[(m,)](
             rows, dy, l1_grad, gate_weight, wu, down_weight_t, ids, gate, up, counts, coef_g, coef_u, coef_h,
             dx, k, dy.stride(0), gate_weight.stride(0), wu.stride(0), down_weight_t.stride(0), dx.stride(0),
-            HAS_UP=has_up, DRELU=drelu, SQUARE=square, WIDTH=width, BLOCK_K=block_k,
-            num_warps=_row_warps(block_k),
+            HAS_UP=has_up, DRELU=drelu, SQUARE=square, WIDTH=width, BLOCK_K=block_k, ENTRIES=row_entries,
+            num_warps=_row_warps(block_k, entries=row_entries),
         )  # fmt: skip
         top = -(-m // BACKUP_SHARE)
         _dense_backup(
