@@ -404,14 +404,18 @@ def _layer(k, n, m, density, config, seed=0):
     from benchmarks.ffn import make_inputs
 
     x, block = make_inputs(m, k, n, density, "skewed", seed=seed)
-    block = twell.sparsify(block.train(), layer_config={"train_min_m": config.train_min_m})
+    layer_config = {"train_min_m": config.train_min_m, "train_entries": config.train_entries}
+    block = twell.sparsify(block.train(), layer_config=layer_config)
     return x, block
 
 
 @pytest.mark.gpu
-def test_gpu_real_shape_bf16_matches_dense_autograd(sparse_training_on):
-    k, n, m = 2048, 5632, 4096
-    x, block = _layer(k, n, m, 0.01, sparse_training_on)
+@pytest.mark.parametrize("k,n,entries", [(2048, 5632, 1), (2048, 5632, 4), (4096, 14336, 4)])
+def test_gpu_real_shape_bf16_matches_dense_autograd(k, n, entries, sparse_training_on):
+    """bf16 at real shapes (4096 tokens, 1% skewed: rows past the record width too), the row kernels at
+    1 and 4 entries a step."""
+    m = 4096
+    x, block = _layer(k, n, m, 0.01, sparse_training_on.replace(train_entries=entries))
     mlp = block.mlp
     params = [mlp.gate_proj.weight, mlp.gate_proj.bias, mlp.up_proj.weight, mlp.down_proj.weight]
     wg, bg, wu, wd = params
