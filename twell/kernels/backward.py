@@ -621,13 +621,14 @@ def _neuron_segments(ids: torch.Tensor, counts: torch.Tensor, n: int) -> tuple[t
 
 
 def _dense_backup(
-    top, dx, dy, l1_grad, x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, counts, acc, width, *,
+    top, dx, dy, l1_grad, x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, counts, bias_acc, width, *,
     threshold, drelu, square,
-) -> None:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """The dense-backup rows among `top` (the heaviest rows, a fixed number: no host sync), as dense
     autograd computes them, in cuBLAS GEMMs over those rows alone and one elementwise kernel: dx rows
-    written (the others of `top` keep the dx kernel's), dW and dbias terms added to the fp32
-    accumulators acc = (g, u, d, bg, bu)."""
+    written (the others of `top` keep the dx kernel's), dbias terms added to the fp32 accumulators
+    bias_acc = (bg, bu). Returns their dW terms (g, u, d; u is g's tensor for a plain FFN) as fp32
+    [N, K] accumulators: each GEMM's result cast once, in place of zeros and an add."""
     t, n = top.numel(), gate_weight.shape[0]
     xb, dyb, top_counts = x.index_select(0, top), dy.index_select(0, top), counts.index_select(0, top)
     pre = F.linear(xb, gate_weight, gate_bias)
@@ -637,18 +638,20 @@ def _dense_backup(
     dg, h = _alloc((t, n), x.dtype, x.device), _alloc((t, n), x.dtype, x.device)
     du = _alloc((t, n), x.dtype, x.device) if has_up else dg
     _backup_grads_kernel[(triton.cdiv(t, BACKUP_BLOCK_T), triton.cdiv(n, BACKUP_BLOCK_N))](
-        pre, up, dhp, top_counts, l1_grad, dg, du, h, acc[3], acc[4], t, n,
+        pre, up, dhp, top_counts, l1_grad, dg, du, h, bias_acc[0], bias_acc[1], t, n,
         threshold_in(threshold, x.dtype), HAS_UP=has_up, HAS_GATE_BIAS=gate_bias is not None,
         HAS_UP_BIAS=up_bias is not None, DRELU=drelu, SQUARE=square, WIDTH=width, BLOCK_T=BACKUP_BLOCK_T,
         BLOCK_N=BACKUP_BLOCK_N, num_warps=BACKUP_WARPS,
     )  # fmt: skip
     dxb = dg @ gate_weight
-    acc[0].add_(dg.t() @ xb)
-    acc[2].add_(h.t() @ dyb)
+    acc_g = (dg.t() @ xb).float()
+    acc_d = (h.t() @ dyb).float()
+    acc_u = acc_g
     if has_up:
         dxb = dxb + du @ up_weight
-        acc[1].add_(du.t() @ xb)
+        acc_u = (du.t() @ xb).float()
     dx.index_copy_(0, top, torch.where((top_counts > width)[:, None], dxb, dx.index_select(0, top)))
+    return acc_g, acc_u, acc_d
 
 
 def train_backward(
@@ -695,11 +698,8 @@ def train_backward(
     dwd = _alloc((n, k), x.dtype, x.device)
     dbg = _alloc((n,), x.dtype, x.device) if gate_bias is not None else dwg.new_empty(0)
     dbu = _alloc((n,), x.dtype, x.device) if up_bias is not None else dwg.new_empty(0)
-    # dense-backup rows' dW / dbias terms (the dense pass's products, the backup kernel's atomics), added by
-    # the dW kernel
-    acc_g = torch.zeros(n, k, **f32)
-    acc_u = torch.zeros(n, k, **f32) if has_up else acc_g
-    acc_d = torch.zeros(n, k, **f32)
+    # dense-backup rows' dbias terms (the dense pass's kernel, the backup kernel's atomics), added by the dW
+    # kernel as their dW terms are (the accumulators _dense_backup returns)
     acc_bg = torch.zeros(n if gate_bias is not None else 0, **f32)
     acc_bu = torch.zeros(n if up_bias is not None else 0, **f32)
     # (dg, du, h) of each record pair at its record slot (the dW kernel gathers them in neuron order)
@@ -719,9 +719,9 @@ def train_backward(
             num_warps=_row_warps(block_k, entries=row_entries),
         )  # fmt: skip
         top = -(-m // BACKUP_SHARE)
-        _dense_backup(
+        acc_g, acc_u, acc_d = _dense_backup(
             rows[:top], dx, dy, l1_grad, x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, counts,
-            (acc_g, acc_u, acc_d, acc_bg, acc_bu), width, threshold=threshold, drelu=drelu, square=square,
+            (acc_bg, acc_bu), width, threshold=threshold, drelu=drelu, square=square,
         )  # fmt: skip
         _train_backup_kernel[(BACKUP_PROGRAMS,)](
             rows, dy, l1_grad, x, gate_weight, gate_bias if gate_bias is not None else x, wu,
