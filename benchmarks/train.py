@@ -3,6 +3,7 @@
 
 Run on a GPU:  PYTHONPATH=. python benchmarks/train.py [--shapes 2048x5632,4096x14336] [--ms 16384,32768]
                PYTHONPATH=. python benchmarks/train.py --smoke      # tiny shapes, a minute with compiles
+               PYTHONPATH=. python benchmarks/train.py --model      # a whole model's training step
 Without CUDA, --smoke checks the sparse training op's gradients through Triton's interpreter on the CPU
 (TRITON_INTERPRET=1, fp32) and times nothing; a full run needs CUDA.
 
@@ -11,8 +12,10 @@ A step: y = layer(x); loss = <y, dy> + lam * l1_penalty (twell.train: mean |h| o
 an optimizer's zero_grad does). Both sides run what users run: the Llama-style ReLU-gated FFN of
 benchmarks/ffn.py with twell.train.track_l1 on it, dense; and the same module after twell.sparsify
 (its weight layouts, its modules), tracked the same way. The compiled dense side is the same step as
-one function of the weights, compiled once (dynamic shapes). Inputs: benchmarks/ffn.py's make_inputs
-(uniform and skewed firing rates).
+one function of the weights, compiled once (dynamic shapes); so is twell's (twell_compiled: the
+sparse training op on the sparsified weights, the L1 term from its own sum |h|), where Inductor fuses
+the loss's elementwise work around the op as it does for dense. Inputs: benchmarks/ffn.py's
+make_inputs (uniform and skewed firing rates).
 
 Per point: medians of triton.testing.do_bench over 3 input sets, peak memory of a step above what
 was allocated before it, the gradient error of twell against dense eager (dx on a row sample, every
@@ -21,14 +24,27 @@ gate GEMM (cuBLAS), sparse forward, dx, dW, the neuron sort, and the rest (zeroi
 closing table gives each product's time against its floor: gathered weight rows at ~8 TB/s through
 L2 (fwd: W_u, W_d rows per pair; dx: W_g, W_u, W_d), x and dy rows gathered per pair at ~4 TB/s from
 HBM (dW: they exceed L2), and the GEMM at the measured cuBLAS rate. JSON to benchmarks/results/.
+
+--model: a whole model's training step (model_main): a Llama-style ReLU model at the paper's 2B shape
+(hidden 2048, intermediate 5632, 32 heads, vocabulary 49152; --layers of them, 8 by default; random
+weights built from a transformers LlamaConfig with hidden_act="relu" and gate biases, nothing
+downloaded), --batch x --seq tokens (16 x 2048), the 0.5% skewed profile of benchmarks/e2e.py set
+through the gate biases. A step: language-model loss + LAM * twell.train.l1_penalty(model), backward,
+AdamW step. Rows: dense eager, dense compiled (torch.compile(model)), twell eager and twell compiled
+(twell.sparsify(model, layer_config={"train_min_m": 1}), then compiled); the weights are restored
+before each row, with a fresh optimizer. Per row: median step ms, tokens/s, peak memory (GB, weights
+and optimizer state included) and energy per token (NVML; null without it).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import statistics
 import sys
+import time
 
 import torch
 
@@ -43,7 +59,7 @@ from triton.testing import do_bench  # noqa: E402
 import twell  # noqa: E402
 import twell.ops  # noqa: E402, F401  (registers torch.ops.twell.*)
 import twell.train  # noqa: E402
-from twell.kernels import policy, reference  # noqa: E402
+from twell.kernels import backward, policy, reference  # noqa: E402
 
 LAM = 2e-5  # the paper's L1 coefficient
 INPUT_SETS = 3
@@ -69,6 +85,16 @@ def dense_loss(x, dy, gate_weight, gate_bias, up_weight, down_weight):
     compiles its backward too)."""
     hidden = F.relu(F.linear(x, gate_weight, gate_bias)) * F.linear(x, up_weight)
     return (F.linear(hidden, down_weight) * dy).float().sum() + LAM * hidden.abs().float().mean()
+
+
+def twell_loss(x, dy, gate_weight, gate_bias, up_weight, down_weight, entries):
+    """The sparsified layer's loss as one function of its weights (twell's compiled side): the sparse
+    training op, its L1 term the mean |h| from the op's own sum (as twell.train's penalty takes it)."""
+    n = gate_weight.shape[0]
+    y, *_, l1_sum, _ = torch.ops.twell.ffn_train(
+        x, gate_weight, up_weight, down_weight, gate_bias, None, None, 0.0, False, False, policy.train_width(n), entries
+    )  # fmt: skip
+    return (y * dy).float().sum() + LAM * l1_sum / (x.shape[0] * n)
 
 
 def module_step(block, x, dy):
@@ -123,7 +149,7 @@ def floors(k, n, m, pairs, gemm_tflop_s) -> dict:
     }
 
 
-def bench_point(k, n, m, density, pattern, compiled, gemm_tflop_s) -> dict:
+def bench_point(k, n, m, density, pattern, compiled, twell_compiled, gemm_tflop_s, entries) -> dict:
     x0, block = make_inputs(m, k, n, density, pattern, seed=m + n)
     block.train()
     # more input sets for the same layer: x does not depend on the weights (make_inputs), only its seed
@@ -158,11 +184,22 @@ def bench_point(k, n, m, density, pattern, compiled, gemm_tflop_s) -> dict:
     dense_compiled()
     compiled_ms = do_bench(dense_compiled, warmup=50, rep=REP_MS, return_mode="median")
 
-    twell.sparsify(block, layer_config={"train_min_m": 1})  # the sparse training path is opt-in: at every size
+    # the sparse training path is opt-in: at every size
+    twell.sparsify(block, layer_config={"train_min_m": 1, "train_entries": entries})
     tracker = twell.train.track_l1(block)
     twell_ms, twell_peak, (twell_dx, twell_grads) = measure(user_step)
     stages = stage_times(lambda: module_step(block, x0, dys[0]))
     tracker.remove()
+    sparse_params = [p.requires_grad_() for p in _params(block)]
+
+    def sparse_compiled():
+        x, dy = nxt()
+        x = x.detach().requires_grad_()
+        return torch.autograd.grad(twell_compiled(x, dy, *sparse_params, entries), [x, *sparse_params])
+
+    sparse_compiled()
+    twell_compiled_ms = do_bench(sparse_compiled, warmup=50, rep=REP_MS, return_mode="median")
+    compiled_stages = stage_times(sparse_compiled)
     with torch.no_grad():
         pre = F.linear(x0, params[0], params[1])
         nnz = (pre > 0).sum(1)
@@ -176,19 +213,23 @@ def bench_point(k, n, m, density, pattern, compiled, gemm_tflop_s) -> dict:
         "density": density,
         "pattern": pattern,
         "width": width,
+        "train_entries": entries,
         "nnz_mean": nnz.float().mean().item(),
         "nnz_max": nnz.max().item(),
         "backup_rows": (nnz > width).sum().item(),
         "dense_eager_ms": dense_ms,
         "dense_compiled_ms": compiled_ms,
         "twell_ms": twell_ms,
+        "twell_compiled_ms": twell_compiled_ms,
         "speedup": min(dense_ms, compiled_ms) / twell_ms,
+        "speedup_compiled": min(dense_ms, compiled_ms) / twell_compiled_ms,
         "dense_peak_mb": dense_peak,
         "twell_peak_mb": twell_peak,
         "memory_ratio": twell_peak / dense_peak,
         "dx_err": rel(twell_dx[sample], dense_dx[sample]),
         **{f"{name}_err": rel(twell_grads[name], g) for name, g in dense_grads.items()},
         **stages,
+        **{f"compiled_{name}": t for name, t in compiled_stages.items()},
         **floors(k, n, m, nnz.sum().item(), gemm_tflop_s),
     }
     twell.restore(block)
@@ -218,6 +259,133 @@ def smoke_without_cuda() -> None:
     print("ok: gradients within 1e-4 of float64 dense autograd; a timed run needs CUDA")
 
 
+MODEL_SHAPE = {  # the paper's 2B shape
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "vocab_size": 49152,
+}
+MODEL_ROWS = ("dense-eager", "dense-compiled", "twell-eager", "twell-compiled")
+MODEL_DENSITY = 0.005  # the skewed profile's mean (benchmarks/ffn.py's skewed_rates)
+MODEL_LR = 1e-6  # AdamW: small enough that the timed steps leave the gate biases' sparsity in place
+
+
+def model_step(model, forward, optimizer, ids):
+    """One training step: language-model loss + LAM * L1 penalty, backward, AdamW."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = forward(input_ids=ids, labels=ids, use_cache=False).loss + LAM * twell.train.l1_penalty(model)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def time_steps(step, steps: int, meter) -> dict:
+    """Median ms of `steps` timed steps (CUDA events, synchronised after each), peak GB, mJ per token
+    (set by the caller) and the last loss."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times, energy_start = [], meter.energy_mj()
+    for _ in range(steps):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        loss = step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(begin.elapsed_time(end))
+    energy_end = meter.energy_mj()
+    return {
+        "ms": statistics.median(times),
+        "times_ms": times,
+        "peak_gb": torch.cuda.max_memory_allocated() / 2**30,
+        "energy_mj": None if energy_start is None else (energy_end - energy_start) / steps,
+        "loss": loss.item(),
+    }
+
+
+def model_main(args, constants: dict) -> None:
+    """The whole-model training step (module docstring, --model)."""
+    from decode import llama, set_gate_biases
+    from e2e import ROW_SPREAD, Meter, share_gate_direction
+    from ffn import skewed_rates
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    shape = {**MODEL_SHAPE, "num_hidden_layers": args.layers}
+    model = llama("cuda", torch.bfloat16, max_position_embeddings=args.seq, **shape)
+    g = torch.Generator().manual_seed(2)
+    share_gate_direction(model, ROW_SPREAD, g)
+    calib = torch.randint(0, shape["vocab_size"], (args.batch, args.seq), generator=g).cuda()
+    rates = [skewed_rates(shape["intermediate_size"], MODEL_DENSITY, g) for _ in range(args.layers)]
+    layers = set_gate_biases(model, rates, calib)
+    model.train()
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    ids = torch.randint(0, shape["vocab_size"], (args.batch, args.seq), generator=g).cuda()
+    tokens = args.batch * args.seq
+    meter = Meter(cuda=True)
+    result = {
+        **environment(transformers=__import__("transformers").__version__),
+        "lam": LAM,
+        "config": shape,
+        "batch": args.batch,
+        "seq": args.seq,
+        "parameters_b": sum(p.numel() for p in model.parameters()) / 1e9,
+        "layers": layers,
+        "train_entries": args.entries,
+        "backward_constants": constants,
+        "rows": {},
+    }
+    path = result_path(args.out, "train-model")
+    for row in args.rows.split(","):
+        if row not in MODEL_ROWS:
+            raise SystemExit(f"--rows takes {','.join(MODEL_ROWS)}, got {row!r}")
+        if row.startswith("twell") and not hasattr(model, "_twell_sparsified"):
+            # the sparse training path: opt-in
+            twell.sparsify(model, layer_config={"train_min_m": 1, "train_entries": args.entries})
+            model._twell_sparsified = True
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(initial[name])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=MODEL_LR, fused=True)
+        forward = torch.compile(model) if row.endswith("compiled") else model
+        with twell.train.track_l1(model) as tracker:
+            step = functools.partial(model_step, model, forward, optimizer, ids)
+            start = time.perf_counter()
+            for _ in range(args.warmup):  # compilation and autotuning
+                step()
+            torch.cuda.synchronize()
+            measured = {"warmup_s": time.perf_counter() - start, **time_steps(step, args.steps, meter)}
+            measured["density"] = statistics.mean(tracker.density().values())
+        del optimizer, step, forward
+        torch.cuda.empty_cache()
+        measured["tokens_per_s"] = tokens / measured["ms"] * 1e3
+        measured["energy_mj_per_token"] = None if measured["energy_mj"] is None else measured["energy_mj"] / tokens
+        result["rows"][row] = measured
+        path.write_text(json.dumps(result, indent=1))  # kept if a later row fails
+        print(
+            f"{row:>15}: {measured['ms']:8.1f} ms  {measured['tokens_per_s']:9.0f} tok/s  "
+            f"{measured['peak_gb']:6.1f} GB  density {measured['density']:.4f}  loss {measured['loss']:.4f}",
+            flush=True,
+        )
+    dense = [r["ms"] for name, r in result["rows"].items() if name.startswith("dense")]
+    for name, r in result["rows"].items():
+        if dense and name.startswith("twell"):
+            r["speedup"] = min(dense) / r["ms"]
+            print(f"{name}: {r['speedup']:.2f}x tokens/s of the faster dense row")
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+
+
+def set_backward_constants(settings: list[str]) -> dict:
+    """Apply NAME=VALUE settings to twell.kernels.backward's int constants (benchmark variants: the
+    launchers read them at each call); returns every such constant's value, for the result file."""
+    for setting in settings:
+        name, _, value = setting.partition("=")
+        if not (name.isupper() and isinstance(getattr(backward, name, None), int) and value.isdigit()):
+            raise SystemExit(f"--backward-constant takes NAME=INT for an int constant of backward, got {setting!r}")
+        setattr(backward, name, int(value))
+    return {name: v for name, v in vars(backward).items() if name.isupper() and isinstance(v, int)}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default="2048x5632,4096x14336")
@@ -226,20 +394,40 @@ def main():
     parser.add_argument("--patterns", default="uniform,skewed")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: interpreter check only)")
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--entries", type=int, default=1, help="twell's LayerConfig.train_entries")
+    parser.add_argument(
+        "--backward-constant",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a variant: set an int constant of twell.kernels.backward (BACKUP_SHARE, DW_BLOCK_K, DW_WARPS, ...)",
+    )
+    parser.add_argument("--model", action="store_true", help="a whole model's training step (module docstring)")
+    parser.add_argument("--layers", type=int, default=8, help="--model: decoder layers")
+    parser.add_argument("--batch", type=int, default=16, help="--model: sequences a step")
+    parser.add_argument("--seq", type=int, default=2048, help="--model: tokens a sequence")
+    parser.add_argument("--rows", default=",".join(MODEL_ROWS), help="--model: which rows")
+    parser.add_argument("--steps", type=int, default=10, help="--model: timed steps a row")
+    parser.add_argument("--warmup", type=int, default=3, help="--model: untimed steps a row")
     args = parser.parse_args()
     if SMOKE_WITHOUT_CUDA:
         smoke_without_cuda()
         return
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/train.py times on a CUDA GPU; without one, run it with --smoke")
+    constants = set_backward_constants(args.backward_constant)
+    if args.model:
+        model_main(args, constants)
+        return
     if args.smoke:
         args.shapes, args.ms, args.densities, args.patterns = "256x704", "4096", "0.01", "skewed"
     torch.backends.cuda.matmul.allow_tf32 = False
     compiled = torch.compile(dense_loss, dynamic=True)
-    result = {**environment(), "ceilings": ceilings(), "lam": LAM, "points": []}
+    twell_compiled = torch.compile(twell_loss, dynamic=True)
+    result = {**environment(), "ceilings": ceilings(), "lam": LAM, "backward_constants": constants, "points": []}
     print(json.dumps(result["ceilings"]), flush=True)
     path = result_path(args.out, "train-smoke" if args.smoke else "train")
-    columns = "K N M dens pat nnz max bkup dense twell x memx err gemm fl fwd fl dx fl dW fl sort other"
+    columns = "K N M dens pat nnz max bkup dense twell x twc xc memx err gemm fl fwd fl dx fl dW fl sort other oth_c"
     header = " ".join(f"{c:>6}" for c in columns.split())
     lines = [header]
     print(header, flush=True)
@@ -248,7 +436,17 @@ def main():
         for m in map(int, args.ms.split(",")):
             for pattern in args.patterns.split(","):
                 for density in map(float, args.densities.split(",")):
-                    row = bench_point(k, n, m, density, pattern, compiled, result["ceilings"]["gemm_tflop_s"])
+                    row = bench_point(
+                        k,
+                        n,
+                        m,
+                        density,
+                        pattern,
+                        compiled,
+                        twell_compiled,
+                        result["ceilings"]["gemm_tflop_s"],
+                        args.entries,
+                    )
                     torch.cuda.empty_cache()
                     result["points"].append(row)
                     path.write_text(json.dumps(result, indent=1))  # kept if a later point fails
@@ -257,12 +455,13 @@ def main():
                         f"{k:>6} {n:>6} {m:>6} {density:>6.3f} {pattern:>6} {row['nnz_mean']:>6.1f} "
                         f"{row['nnz_max']:>6} {row['backup_rows']:>6} "
                         f"{min(row['dense_eager_ms'], row['dense_compiled_ms']):>6.2f} {row['twell_ms']:>6.2f} "
-                        f"{row['speedup']:>6.2f} {row['memory_ratio']:>6.2f} {err:>6.0e} "
+                        f"{row['speedup']:>6.2f} {row['twell_compiled_ms']:>6.2f} {row['speedup_compiled']:>6.2f} "
+                        f"{row['memory_ratio']:>6.2f} {err:>6.0e} "
                         + " ".join(
                             f"{row[f'{s}_ms']:>6.2f} {row[f'{s}_floor_ms']:>6.2f}"
                             for s in ("gemm", "fwd_sparse", "dx", "dw")
                         )
-                        + f" {row['sort_ms']:>6.2f} {row['other_ms']:>6.2f}"
+                        + f" {row['sort_ms']:>6.2f} {row['other_ms']:>6.2f} {row['compiled_other_ms']:>6.2f}"
                     )
                     lines.append(line)
                     print(line, flush=True)

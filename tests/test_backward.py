@@ -42,19 +42,19 @@ def _leaves(case, dtype=None):
     }
 
 
-def _train_op(leaves, gated, threshold=0.0, drelu=False, squared=False, width=16):
+def _train_op(leaves, gated, threshold=0.0, drelu=False, squared=False, width=16, entries=1):
     if gated:
         args = (leaves["gate_weight"], leaves["up_weight"], leaves["down_weight"], leaves["gate_bias"])
         args += (leaves["up_bias"], leaves["down_bias"])
     else:
         args = (leaves["up_weight"], None, leaves["down_weight"], leaves["up_bias"], None, leaves["down_bias"])
-    return torch.ops.twell.ffn_train(leaves["x"], *args, threshold, drelu, squared, width)
+    return torch.ops.twell.ffn_train(leaves["x"], *args, threshold, drelu, squared, width, entries)
 
 
-def _check_grads(case, gated, dtype, threshold=0.0, drelu=False, squared=False, width=16):
+def _check_grads(case, gated, dtype, threshold=0.0, drelu=False, squared=False, width=16, entries=1):
     """Output and every gradient of the training op against float64 dense autograd."""
     leaves = _leaves(case)
-    y = _train_op(leaves, gated, threshold, drelu, squared, width)[0]
+    y = _train_op(leaves, gated, threshold, drelu, squared, width, entries)[0]
     dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
     y.backward(dy.to(DEVICE))
     ref_leaves = _leaves(case, torch.float64)
@@ -94,6 +94,26 @@ def test_every_gradient_matches_dense_autograd(variant, dtype, share, monkeypatc
     gated, biases, threshold, drelu, squared = VARIANTS[variant]
     case = make_ffn(13, 24, 70, DENSITIES, dtype, DEVICE, seed=3, biases=biases, gated=gated)
     _check_grads(case, gated, dtype, threshold, drelu, squared)
+
+
+@pytest.mark.parametrize("entries", [2, 8])
+@pytest.mark.parametrize("variant,dtype", CASES[:1] + CASES[3:4] + CASES[-1:], ids=["gated-bias", "drelu", "relu2-f16"])
+def test_row_kernels_with_entries_a_step(variant, dtype, entries):
+    """LayerConfig.train_entries: the forward and dx row kernels gather 2 / 8 record entries a step
+    (rows of 0-16 entries at width 16: partial last steps, empty rows, dense-backup rows' chunks)."""
+    gated, biases, threshold, drelu, squared = VARIANTS[variant]
+    case = make_ffn(13, 24, 70, DENSITIES, dtype, DEVICE, seed=4, biases=biases, gated=gated)
+    _check_grads(case, gated, dtype, threshold, drelu, squared, entries=entries)
+
+
+@pytest.mark.parametrize("block_k,pairs,warps", [(16, 128, 4), (64, 32, 8)], ids=["k16-p128", "k64-p32"])
+def test_dw_kernel_shapes_the_benchmark_varies(block_k, pairs, warps, monkeypatch):
+    """The dW kernel at the K blocks / pairs a step that benchmarks/train.py --backward-constant tries
+    (K=24: two K blocks of 16, or one block past K)."""
+    for name, value in (("DW_BLOCK_K", block_k), ("DW_PAIRS", pairs), ("DW_WARPS", warps)):
+        monkeypatch.setattr(backward, name, value)
+    case = make_ffn(13, 24, 70, DENSITIES, torch.float32, DEVICE, seed=6, biases=True)
+    _check_grads(case, True, torch.float32)
 
 
 def test_single_token_and_width_past_n():
@@ -137,14 +157,16 @@ def test_record_holds_the_kept_entries():
 
 
 @pytest.mark.parametrize("gated,biases,drelu,squared", [(True, True, True, False), (False, False, False, True)])
-@pytest.mark.parametrize("share", SHARES, ids=["dense-pass", "overflow-kernel"])
-def test_l1_penalty_gradient(gated, biases, drelu, squared, share, monkeypatch):
+@pytest.mark.parametrize(
+    "share,entries", [(SHARES[0], 1), (SHARES[1], 1), (SHARES[0], 4)], ids=["dense-pass", "overflow-kernel", "entries4"]
+)
+def test_l1_penalty_gradient(gated, biases, drelu, squared, share, entries, monkeypatch):
     """loss = <y, dy> + lam * sum |h|: the L1 term's gradient flows through the record (and through the
     recomputed dense-backup rows) as dense autograd's through |h|."""
     monkeypatch.setattr(backward, "BACKUP_SHARE", share)
     case = make_ffn(13, 24, 70, DENSITIES, torch.float32, DEVICE, seed=4, biases=biases, gated=gated)
     leaves = _leaves(case)
-    y, *_, l1, _ = _train_op(leaves, gated, drelu=drelu, squared=squared)
+    y, *_, l1, _ = _train_op(leaves, gated, drelu=drelu, squared=squared, entries=entries)
     dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     lam = 3.0  # large, so the L1 term's share of every gradient is far above the tolerance
     ((y * dy).sum() + lam * l1).backward()
@@ -312,25 +334,31 @@ def arg_type(name):
     if not name.endswith("_ptr"):
         return "fp32" if name == "threshold" else "i32"
     base = name[: -len("_ptr")]
-    return {"ids": "*i32", "cnt": "*i32", "nz": "*i32", "inv": "*i32", "rows": "*i64", "order": "*i64",
+    return {"ids": "*i32", "cnt": "*i32", "nz": "*i32", "rows": "*i64", "order": "*i64",
             "starts": "*i32"}.get(base, "*fp32" if base in FP32 else "*bf16")
 
 cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
 flags = dict(HAS_UP_BIAS=True, HAS_DOWN_BIAS=True, DRELU=False, SQUARE=False, HAS_GATE_BIAS=True,
              SCAN=backward.SCAN, CHUNK=256, ROWS=1, PRECISION="tf32", GROUP=backward.DW_GROUP,
-             PAIRS=backward.DW_PAIRS, STAGES=backward.DW_STAGES)
-for kernel, block_k, options in [
-    (backward._train_forward_kernel, 8192, {"num_warps": backward._row_warps(8192)}),
-    (backward._train_dx_kernel, 2048, {"num_warps": backward._row_warps(2048)}),
-    (backward._train_dx_kernel, 8192, {"num_warps": backward._row_warps(8192)}),
-    (backward._train_backup_kernel, 2048, {"num_warps": backward._row_warps(2048, True)}),
-    (backward._train_backup_kernel, 4096, {"num_warps": backward._row_warps(4096, True)}),  # spills at 8192
-    (backward._train_dw_kernel, backward.DW_BLOCK_K, {"num_warps": backward.DW_WARPS}),
+             PAIRS=backward.DW_PAIRS, STAGES=backward.DW_STAGES, BLOCK_T=backward.BACKUP_BLOCK_T,
+             BLOCK_N=backward.BACKUP_BLOCK_N)
+warps = backward._row_warps
+for kernel, block_k, entries, options in [
+    (backward._train_forward_kernel, 8192, 1, {"num_warps": warps(8192)}),
+    (backward._train_dx_kernel, 2048, 1, {"num_warps": warps(2048)}),
+    (backward._train_dx_kernel, 8192, 1, {"num_warps": warps(8192)}),
+    *[(kernel, block_k, e, {"num_warps": warps(block_k, entries=e)})
+      for kernel in (backward._train_forward_kernel, backward._train_dx_kernel)
+      for block_k in (2048, 4096, 8192) for e in sorted({backward._row_entries(e, block_k) for e in (2, 4, 8)})],
+    (backward._train_backup_kernel, 2048, 1, {"num_warps": warps(2048, True)}),
+    (backward._train_backup_kernel, 4096, 1, {"num_warps": warps(4096, True)}),  # spills at 8192
+    (backward._train_dw_kernel, backward.DW_BLOCK_K, 1, {"num_warps": backward.DW_WARPS}),
+    (backward._backup_grads_kernel, 0, 1, {"num_warps": backward.BACKUP_WARPS}),
 ]:
     for has_up in (True, False):
         names = [p.name for p in kernel.params if p.is_constexpr]
-        consts = {n: v for n, v in {**flags, "HAS_UP": has_up, "WIDTH": 512, "BLOCK_K": block_k}.items()
-                  if n in names}
+        given = {**flags, "HAS_UP": has_up, "WIDTH": 512, "BLOCK_K": block_k, "ENTRIES": entries}
+        consts = {n: v for n, v in given.items() if n in names}
         signature = {n: "constexpr" if n in consts else arg_type(n) for n in kernel.arg_names}
         # pointers and strides divisible by 16, as the launcher specialises them (vectorised row loads)
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
@@ -339,8 +367,8 @@ for kernel, block_k, options in [
         Path("k.cubin").write_bytes(out.asm["cubin"])
         usage = subprocess.run([str(cuobjdump), "-res-usage", "k.cubin"], capture_output=True, text=True).stdout
         assert "STACK:0 " in usage and "LOCAL:0 " in usage, (kernel.__name__, usage)  # no spills
-        print(kernel.__name__, block_k, has_up, [f for line in usage.splitlines() if "REG:" in line
-                                                 for f in line.split() if f.startswith(("REG:", "SHARED:"))])
+        print(kernel.__name__, block_k, entries, options["num_warps"], has_up,
+              [f for line in usage.splitlines() if "REG:" in line for f in line.split() if f.startswith("REG:")])
 """
 
 
@@ -352,7 +380,9 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path):
         pytest.skip("this Triton build has no NVIDIA toolchain")
     if torch.cuda.is_available():  # the GPU tests build them for real (and older Tritons differ in these APIs)
         pytest.skip("a GPU compiles the kernels in the tests below")
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    root = str(Path(__file__).resolve().parents[1])  # this tree's twell, whatever PYTHONPATH says from tmp_path
+    path = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": path}
     done = subprocess.run([sys.executable, "-c", SM90_COMPILE], env=env, cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -374,14 +404,18 @@ def _layer(k, n, m, density, config, seed=0):
     from benchmarks.ffn import make_inputs
 
     x, block = make_inputs(m, k, n, density, "skewed", seed=seed)
-    block = twell.sparsify(block.train(), layer_config={"train_min_m": config.train_min_m})
+    layer_config = {"train_min_m": config.train_min_m, "train_entries": config.train_entries}
+    block = twell.sparsify(block.train(), layer_config=layer_config)
     return x, block
 
 
 @pytest.mark.gpu
-def test_gpu_real_shape_bf16_matches_dense_autograd(sparse_training_on):
-    k, n, m = 2048, 5632, 4096
-    x, block = _layer(k, n, m, 0.01, sparse_training_on)
+@pytest.mark.parametrize("k,n,entries", [(2048, 5632, 1), (2048, 5632, 4), (4096, 14336, 4)])
+def test_gpu_real_shape_bf16_matches_dense_autograd(k, n, entries, sparse_training_on):
+    """bf16 at real shapes (4096 tokens, 1% skewed: rows past the record width too), the row kernels at
+    1 and 4 entries a step."""
+    m = 4096
+    x, block = _layer(k, n, m, 0.01, sparse_training_on.replace(train_entries=entries))
     mlp = block.mlp
     params = [mlp.gate_proj.weight, mlp.gate_proj.bias, mlp.up_proj.weight, mlp.down_proj.weight]
     wg, bg, wu, wd = params

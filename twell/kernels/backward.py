@@ -19,18 +19,18 @@ the L1 penalty's term, whose gradient dl1 * sign(h) the backward adds to dh.
 Backward, per kept (m, n), with dh = dy_m . W_d^T[n] (+ dl1 * sign h):
     gated: dg = dh * a(u) (a: ReLU with dReLU, else identity), du = dh * g * a'(u), h = g * a(u)
     plain: dg = dh (relu) or 2 g dh (relu²), h = g or g²
-- _train_dx_kernel, one program per row: dx_m = sum_n dg W_g[n] + du W_u[n] (three weight rows
-  gathered per pair, as the forward's up+down kernel gathers two), storing dg / du into the record's
-  shape. Dense-backup rows take a second launch of it: each walks all N neurons and adds its dW and
-  dbias terms with fp32 atomics.
+- _train_dx_kernel, one program per row, heaviest rows first: dx_m = sum_n dg W_g[n] + du W_u[n]
+  (three weight rows gathered per pair, as the forward's up+down kernel gathers two), storing (dg, du,
+  h) at each entry's record slot. Dense-backup rows: the heaviest ceil(M / BACKUP_SHARE) rows through
+  cuBLAS GEMMs over those rows and one elementwise kernel for their hidden gradients
+  (_backup_grads_kernel), any past them through the persistent per-row walk of _train_backup_kernel;
+  their dW and dbias terms land in fp32 accumulators.
 - The pairs grouped by neuron (CSC): a stable sort of the record's neuron ids (invalid slots keyed N;
   int16 keys where N allows, two radix passes) and segment starts by searchsorted, all on the device.
-- _train_dw_kernel, one program per (neuron, part): dW_g[n] += sum_m dg x_m, dW_u[n] += sum_m du x_m,
-  dW_d^T[n] += sum_m h dy_m over its part of the neuron's pairs. A neuron active in many tokens is split
-  in up to SPLITS parts of at least MIN_PAIRS pairs, so it never serialises one program; parts add into
-  fp32 accumulators with atomics (the dense-backup rows' terms land there too): no second pass over
-  partial sums and no per-neuron scratch, at the price of dW sums that are not bit-reproducible across
-  runs (order of fp32 additions), though exact to fp32 rounding.
+- _train_dw_kernel, one program per (16 neurons, K block): dW_g[n] = sum_m dg x_m, dW_u[n] = sum_m du
+  x_m, dW_d^T[n] = sum_m h dy_m over the group's pairs (their coefficients gathered through the sorted
+  slot list) by tensor-core products, plus the accumulators, stored once in the weight dtype: no
+  atomics per pair.
 W_d is read as rows of down_weight^T ([N, K], unit stride on K), the layout sparsify stores.
 """
 
@@ -70,6 +70,11 @@ DW_STAGES = 3
 BACKUP_SHARE = 32
 BACKUP_PROGRAMS = 264
 BACKUP_TILE = 2048
+# _backup_grads_kernel's tile and warps: elementwise over the dense pass's [T, N] products, 16 elements a
+# thread a tensor (ptxas for sm_90: 64 x 128 at 4 warps spills 1.2 KB a thread)
+BACKUP_BLOCK_T = 32
+BACKUP_BLOCK_N = 128
+BACKUP_WARPS = 8
 
 
 @triton.jit
@@ -123,12 +128,15 @@ def _hidden_grads(dh, g, u, HAS_UP: tl.constexpr, DRELU: tl.constexpr, SQUARE: t
 
 
 @triton.jit
-def _up_value(xv, neuron, offs_k, k_ok, wu_ptr, bu_ptr, stride_un, HAS_UP_BIAS: tl.constexpr, DTYPE: tl.constexpr):
-    """u = x . W_u[neuron] (+ b_u), rounded to the dtype."""
-    wu = tl.load(wu_ptr + neuron * stride_un + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-    u = tl.sum(wu * xv, axis=0)
+def _up_values(
+    xv, neurons, valid, offs_k, k_ok, wu_ptr, bu_ptr, stride_un, HAS_UP_BIAS: tl.constexpr, DTYPE: tl.constexpr
+):
+    """u = x . W_u[n] (+ b_u) of the valid entries' neurons [E], rounded to the dtype."""
+    tile_ok = valid[:, None] & k_ok[None, :]
+    wu = tl.load(wu_ptr + neurons[:, None] * stride_un + offs_k[None, :], mask=tile_ok, other=0.0)
+    u = tl.sum(wu.to(tl.float32) * xv[None, :], axis=1)
     if HAS_UP_BIAS:
-        u += tl.load(bu_ptr + neuron).to(tl.float32)
+        u += tl.load(bu_ptr + neurons, mask=valid, other=0.0).to(tl.float32)
     return _round(u, DTYPE)
 
 
@@ -150,23 +158,27 @@ def _compact(pre_row, c0, N, threshold, ids_row, gate_row, before, LIMIT, SCAN: 
 def _forward_entries(
     y, l1, nonzero, xv, ids_row, gate_row, up_row, count, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un, stride_dn,
     STORE_UP: tl.constexpr, HAS_UP: tl.constexpr, HAS_UP_BIAS: tl.constexpr, DRELU: tl.constexpr,
-    SQUARE: tl.constexpr, DTYPE: tl.constexpr,
+    SQUARE: tl.constexpr, DTYPE: tl.constexpr, ENTRIES: tl.constexpr,
 ):  # fmt: skip
     """y + sum over the first `count` record entries of h W_d^T[n], with sum |h| and the number of
-    nonzero h added to l1 and nonzero; their u into up_row with STORE_UP."""
-    for e in range(0, count):
-        neuron = tl.load(ids_row + e).to(tl.int64)
-        g = tl.load(gate_row + e).to(tl.float32)
+    nonzero h added to l1 and nonzero; their u into up_row with STORE_UP. ENTRIES entries a step: their
+    weight rows gathered as one [ENTRIES, BLOCK_K] tile each (more loads in flight a program)."""
+    for e0 in range(0, count, ENTRIES):
+        e = e0 + tl.arange(0, ENTRIES)
+        valid = e < count
+        neurons = tl.load(ids_row + e, mask=valid, other=0).to(tl.int64)
+        g = tl.load(gate_row + e, mask=valid, other=0.0).to(tl.float32)
         u = g
         if HAS_UP:
-            u = _up_value(xv, neuron, offs_k, k_ok, wu_ptr, bu_ptr, stride_un, HAS_UP_BIAS, DTYPE)
+            u = _up_values(xv, neurons, valid, offs_k, k_ok, wu_ptr, bu_ptr, stride_un, HAS_UP_BIAS, DTYPE)
             if STORE_UP:
-                tl.store(up_row + e, u)
-        wd = tl.load(wd_ptr + neuron * stride_dn + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        h = _hidden(g, u, HAS_UP, DRELU, SQUARE, DTYPE)
-        y += h * wd
-        l1 += tl.abs(h)
-        nonzero += (h != 0.0).to(tl.int32)
+                tl.store(up_row + e, u, mask=valid)
+        tile_ok = valid[:, None] & k_ok[None, :]
+        wd = tl.load(wd_ptr + neurons[:, None] * stride_dn + offs_k[None, :], mask=tile_ok, other=0.0)
+        h = _hidden(g, u, HAS_UP, DRELU, SQUARE, DTYPE)  # 0 past the count: g and u load as 0
+        y += tl.sum(h[:, None] * wd.to(tl.float32), axis=0)
+        l1 += tl.sum(tl.abs(h), axis=0)
+        nonzero += tl.sum((h != 0.0).to(tl.int32), axis=0)
     return y, l1, nonzero
 
 
@@ -176,6 +188,7 @@ def _train_forward_kernel(
     N, K, threshold, stride_pm, stride_xm, stride_un, stride_dn, stride_ym,
     HAS_UP: tl.constexpr, HAS_UP_BIAS: tl.constexpr, HAS_DOWN_BIAS: tl.constexpr, DRELU: tl.constexpr,
     SQUARE: tl.constexpr, WIDTH: tl.constexpr, SCAN: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+    ENTRIES: tl.constexpr,
 ):  # fmt: skip
     """Row m: compact the dense gate row into the record, then y_m = sum h W_d^T[n] (+ b_d), and the
     row's sum |h| and nonzero count for the L1 penalty. A row past WIDTH walks its gate row again, CHUNK
@@ -210,7 +223,7 @@ def _train_forward_kernel(
     if total <= WIDTH:
         y, l1, nonzero = _forward_entries(
             y, l1, nonzero, xv, ids_row, gate_row, up_row, total, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un,
-            stride_dn, True, HAS_UP, HAS_UP_BIAS, DRELU, SQUARE, dtype,
+            stride_dn, True, HAS_UP, HAS_UP_BIAS, DRELU, SQUARE, dtype, ENTRIES,
         )  # fmt: skip
     else:
         for c0 in range(0, N, CHUNK):
@@ -218,7 +231,7 @@ def _train_forward_kernel(
             tl.debug_barrier()
             y, l1, nonzero = _forward_entries(
                 y, l1, nonzero, xv, ids_row, gate_row, up_row, count, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr,
-                stride_un, stride_dn, False, HAS_UP, HAS_UP_BIAS, DRELU, SQUARE, dtype,
+                stride_un, stride_dn, False, HAS_UP, HAS_UP_BIAS, DRELU, SQUARE, dtype, ENTRIES,
             )  # fmt: skip
             tl.debug_barrier()  # the next chunk overwrites the slots
     if HAS_DOWN_BIAS:
@@ -280,13 +293,14 @@ def _backup_row(
 
 @triton.jit
 def _train_dx_kernel(
-    rows_ptr, inv_ptr, dy_ptr, dl1_ptr, wg_ptr, wu_ptr, wd_ptr, ids_ptr, gate_ptr, up_ptr, cnt_ptr, cg_ptr, cu_ptr,
+    rows_ptr, dy_ptr, dl1_ptr, wg_ptr, wu_ptr, wd_ptr, ids_ptr, gate_ptr, up_ptr, cnt_ptr, cg_ptr, cu_ptr,
     ch_ptr, dx_ptr, K, stride_dym, stride_gn, stride_un, stride_dn, stride_dxm,
     HAS_UP: tl.constexpr, DRELU: tl.constexpr, SQUARE: tl.constexpr, WIDTH: tl.constexpr, BLOCK_K: tl.constexpr,
+    ENTRIES: tl.constexpr,
 ):  # fmt: skip
     """Row m = rows[program_id] (heaviest first, so long rows start early instead of trailing the
-    launch): dx_m, and each record entry's (dg, du, h) stored at its place in the neuron-sorted pair
-    list (inv[slot]) for the dW kernel. Dense-backup rows are left to _dense_backup and
+    launch): dx_m, and each record entry's (dg, du, h) stored at the entry's record slot, where the dW
+    kernel gathers them through the neuron-sorted slot list. Dense-backup rows are left to _dense_backup and
     _train_backup_kernel. dl1: the gradient of sum |h| (the L1 penalty's), added to dh as dl1 * sign(h)."""
     m = tl.load(rows_ptr + tl.program_id(0)).to(tl.int64)
     count = tl.load(cnt_ptr + m)
@@ -299,24 +313,27 @@ def _train_dx_kernel(
     dx = tl.zeros([BLOCK_K], dtype=tl.float32)
     dtype = dx_ptr.dtype.element_ty
     slot = m * WIDTH
-    for e in range(0, count):
-        neuron = tl.load(ids_ptr + slot + e).to(tl.int64)
-        g = tl.load(gate_ptr + slot + e).to(tl.float32)
+    for e0 in range(0, count, ENTRIES):  # ENTRIES entries a step, their weight rows as [ENTRIES, BLOCK_K] tiles
+        e = e0 + tl.arange(0, ENTRIES)
+        valid = e < count
+        tile_ok = valid[:, None] & k_ok[None, :]
+        neurons = tl.load(ids_ptr + slot + e, mask=valid, other=0).to(tl.int64)
+        g = tl.load(gate_ptr + slot + e, mask=valid, other=0.0).to(tl.float32)
         u = g
         if HAS_UP:
-            u = tl.load(up_ptr + slot + e).to(tl.float32)
-        wd = tl.load(wd_ptr + neuron * stride_dn + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            u = tl.load(up_ptr + slot + e, mask=valid, other=0.0).to(tl.float32)
+        wd = tl.load(wd_ptr + neurons[:, None] * stride_dn + offs_k[None, :], mask=tile_ok, other=0.0)
         h = _hidden(g, u, HAS_UP, DRELU, SQUARE, dtype)
-        dg, du = _hidden_grads(tl.sum(dyv * wd, axis=0) + dl1 * _sign(h), g, u, HAS_UP, DRELU, SQUARE)
-        wg = tl.load(wg_ptr + neuron * stride_gn + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        dx += dg * wg
-        pair = tl.load(inv_ptr + slot + e)
-        tl.store(cg_ptr + pair, dg.to(dtype))
-        tl.store(ch_ptr + pair, h.to(dtype))
+        dh = tl.sum(wd.to(tl.float32) * dyv[None, :], axis=1) + dl1 * _sign(h)
+        dg, du = _hidden_grads(dh, g, u, HAS_UP, DRELU, SQUARE)  # 0 past the count: g, u, dh load or sum to 0
+        wg = tl.load(wg_ptr + neurons[:, None] * stride_gn + offs_k[None, :], mask=tile_ok, other=0.0)
+        dx += tl.sum(dg[:, None] * wg.to(tl.float32), axis=0)
+        tl.store(cg_ptr + slot + e, dg.to(dtype), mask=valid)
+        tl.store(ch_ptr + slot + e, h.to(dtype), mask=valid)
         if HAS_UP:
-            wu = tl.load(wu_ptr + neuron * stride_un + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            dx += du * wu
-            tl.store(cu_ptr + pair, du.to(dtype))
+            wu = tl.load(wu_ptr + neurons[:, None] * stride_un + offs_k[None, :], mask=tile_ok, other=0.0)
+            dx += tl.sum(du[:, None] * wu.to(tl.float32), axis=0)
+            tl.store(cu_ptr + slot + e, du.to(dtype), mask=valid)
     tl.store(dx_ptr + m * stride_dxm + offs_k, dx.to(dtype), mask=k_ok)
 
 
@@ -354,6 +371,43 @@ def _train_backup_kernel(
 
 
 @triton.jit
+def _backup_grads_kernel(
+    pre_ptr, up_ptr, dhp_ptr, cnt_ptr, dl1_ptr, dg_ptr, du_ptr, h_ptr, accbg_ptr, accbu_ptr, T, N, threshold,
+    HAS_UP: tl.constexpr, HAS_GATE_BIAS: tl.constexpr, HAS_UP_BIAS: tl.constexpr, DRELU: tl.constexpr,
+    SQUARE: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The dense pass's hidden gradients, one [BLOCK_T, BLOCK_N] tile of its [T, N] products at a time
+    (all [T, N], unit stride on N): from the gate g (pre), up u and dh = dy W_d^T of the pass's rows,
+    (dg, du, h) in the dtype, zero outside kept entries of dense-backup rows (count > WIDTH), and the
+    tile's column sums of dg / du added to the fp32 bias accumulators. One pass over the tile in place
+    of torch's ~20 elementwise kernels over [T, N]."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    backup = tl.load(cnt_ptr + offs_t, mask=offs_t < T, other=0) > WIDTH
+    ok = (offs_t < T)[:, None] & (offs_n < N)[None, :]
+    at = offs_t.to(tl.int64)[:, None] * N + offs_n[None, :]
+    dtype = dg_ptr.dtype.element_ty
+    g = tl.load(pre_ptr + at, mask=ok, other=0.0).to(tl.float32)
+    u = g
+    if HAS_UP:
+        u = tl.load(up_ptr + at, mask=ok, other=0.0).to(tl.float32)
+    kept = _kept(g, threshold) & backup[:, None] & ok
+    h = tl.where(kept, _hidden(g, u, HAS_UP, DRELU, SQUARE, dtype), 0.0)
+    dh = tl.load(dhp_ptr + at, mask=ok, other=0.0).to(tl.float32) + tl.load(dl1_ptr) * _sign(h)
+    dg, du = _hidden_grads(dh, g, u, HAS_UP, DRELU, SQUARE)
+    dg = tl.where(kept, dg, 0.0)
+    tl.store(dg_ptr + at, dg.to(dtype), mask=ok)
+    tl.store(h_ptr + at, h.to(dtype), mask=ok)
+    if HAS_GATE_BIAS:
+        tl.atomic_add(accbg_ptr + offs_n, tl.sum(dg, axis=0), mask=offs_n < N, sem="relaxed")
+    if HAS_UP:
+        du = tl.where(kept, du, 0.0)
+        tl.store(du_ptr + at, du.to(dtype), mask=ok)
+        if HAS_UP_BIAS:
+            tl.atomic_add(accbu_ptr + offs_n, tl.sum(du, axis=0), mask=offs_n < N, sem="relaxed")
+
+
+@triton.jit
 def _train_dw_kernel(
     order_ptr, starts_ptr, x_ptr, dy_ptr, cg_ptr, cu_ptr, ch_ptr, accg_ptr, accu_ptr, accd_ptr, accbg_ptr,
     accbu_ptr, dwg_ptr, dwu_ptr, dwd_ptr, dbg_ptr, dbu_ptr, N, K, stride_xm, stride_dym,
@@ -388,18 +442,19 @@ def _train_dw_kernel(
         p = p0 + tl.arange(0, PAIRS)
         ok = p < hi
         owner = (begin[:, None] <= p[None, :]) & (p[None, :] < end[:, None])  # [GROUP, PAIRS]
-        m = tl.load(order_ptr + p, mask=ok, other=0) // WIDTH
+        q = tl.load(order_ptr + p, mask=ok, other=0)  # the pair's record slot
+        m = q // WIDTH
         tile_ok = ok[:, None] & k_ok[None, :]
         xt = tl.load(x_ptr + m[:, None] * stride_xm + offs_k[None, :], mask=tile_ok, other=0.0)
         dyt = tl.load(dy_ptr + m[:, None] * stride_dym + offs_k[None, :], mask=tile_ok, other=0.0)
-        cg = tl.where(owner, tl.load(cg_ptr + p, mask=ok, other=0.0)[None, :], 0.0)
+        cg = tl.where(owner, tl.load(cg_ptr + q, mask=ok, other=0.0)[None, :], 0.0)
         acc_g = tl.dot(cg.to(dtype), xt, acc_g, input_precision=PRECISION)
-        ch = tl.where(owner, tl.load(ch_ptr + p, mask=ok, other=0.0)[None, :], 0.0)
+        ch = tl.where(owner, tl.load(ch_ptr + q, mask=ok, other=0.0)[None, :], 0.0)
         acc_d = tl.dot(ch.to(dtype), dyt, acc_d, input_precision=PRECISION)
         if HAS_GATE_BIAS:
             sum_g += tl.sum(cg.to(tl.float32), axis=1)
         if HAS_UP:
-            cu = tl.where(owner, tl.load(cu_ptr + p, mask=ok, other=0.0)[None, :], 0.0)
+            cu = tl.where(owner, tl.load(cu_ptr + q, mask=ok, other=0.0)[None, :], 0.0)
             acc_u = tl.dot(cu.to(dtype), xt, acc_u, input_precision=PRECISION)
             if HAS_UP_BIAS:
                 sum_u += tl.sum(cu.to(tl.float32), axis=1)
@@ -463,16 +518,29 @@ def _check_record(x, ids, gate, up, counts, has_up: bool, l1_grad) -> None:
         raise ValueError(f"l1_grad must be on {x.device}, got {l1_grad.device}")
 
 
-def _row_warps(block_k: int, backup: bool = False) -> int:
+def _row_warps(block_k: int, backup: bool = False, entries: int = 1) -> int:
     """Warps of the one-row-per-program kernels: whole rows in registers. ptxas for sm_90 (Triton 3.9,
     with the launcher's divisibility hints): the dx kernel takes 87 registers a thread at K=2048 with 4
     warps, 161 at K=8192 with 8. The dense-backup overflow kernel (backup) is irregular under this
     ptxas: at K=2048 8 warps spill 32 bytes without W_u and 16 warps take 96-122 registers; at K=4096
     8 warps take 250-254, 16 spill 80 bytes; at K=8192 every count spills (296-712 bytes), which
-    only that rare path pays."""
+    only that rare path pays. Entries gathered a step (`entries`) past 2 double the warps per doubling:
+    each [entries, BLOCK_K] weight tile then takes the registers of a 2-entry tile a thread."""
     if backup:
         return 8 if block_k == 4096 else 16
-    return 8 if block_k > 2048 else 4
+    return min(16, (8 if block_k > 2048 else 4) * max(1, entries // 2))
+
+
+def _row_entries(entries: int, block_k: int) -> int:
+    """Entries a step of the row kernels at rows of block_k: LayerConfig.train_entries, at most
+    16384 / block_k (a [entries, BLOCK_K] tile within 16 warps' registers: ptxas for sm_90 spills the
+    forward kernel at K=4096 with 8 entries)."""
+    return min(entries, max(1, 16384 // block_k))
+
+
+def _check_entries(entries: int) -> None:
+    if not isinstance(entries, int) or isinstance(entries, bool) or entries not in policy.TRAIN_ENTRIES:
+        raise ValueError(f"entries must be one of {policy.TRAIN_ENTRIES}, got {entries!r}")
 
 
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -498,15 +566,18 @@ def train_forward(
     drelu: bool,
     square: bool,
     width: int,
+    entries: int = 1,
 ) -> tuple[torch.Tensor, ...]:
     """(y, ids, gate, up, counts, l1, nonzero): y [M, K] of the FFN, its record (module docstring),
     sum |h| over the hidden activation h [M, N] (fp32) and the number of its nonzeros (int64).
 
     x: [M, K] with unit stride on K; gate_weight, up_weight (None: plain FFN, h = relu_t(gate) or its
-    square), down_weight_t: [N, K] with unit stride on K (down_weight_t = down_weight.t()).
+    square), down_weight_t: [N, K] with unit stride on K (down_weight_t = down_weight.t()). entries:
+    record entries the row kernel gathers a step (LayerConfig.train_entries).
     """
     check_input("x", x, unit_stride=True)
     check_threshold(threshold)
+    _check_entries(entries)
     m, n = _check_weights(x, gate_weight, up_weight, down_weight_t, width)
     k = x.shape[1]
     _check_biases(x, n, gate_bias, up_weight, up_bias, down_bias)
@@ -519,14 +590,16 @@ def train_forward(
     row_l1 = _alloc((m,), torch.float32, x.device)
     row_nonzero = _alloc((m,), torch.int32, x.device)
     if m > 0:
+        block_k = triton.next_power_of_2(k)
+        row_entries = _row_entries(entries, block_k)
         _train_forward_kernel[(m,)](
             pre, x, up_weight if up_weight is not None else x, up_bias if up_bias is not None else x,
             down_weight_t, down_bias if down_bias is not None else x, y, ids, gate, up, counts, row_l1, row_nonzero,
             n, k, threshold_in(threshold, x.dtype), pre.stride(0), x.stride(0),
             up_weight.stride(0) if up_weight is not None else 0, down_weight_t.stride(0), y.stride(0),
             HAS_UP=up_weight is not None, HAS_UP_BIAS=up_bias is not None, HAS_DOWN_BIAS=down_bias is not None,
-            DRELU=drelu, SQUARE=square, WIDTH=width, SCAN=SCAN, CHUNK=_chunk(width), BLOCK_K=triton.next_power_of_2(k),
-            num_warps=_row_warps(triton.next_power_of_2(k)),
+            DRELU=drelu, SQUARE=square, WIDTH=width, SCAN=SCAN, CHUNK=_chunk(width), BLOCK_K=block_k,
+            ENTRIES=row_entries, num_warps=_row_warps(block_k, entries=row_entries),
         )  # fmt: skip
     return y, ids, gate, up, counts, row_l1.sum(), row_nonzero.sum(dtype=torch.int64)
 
@@ -548,45 +621,37 @@ def _neuron_segments(ids: torch.Tensor, counts: torch.Tensor, n: int) -> tuple[t
 
 
 def _dense_backup(
-    top, dx, dy, l1_grad, x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, counts, acc, width, *,
+    top, dx, dy, l1_grad, x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, counts, bias_acc, width, *,
     threshold, drelu, square,
-) -> None:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """The dense-backup rows among `top` (the heaviest rows, a fixed number: no host sync), as dense
-    autograd computes them, in cuBLAS GEMMs over those rows alone: dx rows written (the others of `top`
-    keep the dx kernel's), dW and dbias terms added to the fp32 accumulators acc = (g, u, d, bg, bu)."""
-    backup = (counts.index_select(0, top) > width)[:, None]
-    xb, dyb = x.index_select(0, top), dy.index_select(0, top)
-    g = F.linear(xb, gate_weight, gate_bias)
-    kept = ~(g <= threshold) & backup
-    g = g.float()
-    if up_weight is not None:
-        u = F.linear(xb, up_weight, up_bias).float()
-        act = u.relu() if drelu else u
-        h = (g * act).to(x.dtype).float()
-    else:
-        h = (g * g if square else g).to(x.dtype).float()
-    h = torch.where(kept, h, 0.0)
-    dh = F.linear(dyb, down_weight_t).float() + l1_grad * h.sign()
-    if up_weight is not None:
-        dg = dh * act
-        du = torch.where(u > 0, dh * g, 0.0) if drelu else dh * g
-    else:
-        dg = 2.0 * g * dh if square else dh
-    dg = torch.where(kept, dg, 0.0)
-    dgt = dg.to(x.dtype)
-    dxb = dgt @ gate_weight
-    acc[0].add_(dgt.t() @ xb)
-    acc[2].add_(h.to(x.dtype).t() @ dyb)
-    if gate_bias is not None:
-        acc[3].add_(dg.sum(0))
-    if up_weight is not None:
-        du = torch.where(kept, du, 0.0)
-        dut = du.to(x.dtype)
-        dxb = dxb + dut @ up_weight
-        acc[1].add_(dut.t() @ xb)
-        if up_bias is not None:
-            acc[4].add_(du.sum(0))
-    dx.index_copy_(0, top, torch.where(backup, dxb, dx.index_select(0, top)))
+    autograd computes them, in cuBLAS GEMMs over those rows alone and one elementwise kernel: dx rows
+    written (the others of `top` keep the dx kernel's), dbias terms added to the fp32 accumulators
+    bias_acc = (bg, bu). Returns their dW terms (g, u, d; u is g's tensor for a plain FFN) as fp32
+    [N, K] accumulators: each GEMM's result cast once, in place of zeros and an add."""
+    t, n = top.numel(), gate_weight.shape[0]
+    xb, dyb, top_counts = x.index_select(0, top), dy.index_select(0, top), counts.index_select(0, top)
+    pre = F.linear(xb, gate_weight, gate_bias)
+    has_up = up_weight is not None
+    up = F.linear(xb, up_weight, up_bias) if has_up else pre
+    dhp = F.linear(dyb, down_weight_t)
+    dg, h = _alloc((t, n), x.dtype, x.device), _alloc((t, n), x.dtype, x.device)
+    du = _alloc((t, n), x.dtype, x.device) if has_up else dg
+    _backup_grads_kernel[(triton.cdiv(t, BACKUP_BLOCK_T), triton.cdiv(n, BACKUP_BLOCK_N))](
+        pre, up, dhp, top_counts, l1_grad, dg, du, h, bias_acc[0], bias_acc[1], t, n,
+        threshold_in(threshold, x.dtype), HAS_UP=has_up, HAS_GATE_BIAS=gate_bias is not None,
+        HAS_UP_BIAS=up_bias is not None, DRELU=drelu, SQUARE=square, WIDTH=width, BLOCK_T=BACKUP_BLOCK_T,
+        BLOCK_N=BACKUP_BLOCK_N, num_warps=BACKUP_WARPS,
+    )  # fmt: skip
+    dxb = dg @ gate_weight
+    acc_g = (dg.t() @ xb).float()
+    acc_d = (h.t() @ dyb).float()
+    acc_u = acc_g
+    if has_up:
+        dxb = dxb + du @ up_weight
+        acc_u = (du.t() @ xb).float()
+    dx.index_copy_(0, top, torch.where((top_counts > width)[:, None], dxb, dx.index_select(0, top)))
+    return acc_g, acc_u, acc_d
 
 
 def train_backward(
@@ -607,13 +672,15 @@ def train_backward(
     threshold: float,
     drelu: bool,
     square: bool,
+    entries: int = 1,
 ) -> tuple[torch.Tensor, ...]:
     """(dx, d gate_weight, d up_weight, d down_weight_t, d gate_bias, d up_bias, d down_bias) from the
     record (ids, gate, up, counts) of train_forward with the same weights, biases and flags; dy, x:
     [M, K] with unit stride on K; l1_grad: the gradient of train_forward's l1 (a one-element fp32
-    tensor). Gradients of absent tensors are empty."""
+    tensor); entries: as for train_forward (the dx kernel's). Gradients of absent tensors are empty."""
     check_input("x", x, unit_stride=True)
     check_threshold(threshold)
+    _check_entries(entries)
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         raise ValueError("ids must be the record's [M, W] int32 tensor")
     m, n = _check_weights(x, gate_weight, up_weight, down_weight_t, ids.shape[1])
@@ -631,34 +698,30 @@ def train_backward(
     dwd = _alloc((n, k), x.dtype, x.device)
     dbg = _alloc((n,), x.dtype, x.device) if gate_bias is not None else dwg.new_empty(0)
     dbu = _alloc((n,), x.dtype, x.device) if up_bias is not None else dwg.new_empty(0)
-    # dense-backup rows' dW / dbias terms (the dense pass's products, the backup kernel's atomics), added by
-    # the dW kernel
-    acc_g = torch.zeros(n, k, **f32)
-    acc_u = torch.zeros(n, k, **f32) if has_up else acc_g
-    acc_d = torch.zeros(n, k, **f32)
+    # dense-backup rows' dbias terms (the dense pass's kernel, the backup kernel's atomics), added by the dW
+    # kernel as their dW terms are (the accumulators _dense_backup returns)
     acc_bg = torch.zeros(n if gate_bias is not None else 0, **f32)
     acc_bu = torch.zeros(n if up_bias is not None else 0, **f32)
-    # (dg, du, h) of each record pair, in the neuron-sorted order the dW kernel reads
+    # (dg, du, h) of each record pair at its record slot (the dW kernel gathers them in neuron order)
     coef_g = _alloc((m * width,), x.dtype, x.device)
     coef_u = _alloc((m * width,), x.dtype, x.device) if has_up else coef_g
     coef_h = _alloc((m * width,), x.dtype, x.device)
     if m > 0:
         block_k = triton.next_power_of_2(k)
+        row_entries = _row_entries(entries, block_k)
         wu = up_weight if has_up else x
         order, starts = _neuron_segments(ids, counts, n)
-        inv = torch.empty_like(order, dtype=torch.int32 if order.numel() < 2**31 else torch.int64)
-        inv[order] = torch.arange(order.numel(), device=x.device, dtype=inv.dtype)
         rows = torch.argsort(counts, descending=True)  # heaviest first (dense-backup rows lead)
         _train_dx_kernel[(m,)](
-            rows, inv, dy, l1_grad, gate_weight, wu, down_weight_t, ids, gate, up, counts, coef_g, coef_u, coef_h,
+            rows, dy, l1_grad, gate_weight, wu, down_weight_t, ids, gate, up, counts, coef_g, coef_u, coef_h,
             dx, k, dy.stride(0), gate_weight.stride(0), wu.stride(0), down_weight_t.stride(0), dx.stride(0),
-            HAS_UP=has_up, DRELU=drelu, SQUARE=square, WIDTH=width, BLOCK_K=block_k,
-            num_warps=_row_warps(block_k),
+            HAS_UP=has_up, DRELU=drelu, SQUARE=square, WIDTH=width, BLOCK_K=block_k, ENTRIES=row_entries,
+            num_warps=_row_warps(block_k, entries=row_entries),
         )  # fmt: skip
         top = -(-m // BACKUP_SHARE)
-        _dense_backup(
+        acc_g, acc_u, acc_d = _dense_backup(
             rows[:top], dx, dy, l1_grad, x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, counts,
-            (acc_g, acc_u, acc_d, acc_bg, acc_bu), width, threshold=threshold, drelu=drelu, square=square,
+            (acc_bg, acc_bu), width, threshold=threshold, drelu=drelu, square=square,
         )  # fmt: skip
         _train_backup_kernel[(BACKUP_PROGRAMS,)](
             rows, dy, l1_grad, x, gate_weight, gate_bias if gate_bias is not None else x, wu,

@@ -51,6 +51,12 @@ HOT_RATE: float | None = 0.02
 # (twell.kernels.backward); None: none does. Off by default: a training step through it measured
 # 0.16-0.31x of dense at 32768 tokens (dx and dW kernels 6-7x their floors, train-20261130-234135.json).
 TRAIN_MIN_M: int | None = None
+# Record entries the sparse training path's forward and dx row kernels gather a step: 1, the kernel
+# measured in train-20261201-042508.json (one weight row per load, a dependent chain per entry); 2-8
+# keep that many rows' loads in flight a program (TRAIN_ENTRIES: the values the kernels take). Not yet
+# measured on the GPU: 1 until it is (benchmarks/NOTES.md, v27).
+TRAIN_ENTRIES_DEFAULT = 1
+TRAIN_ENTRIES = (1, 2, 4, 8)
 
 # Batched decode from calibration: (density, tokens) rows, a layer calibrated at most `density` dense
 # serving calls of up to `tokens` by the batched decode (the first row that holds). Empty, so no layer
@@ -102,6 +108,8 @@ class LayerConfig:
         computed by dense products over just those neurons, the rest sparse (None: all sparse).
     train_min_m: training calls (autograd recording) of at least this many tokens take the sparse
         training path (None: none does).
+    train_entries: record entries the sparse training path's row kernels (forward, dx) gather a step,
+        one of TRAIN_ENTRIES.
     Every other call runs dense, as do all calls with K > MAX_K.
     """
 
@@ -115,6 +123,7 @@ class LayerConfig:
     hot_rate: float | None = HOT_RATE
     batched_max_m: int = BATCHED_MAX_M  # op_args' order: train_min_m is no op argument
     train_min_m: int | None = TRAIN_MIN_M
+    train_entries: int = TRAIN_ENTRIES_DEFAULT
 
     def __post_init__(self):
         check_tile(self.tile_n, self.slots)
@@ -129,6 +138,9 @@ class LayerConfig:
             raise ValueError(f"dense_above must be a number, got {self.dense_above!r}")
         if not isinstance(self.fused_gate, bool):
             raise ValueError(f"fused_gate must be a bool, got {self.fused_gate!r}")
+        entries = self.train_entries
+        if not isinstance(entries, int) or isinstance(entries, bool) or entries not in TRAIN_ENTRIES:
+            raise ValueError(f"train_entries must be one of {TRAIN_ENTRIES}, got {entries!r}")
         rate = self.hot_rate
         if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1):
             raise ValueError(f"hot_rate must be a number in [0, 1] or None, got {rate!r}")
