@@ -430,7 +430,8 @@ def _split_candidate(path: str, module: nn.Module, graph: fx.Graph, pair) -> Can
             squared=match.squared,
         ),
         inline=True,
-        activation_children=() if problems else (f"{first}.{next(iter(owners))}",),
+        # the activation module, also where the FFN is not rewritable (relufy switches it)
+        activation_children=(f"{first}.{next(iter(owners))}",) if len(owners) == 1 and None not in owners else (),
     )
 
 

@@ -8,6 +8,8 @@ weight of each FFN the backend finds, and what the backend did to each FFN is ke
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -50,8 +52,21 @@ def record_compiled(weight, record) -> None:
 
 
 def compiled_records(model: torch.nn.Module) -> list:
-    """What compilation did to the FFNs of `model` (in the order of their gate weights in the model)."""
-    return [_compiled[p] for p in model.parameters() if p in _compiled]
+    """What compilation did to the FFNs of `model` (in the order of their gate weights in the model),
+    each under the path twell.report gives it: a compiled graph shows the projections' module paths,
+    not whether the module holding them is the FFN (LlamaMLP: "model.layers.0.mlp") or computes it
+    inline (OPT's layer: "model.decoder.layers.0[fc1,fc2]")."""
+    from twell.passes.candidates import find_ffns
+
+    compiled = [p for p in model.parameters() if p in _compiled]
+    if not compiled:
+        return []
+    paths = {}
+    for c in find_ffns(model):
+        weight = getattr(c.gate_module, "weight", None)
+        if isinstance(weight, torch.nn.Parameter):
+            paths.setdefault(weight, c.path)
+    return [dataclasses.replace(_compiled[p], path=paths[p]) if p in paths else _compiled[p] for p in compiled]
 
 
 __all__ = ["compiled_records", "decision_for", "decisions_digest", "forget", "record_compiled", "remember"]
