@@ -286,10 +286,11 @@ def _activation_child(candidate) -> tuple[nn.Module | None, str, str]:
         if calls:
             return None, "", f"activation module {name} is used for more than this activation"
         return owner, name, ""
-    return None, "", (
+    reason = (
         f"twell could not tell which module of {type(owner).__name__} computes the activation: replace it "
         "by an nn.ReLU by hand and set the config's activation to 'relu'"
     )
+    return None, "", reason
 
 
 # Config fields naming the FFN activation: most families' hidden_act, GPT-2's and OPT's activation_function.
