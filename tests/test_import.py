@@ -27,7 +27,8 @@ def test_calibrate_and_sparsify_stay_functions():
     does when given calibration data) must not replace the public functions, in a fresh interpreter."""
     code = (
         "import torch, twell\n"
-        "model = torch.nn.Sequential(torch.nn.Linear(4, 4))\n"
+        "from torch.nn import Linear, ReLU, Sequential\n"
+        "model = Sequential(Sequential(Linear(4, 8), ReLU(), Linear(8, 4)))\n"
         "twell.sparsify(model, calibration_data=[{'input': torch.randn(2, 4)}], config={'progress': False})\n"
         "import twell.calibrate, twell.sparsify\n"
         "from twell.calibrate import calibrate\n"
