@@ -473,8 +473,8 @@ def test_the_installed_command_end_to_end(tmp_path):
     bad = subprocess.run([*command, "report", str(tmp_path / "missing")], capture_output=True, text=True)
     assert bad.returncode == 1 and bad.stdout == ""
     assert bad.stderr.startswith("twell: error:") and bad.stderr.count("\n") == 1, bad.stderr
-    usage = subprocess.run([*command], capture_output=True, text=True)
-    assert usage.returncode == 0 and "report" in usage.stdout and "convert" in usage.stdout
+    usage = subprocess.run([*command], capture_output=True, text=True)  # no command: a usage error
+    assert usage.returncode == 2 and usage.stdout == "" and "report" in usage.stderr and "convert" in usage.stderr
 
 
 @pytest.mark.parametrize("json_out", [False, True], ids=["table", "json"])

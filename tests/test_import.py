@@ -28,7 +28,8 @@ def test_calibrate_sparsify_and_report_stay_functions():
     interpreter."""
     code = (
         "import torch, twell\n"
-        "model = torch.nn.Sequential(torch.nn.Linear(4, 4))\n"
+        "from torch.nn import Linear, ReLU, Sequential\n"
+        "model = Sequential(Sequential(Linear(4, 8), ReLU(), Linear(8, 4)))\n"
         "twell.sparsify(model, calibration_data=[{'input': torch.randn(2, 4)}], config={'progress': False})\n"
         "print(twell.report(model))\n"
         "import twell.calibrate, twell.sparsify, twell.report\n"

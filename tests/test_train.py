@@ -2,6 +2,7 @@
 example's loop."""
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from torch import nn
 
 import twell
 import twell.train
+from twell.passes.projections import linear_weight
 
 pytest.importorskip("transformers")
 
@@ -26,6 +28,8 @@ LAYOUT = {
     "phi3": ("model.layers", "mlp.gate_up_proj", "fused"),
     "gpt_neox": ("gpt_neox.layers", "mlp.dense_h_to_4h", None),
     "opt": ("model.decoder.layers", "fc1", None),
+    "gpt2": ("transformer.h", "mlp.c_fc", None),
+    "bert": ("bert.encoder.layer", "intermediate.dense", None),
 }
 
 
@@ -45,7 +49,7 @@ def hand_penalty(model, ids, family):
     terms = []
     for layer, x in zip(layers, inputs, strict=True):
         gate = layer.get_submodule(gate_path)
-        pre = F.linear(x, gate.weight, gate.bias)
+        pre = F.linear(x, linear_weight(gate), gate.bias)
         if up_path == "fused":
             g, u = pre.chunk(2, dim=-1)
             h = torch.relu(g) * u
@@ -76,6 +80,28 @@ def test_penalty_is_the_mean_over_layers_of_mean_abs_h(family, sparsified):
     assert all(0.2 < d < 0.8 for d in h_density.values())  # random weights: about half of relu's outputs
 
 
+@pytest.mark.parametrize("family", ["llama", "phi3", "opt", "gpt2", "bert"])
+def test_tracker_paths_are_the_reports(family, tmp_path):
+    """One path per FFN across the tracker, twell.report, compile_report and plans, sparsified or not."""
+    model = build(family)
+    expected = [c.path for c in twell.passes.find_ffns(model)]
+    with twell.train.track_l1(model) as tracker:
+        assert tracker.paths == expected
+    with torch.no_grad():
+        torch.compile(model, backend="twell")(token_ids())
+    assert [r.path for r in twell.compile_report(model)] == expected
+    torch._dynamo.reset()
+    twell.sparsify(model, [token_ids()])
+    twell.save_plan(model, tmp_path / "plan.json")
+    assert [f["path"] for f in json.loads((tmp_path / "plan.json").read_text())["ffns"]] == expected
+    assert [r.path for r in twell.report(model)] == expected
+    with twell.train.track_l1(model) as tracker:
+        with torch.no_grad():
+            model(token_ids())
+        assert tracker.paths == expected
+        assert list(tracker.l1) == expected
+
+
 def test_density_is_the_fraction_of_nonzero_h():
     model, ids = build("llama"), token_ids()
     kept = []
@@ -87,8 +113,9 @@ def test_density_is_the_fraction_of_nonzero_h():
         assert tracker.density()["model.layers.0.mlp"] == pytest.approx(kept[0].double().mean().item())
 
 
-@pytest.mark.parametrize("family", ["llama", "phi3", "opt"])
+@pytest.mark.parametrize("family", ["llama", "phi3", "opt", "gpt2", "bert"])
 def test_gradients_flow_and_match_between_eager_and_sparsified(family):
+    """In train() mode, dropout active (GPT-2's and BERT's default): the same draws in both runs."""
     ids = token_ids()
     grads = []
     for sparsified in (False, True):
@@ -96,6 +123,7 @@ def test_gradients_flow_and_match_between_eager_and_sparsified(family):
         if sparsified:
             twell.sparsify(model)
         with twell.train.track_l1(model):
+            torch.manual_seed(3)
             model(ids)
             twell.train.l1_penalty(model).backward()
         grads.append({name: p.grad for name, p in model.named_parameters()})
@@ -107,7 +135,7 @@ def test_gradients_flow_and_match_between_eager_and_sparsified(family):
         if up_path not in (None, "fused"):
             assert eager[f"{prefix}{up_path}.weight"].abs().sum() > 0
     # through the residual stream, the penalty reaches the attention and the embeddings too
-    assert any(g is not None and g.abs().sum() > 0 for n, g in eager.items() if "attn" in n)
+    assert any(g is not None and g.abs().sum() > 0 for n, g in eager.items() if "attn" in n or "attention" in n)
     assert set(eager) == set(sparse)
     for name, grad in eager.items():
         if grad is None:
@@ -246,11 +274,16 @@ def test_model_without_ffn_is_refused():
         ("gemma", "gelu_pytorch_tanh", "model.layers.{}.mlp.act_fn", "gelu_tanh (GELUTanh)"),
         ("gpt_neox", "gelu", "gpt_neox.layers.{}.mlp.act", "gelu (GELUActivation)"),
         ("opt", "gelu", "model.decoder.layers.{}.activation_fn", "gelu (GELUActivation)"),
+        ("gpt2", "gelu_new", "transformer.h.{}.mlp.act", "NewGELUActivation (NewGELUActivation)"),
+        ("bert", "gelu", "bert.encoder.layer.{}.intermediate.intermediate_act_fn", "gelu (GELUActivation)"),
+        ("mixtral", "silu", "model.layers.{}.mlp.experts.act_fn", "silu (SiLUActivation)"),
     ],
 )
 def test_relufy_switches_to_relu(family, activation, module, before):
     model, ids = build(family, activation=activation), token_ids()
     reference = build(family, activation="relu")  # same seed: the same weights, ReLU activations
+    if family == "bert":  # its prediction head's activation is config.hidden_act too: not an FFN's
+        reference.cls.predictions.transform.transform_act_fn = model.cls.predictions.transform.transform_act_fn
     relu_logits = logits(reference, ids)
     assert not torch.allclose(logits(model, ids), relu_logits, atol=1e-3)
     classes_before = {type(m) for m in model.modules()}
@@ -263,21 +296,39 @@ def test_relufy_switches_to_relu(family, activation, module, before):
     assert {type(m) for m in model.modules()} - classes_before == {nn.ReLU}
     # the transformers class is untouched: a new model of it still has the original activation
     assert not torch.allclose(logits(build(family, activation=activation), ids), relu_logits, atol=1e-3)
-    assert twell.report(model).summary()["rewritable"] == 2
+    assert twell.report(model).summary()["rewritable"] == 2 * (4 if family == "mixtral" else 1)  # per expert
     text = str(report)
     assert "relufy: 2 of 2 FFN activations switched to ReLU" in text and module.format(1) in text
 
 
-def test_relufy_updates_the_config_so_the_saved_model_is_relu(tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    model, ids = build("llama", activation=None), token_ids()
+@pytest.mark.parametrize(
+    ("family", "key", "before"),
+    [
+        ("llama", "hidden_act", "silu"),
+        ("gpt2", "activation_function", "gelu_new"),
+        ("opt", "activation_function", "gelu"),
+        ("mixtral", "hidden_act", "silu"),
+    ],
+)
+def test_relufy_updates_the_config_so_the_saved_model_is_relu(tmp_path, family, key, before):
+    """save_pretrained then from_pretrained gives the relufied model back, whatever the config calls
+    its activation (GPT-2 and OPT: activation_function)."""
+    model, ids = build(family, activation=before), token_ids()
     report = twell.train.relufy(model)
-    assert report.config == "hidden_act 'silu' -> 'relu'"
+    assert report.config == f"{key} {before!r} -> 'relu'"
     model.save_pretrained(tmp_path)
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert reloaded.config.hidden_act == "relu"
+    reloaded = type(model).from_pretrained(tmp_path).eval()
+    assert getattr(reloaded.config, key) == "relu"
     torch.testing.assert_close(logits(reloaded, ids), logits(model, ids))
+
+
+def test_relufy_keeps_a_config_whose_activation_is_not_only_the_ffns():
+    """BERT's prediction head reads config.hidden_act too: relufy keeps the config and says why."""
+    model = build("bert", activation="gelu")
+    report = twell.train.relufy(model)
+    assert all(c.switched for c in report) and len(report) == 2
+    assert report.config.startswith("unchanged: cls.predictions.transform.transform_act_fn (not an FFN)")
+    assert model.config.hidden_act == "gelu"
 
 
 def test_relufy_refuses_models_with_nothing_to_switch():

@@ -91,6 +91,7 @@ def analyse(args: argparse.Namespace) -> Analysis:
     import torch
 
     from twell.calibrate import calibrate
+    from twell.inputs import calibration_config, check_batches
     from twell.loading import LoadError, calibration_batches, load_model
     from twell.passes import scan
 
@@ -104,7 +105,8 @@ def analyse(args: argparse.Namespace) -> Analysis:
         loaded, data=args.data, samples=args.samples, seq_len=args.seq_len, batch_size=args.batch_size
     )
     candidates, unmatched = scan(loaded.model)
-    decisions = calibrate(loaded.model, candidates, batches)
+    model = loaded.model
+    decisions = calibrate(model, candidates, check_batches(model, batches), config=calibration_config(model, None))
     cost = next((d.cost_model for d in decisions.values() if d.cost_model), None)
     return Analysis(loaded, candidates, unmatched, decisions, note, cost)
 
@@ -186,6 +188,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "convert":
         save_plan(analysis.decisions, analysis.candidates, args.out)
         plan_path = args.out
+        if not any(d.rewrite for d in analysis.decisions.values()):
+            found = f"all {len(analysis.decisions)} FFNs stay dense" if analysis.decisions else "no FFN found"
+            print(f"twell: warning: the plan {args.out} rewrites nothing ({found}): see the report", file=sys.stderr)
     if args.json:
         text = json.dumps(report_dict(analysis), indent=1)
         if args.json == "-":
@@ -228,9 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
-        if args.command is None:
-            parser.print_help()
-            return 0
+        if args.command is None:  # a command is required: say which, and fail as a usage error
+            parser.print_help(sys.stderr)
+            return EXIT_USAGE
         _quiet_libraries()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

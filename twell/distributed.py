@@ -22,6 +22,7 @@ loaded it) or the ops (until a tensor-parallel FFN runs).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import torch
@@ -102,7 +103,7 @@ def run_tensor_parallel(spec, gate: nn.Module, up: nn.Module | None, down: nn.Mo
     its linears sharded as tensor_parallel() checks: the twell op on this rank's neurons, the partial
     sums reduced by the down linear's RowwiseParallel output hook. Returns what that hook returns (by
     default the replicated output as a local tensor)."""
-    from twell import ops
+    from twell.passes.modules import call_op, ffn_weights
 
     api = _dtensor_api()
     # The gate's ColwiseParallel input hook: the plan's input layout (replicated, or sequence-sharded
@@ -117,33 +118,11 @@ def run_tensor_parallel(spec, gate: nn.Module, up: nn.Module | None, down: nn.Mo
     # This rank's share of dL/dx is a partial sum over its neurons: reduced in backward.
     x_local = x.to_local(grad_placements=(api.Partial(),))
 
-    def local(t):
-        return None if t is None else t.to_local()
-
-    if spec.kind == "plain":
-        y = ops.ffn(
-            x_local,
-            local(gate.weight),
-            local(down.weight),
-            up_bias=local(gate.bias),
-            threshold=spec.threshold,
-            squared=spec.squared,
-            config=config,
-        )
-    else:
-        y = ops.gated_ffn(
-            x_local,
-            local(gate.weight),
-            local(up.weight),
-            local(down.weight),
-            gate_bias=local(gate.bias),
-            up_bias=local(up.bias),
-            threshold=spec.threshold,
-            drelu=spec.drelu,
-            config=config,
-        )
+    # the down bias once, not per rank: DTensor adds a replicated bias to the reduced sum
+    weights = dataclasses.replace(ffn_weights(spec, gate, up, down), down_bias=None).map(lambda t: t.to_local())
+    y = call_op(spec, weights, x_local, config)
     y = api.DTensor.from_local(y, mesh, (api.Partial(),), run_check=False)
-    if down.bias is not None:  # once, not per rank: DTensor adds a replicated bias to the reduced sum
+    if down.bias is not None:
         y = y + down.bias
     return _output_hooks(down, y)
 

@@ -126,10 +126,47 @@ def _pick_dtype(raw: dict, device: torch.device, dtype: torch.dtype | None) -> t
     return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(stored, torch.bfloat16)
 
 
+def _checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of a checkpoint's weights, read from the files' headers (no tensor loaded
+    from safetensors; .bin files memory-mapped)."""
+    shapes = {}
+    for file in sorted(path.glob("*.safetensors")):
+        from safetensors import safe_open
+
+        with safe_open(file, framework="pt") as f:
+            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+    if not shapes:
+        for file in sorted(path.glob("*.bin")):
+            state = torch.load(file, map_location="meta", weights_only=True, mmap=True)
+            shapes.update({k: tuple(v.shape) for k, v in state.items()})
+    return shapes
+
+
+def _mismatch(path: Path, classes, kwargs: dict) -> str:
+    """The first tensor whose checkpoint shape differs from what the config builds, with both shapes."""
+    from transformers import AutoConfig
+
+    config = kwargs.get("config") or AutoConfig.from_pretrained(path, local_files_only=True)
+    stored = _checkpoint_shapes(path)
+    for auto in classes:
+        try:
+            with torch.device("meta"):
+                built = auto.from_config(config)
+        except ValueError:
+            continue
+        prefix = f"{built.base_model_prefix}."
+        for name, tensor in built.state_dict().items():
+            for key in (name, name.removeprefix(prefix), prefix + name):
+                if key in stored and stored[key] != tuple(tensor.shape):
+                    return f"{key} is {list(stored[key])} in the checkpoint, {list(tensor.shape)} by its config.json"
+        break
+    return "a tensor's shape differs from the one its config.json gives"
+
+
 def load_model(model: str | None = None, *, device: str | torch.device = "cpu", dtype=None) -> LoadedModel:
     """Load a local checkpoint (or the demo model) in eval mode on `device`, with no network access."""
     import transformers
-    from transformers import AutoModel, AutoModelForCausalLM
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     path = resolve_model_path(model)
@@ -147,16 +184,24 @@ def load_model(model: str | None = None, *, device: str | torch.device = "cpu", 
             f"{path}: unsupported model type {model_type!r}: transformers {transformers.__version__} does not "
             f"know it{remote}"
         )
+    # an encoder-decoder as one (both stacks), not its decoder alone as a causal LM
+    if raw.get("is_encoder_decoder"):
+        classes = (AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq, AutoModel)
+    else:
+        classes = (AutoModelForCausalLM, AutoModel)
     try:
-        try:
-            module, info = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-        except ValueError as e:
-            if "Unrecognized configuration class" not in str(e):
-                raise
-            module, info = AutoModel.from_pretrained(path, **kwargs)
+        for auto in classes:
+            try:
+                module, info = auto.from_pretrained(path, **kwargs)
+                break
+            except ValueError as e:
+                if "Unrecognized configuration class" not in str(e) or auto is classes[-1]:
+                    raise
     except LoadError:
         raise
     except Exception as e:
+        if "ignore_mismatched_sizes" in str(e):
+            raise LoadError(f"{path}: the weights do not fit the config: {_mismatch(path, classes, kwargs)}") from None
         message = " ".join(str(e).split()) or type(e).__name__
         raise LoadError(f"{path}: cannot load the checkpoint: {message[:300]}") from None
     missing = [k for k in info.get("missing_keys", ()) if not _is_tracker_key(k)]
@@ -174,7 +219,8 @@ def load_model(model: str | None = None, *, device: str | torch.device = "cpu", 
         path=path,
         tokenizer=load_tokenizer(path),
         vocab_size=int(text_config.vocab_size),
-        max_positions=getattr(text_config, "max_position_embeddings", None),
+        max_positions=getattr(text_config, "max_position_embeddings", None)
+        or getattr(text_config, "max_target_positions", None),
     )
 
 
@@ -252,7 +298,8 @@ def calibration_batches(
     batch_size: int = 4,
     seed: int = 0,
 ) -> tuple[list[torch.Tensor], str]:
-    """Batches of token ids [batch, seq] for calibrate(), and a one-line note on where they came from.
+    """Batches of token ids [batch, seq] for calibrate(), and a one-line note on where they came from
+    (for a speech encoder-decoder, dicts of random audio features and those ids as decoder input).
 
     With `data`, up to `samples` consecutive windows of `seq_len` tokens of its token stream (fewer when
     the file is short; one shorter window when it is shorter than seq_len). Without, `samples` random
@@ -277,7 +324,20 @@ def calibration_batches(
         ids = torch.tensor(stream[: windows * length], dtype=torch.int64).view(windows, length)
         how = "its tokenizer" if loaded.tokenizer is not None else "byte-level"
         note = f"{data}: {_count(windows, 'sequence')} of {length} tokens ({how})"
-    return list(ids.split(batch_size)), note
+    batches = list(ids.split(batch_size))
+    model = loaded.model
+    if getattr(model, "main_input_name", None) == "input_features":
+        # a speech encoder-decoder (Whisper): random log-mel features of the encoder's full length, the
+        # token ids its decoder's input
+        config, gen = model.config, torch.Generator().manual_seed(seed)
+        shape = (config.num_mel_bins, 2 * config.max_source_positions)
+        dtype = next(model.parameters()).dtype
+        batches = [
+            {"input_features": torch.randn(len(b), *shape, generator=gen).to(dtype), "decoder_input_ids": b}
+            for b in batches
+        ]
+        note += f"; encoder input: random audio features {list(shape)}"
+    return batches, note
 
 
 __all__ = [

@@ -81,11 +81,18 @@ def sparsify(
     from twell.passes.rewrite import apply
 
     candidates, unmatched = scan(model)
+    if not candidates and not unmatched:
+        raise ValueError(
+            f"no FFN found in {type(model).__name__}: sparsify rewrites feed-forward blocks, two projections "
+            "K -> N -> K around an activation (down(act(up(x))) or down(act(gate(x)) * up(x)))"
+        )
     decisions = None
     if calibration_data is not None:
         from twell.calibrate import calibrate
+        from twell.inputs import calibration_config, check_batches
 
-        decisions = calibrate(model, candidates, calibration_data, config=config, layer_config=changes)
+        data, config = check_batches(model, calibration_data), calibration_config(model, config)
+        decisions = calibrate(model, candidates, data, config=config, layer_config=changes)
     elif plan is not None:
         from twell.calibrate import load_plan
 
@@ -202,7 +209,8 @@ def warmup(model: torch.nn.Module, token_counts=(1, 16, 4096)) -> dict[int, floa
     The first call of a new shape compiles the Triton kernels (seconds) and, for prefill-sized calls,
     autotunes them; compiled kernels and tuned configurations are cached on disk, so a later process
     pays only a fraction of that. Inputs are random: tuning on your own data is as good or better
-    (run the model on a representative batch instead). A model that is not sparsified is left alone.
+    (run the model on a representative batch instead). Raises ValueError for a model with no
+    rewritten FFN.
     """
     _check_model(model)
     bad = [m for m in token_counts if not isinstance(m, int) or isinstance(m, bool) or m < 1]
@@ -212,6 +220,9 @@ def warmup(model: torch.nn.Module, token_counts=(1, 16, 4096)) -> dict[int, floa
 
     state = getattr(model, _STATE, None)
     calls = _warmup_calls([s.replacement for s in state.swaps] if state else [])
+    if not calls:
+        why = "sparsify rewrote none of its FFNs" if state else "it is not sparsified"
+        raise ValueError(f"nothing to warm up in {type(model).__name__}: {why} (call twell.sparsify(model) first)")
     seconds = {}
     for m in token_counts:
         start = time.perf_counter()

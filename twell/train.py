@@ -28,7 +28,6 @@ import io
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 # Attribute on the model instance holding its L1Tracker (one per model).
@@ -73,25 +72,15 @@ class _Probe:
         self.tracker._density[self.path] = density.detach()
 
 
-def _linear_rows(linear: nn.Module, rows: slice | None, x: torch.Tensor) -> torch.Tensor:
-    weight, bias = linear.weight, linear.bias
-    if rows is not None:
-        weight, bias = weight[rows], None if bias is None else bias[rows]
-    return F.linear(x, weight, bias)
-
-
 def _recompute_hidden(spec, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """h [..., N] of a SparseFFN from its input x [..., K]: what twell.ops computes before the down
-    projection (kept entries are those not <= spec.threshold)."""
+    projection."""
+    from twell.passes.modules import ffn_weights, hidden_activation
+
     # SparseFFN, or the original module after restore (SparseFFN shares its hooks): children by name
-    gate = getattr(module, spec.gate)
-    up = getattr(module, spec.up) if spec.up is not None else None
-    pre = _linear_rows(gate, spec.gate_rows, x)
-    hidden = pre.masked_fill(pre <= spec.threshold, 0.0)
-    if spec.kind == "plain":
-        return hidden * hidden if spec.squared else hidden
-    up_out = _linear_rows(up, spec.up_rows, x)
-    return hidden * (torch.relu(up_out) if spec.drelu else up_out)
+    gate, down = module.get_submodule(spec.gate), module.get_submodule(spec.down)
+    up = module.get_submodule(spec.up) if spec.up is not None else None
+    return hidden_activation(spec, ffn_weights(spec, gate, up, down), x)
 
 
 class L1Tracker:
@@ -119,15 +108,18 @@ class L1Tracker:
             )
         hooks: list[tuple[nn.Module, _Probe]] = []
         for c in candidates:
-            hooks.append((getattr(c.owner, c.spec.down), _Probe(self, c.path)))
+            hooks.append((c.owner.get_submodule(c.spec.down), _Probe(self, c.path)))
         for path, module in model.named_modules():
             if isinstance(module, SparseFFN):
                 hooks.append((module, _Probe(self, path, module.spec)))
             elif isinstance(module, InlineFFN):
                 # A hooked inline stand-in computes what the original down projection does: h comes in.
-                spec = module.spec  # named as the candidate was: owner[gate,up,down] or owner[up,down]
+                # named as the candidate was: owner[gate,up,down] or owner[up,down], the down
+                # projection's name relative to the owner (BERT's: output.dense)
+                spec = module.spec
                 names = [n for n in (spec.gate, spec.up, spec.down) if n is not None]
-                hooks.append((module, _Probe(self, f"{path.rpartition('.')[0]}[{','.join(names)}]")))
+                owner = path.removesuffix(spec.down).removesuffix(".")
+                hooks.append((module, _Probe(self, f"{owner}[{','.join(names)}]")))
         if not hooks:
             raise ValueError(f"no FFN found in {type(model).__name__}: nothing to penalise")
         for module, probe in hooks:
@@ -258,16 +250,25 @@ class RelufyReport:
         return f"RelufyReport({sum(c.switched for c in self.changes)} of {len(self.changes)} switched)"
 
 
-def _activation_child(candidate) -> tuple[str, str]:
-    """(name of the owner's child that computes the candidate's activation, or "", reason if none)."""
+def _activation_child(candidate) -> tuple[nn.Module | None, str, str]:
+    """(the module holding the activation module the candidate's FFN calls, that module's path below
+    the candidate's owner, "") or (None, "", reason) if there is none to switch."""
+    from twell.passes import experts
     from twell.passes.candidates import TraceFailure, _stack_root, trace_module
     from twell.passes.match import Dialect, find_matches
 
+    if experts.is_experts(candidate.gate_module):  # experts stored as 3-D parameters: one act_fn for all
+        layer = candidate.gate_module
+        if not isinstance(getattr(layer, "act_fn", None), nn.Module):
+            return None, "", f"{type(layer).__name__} has no activation module act_fn to switch"
+        return layer, "act_fn", ""
     owner = candidate.owner
+    if candidate.inline and "." in (candidate.activation_children or ("",))[0]:
+        return owner, candidate.activation_children[0], ""  # an FFN split across two modules (BERT)
     try:
         graph = trace_module(owner)
     except TraceFailure as failure:
-        return "", f"could not trace {type(owner).__name__}: {failure}"
+        return None, "", f"could not trace {type(owner).__name__}: {failure}"
     dialect = Dialect(owner)
     gate = candidate.gate_module
     for match in find_matches(graph, dialect):
@@ -277,15 +278,23 @@ def _activation_child(candidate) -> tuple[str, str]:
             continue
         owners = {_stack_root(node) for node in match.activation.nodes}
         if len(owners) != 1 or None in owners:
-            return "", "the activation is written in the forward, not held by an activation module"
+            return None, "", "the activation is written in the forward, not held by an activation module"
         (name,) = owners
         if "." in name:
-            return "", f"the activation is computed inside {name.split('.')[0]}, not by a module of its own"
+            return None, "", f"the activation is computed inside {name.split('.')[0]}, not by a module of its own"
         calls = [n for n in graph.nodes if _stack_root(n) == name and n not in match.activation.nodes]
         if calls:
-            return "", f"activation module {name} is used for more than this activation"
-        return name, ""
-    return "", "the activation was not found again in the traced forward"
+            return None, "", f"activation module {name} is used for more than this activation"
+        return owner, name, ""
+    reason = (
+        f"twell could not tell which module of {type(owner).__name__} computes the activation: replace it "
+        "by an nn.ReLU by hand and set the config's activation to 'relu'"
+    )
+    return None, "", reason
+
+
+# Config fields naming the FFN activation: most families' hidden_act, GPT-2's and OPT's activation_function.
+_ACTIVATION_KEYS = ("hidden_act", "activation_function")
 
 
 def relufy(model: nn.Module) -> RelufyReport:
@@ -294,7 +303,8 @@ def relufy(model: nn.Module) -> RelufyReport:
 
     The activation module each FFN calls (e.g. LlamaMLP's `act_fn`) is replaced on that module
     instance by an nn.ReLU; no class is changed. When every FFN was switched and the model has a
-    `config` with a `hidden_act`, it is set to "relu", so save_pretrained writes a ReLU model. Raises
+    `config` with a `hidden_act` (GPT-2, OPT: `activation_function`), it is set to "relu", so
+    save_pretrained writes a ReLU model. Raises
     ValueError naming what it expected when no FFN activation can be switched.
     """
     if not isinstance(model, nn.Module):
@@ -303,17 +313,20 @@ def relufy(model: nn.Module) -> RelufyReport:
 
     candidates, unmatched = scan(model)
     changes: list[Change] = []
+    holders = []
     for c in candidates:
         name = c.activation
         if not any(s in name.lower() for s in SWITCHABLE):
             reason = "already sparse" if c.activation in ("relu", "fatrelu", "relu2", "drelu") else "not SiLU or GELU"
             changes.append(Change(c.path, "", name, name, reason))
+            holders.append(None)
             continue
-        child, reason = _activation_child(c)
-        owner_path = c.path.split("[")[0]
-        module_path = f"{owner_path}.{child}" if owner_path and child else child
+        holder, child, reason = _activation_child(c)
+        holder_path = c.path.split("[")[0]
+        module_path = f"{holder_path}.{child}" if holder_path and child else child
         changes.append(Change(c.path, module_path, name, "relu", reason))
-    to_switch = [(c, ch) for c, ch in zip(candidates, changes, strict=True) if ch.switched]
+        holders.append((holder, child))
+    to_switch = [(h, ch) for h, ch in zip(holders, changes, strict=True) if ch.switched]
     if not to_switch:
         found = "; ".join(f"{ch.ffn}: {ch.before} ({ch.reason})" for ch in changes) or "no FFN found"
         if unmatched:
@@ -322,20 +335,32 @@ def relufy(model: nn.Module) -> RelufyReport:
             "relufy expected FFNs whose activation is SiLU or GELU, held by an activation module (like "
             f"LlamaMLP.act_fn), found none it can switch: {found}"
         )
-    for candidate, change in to_switch:
-        child = change.module.rsplit(".", 1)[-1]
-        old = getattr(candidate.owner, child)
+    replaced = set()
+    for (holder, child), change in to_switch:
+        parent_path, _, name = child.rpartition(".")
+        parent = holder.get_submodule(parent_path)
+        old = getattr(parent, name)
+        replaced.add(type(old))
         change.before = f"{change.before} ({type(old).__name__})"
-        setattr(candidate.owner, child, nn.ReLU().train(old.training))
+        setattr(parent, name, nn.ReLU().train(old.training))
     config = getattr(model, "config", None)
-    hidden_act = getattr(config, "hidden_act", None)
+    keys = [k for k in _ACTIVATION_KEYS if isinstance(getattr(config, k, None), str)]
+    # modules outside the FFNs built from the same config entry (BERT's prediction head): a reloaded
+    # model would have ReLU there too
+    others = [path for path, m in model.named_modules() if type(m) in replaced]
     if len(to_switch) < len(changes):
         status = "unchanged: not every FFN was switched"
-    elif not isinstance(hidden_act, str):
-        status = "unchanged: the model has no config.hidden_act"
+    elif others and keys:
+        status = (
+            f"unchanged: {others[0]} (not an FFN) has the same activation, and would be ReLU in a model loaded "
+            "from a ReLU config; save with this config and call relufy again after loading"
+        )
+    elif not keys:
+        status = f"unchanged: the model has no config.{' or config.'.join(_ACTIVATION_KEYS)}"
     else:
-        config.hidden_act = "relu"
-        status = f"hidden_act {hidden_act!r} -> 'relu'"
+        status = ", ".join(f"{k} {getattr(config, k)!r} -> 'relu'" for k in keys)
+        for k in keys:
+            setattr(config, k, "relu")
     return RelufyReport(changes, status)
 
 

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -79,6 +80,24 @@ class Unmatched:
 
 
 class _Tracer(fx.Tracer):
+    """Leaf modules: projections, torch.nn's modules and any module with tensors of its own. Control
+    flow on two facts is resolved as a real call would: a tensor's dtype is the traced module's
+    (`dtype`), and activations are finite (the fp16 overflow clamp of BART-style layers:
+    `if x.dtype == torch.float16 and not torch.isfinite(x).all()`)."""
+
+    dtype = torch.float32
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        node = obj.node
+        if node.op == "call_method" and node.target == "all" and _calls(node.args[0], torch.isfinite):
+            return True
+        if node.op == "call_function" and node.target in (operator.eq, operator.ne):
+            a, b = node.args
+            attr, dtype = (a, b) if isinstance(b, torch.dtype) else (b, a)
+            if isinstance(dtype, torch.dtype) and _calls(attr, getattr) and attr.args[1] == "dtype":
+                return (self.dtype == dtype) == (node.target is operator.eq)
+        return super().to_bool(obj)
+
     def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
         if isinstance(module, TWELL_MODULES) or is_projection(module):
             return True
@@ -91,7 +110,13 @@ class TraceFailure(Exception):
     pass
 
 
-def _input_name(module: nn.Module) -> str:
+def _calls(node, function) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is function
+
+
+def _input_name(module: nn.Module) -> tuple[str, tuple[str, ...]]:
+    """(the name of forward's input, the other arguments it requires: BART's encoder layer, an
+    attention_mask)."""
     forward = inspect.unwrap(type(module).forward)
     parameters = list(inspect.signature(forward).parameters.values())[1:]
     if not parameters or parameters[0].kind not in (
@@ -99,18 +124,18 @@ def _input_name(module: nn.Module) -> str:
         inspect.Parameter.POSITIONAL_OR_KEYWORD,
     ):
         raise TraceFailure("forward has no positional input")
-    required = [
+    required = tuple(
         p.name
         for p in parameters[1:]
         if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-    ]
-    if required:
-        raise TraceFailure(f"forward needs arguments besides its input: {', '.join(required)}")
-    return parameters[0].name
+    )
+    return parameters[0].name, required
 
 
-def trace_module(module: nn.Module, inputs: int = 1) -> fx.Graph:
-    """FX graph of module.forward(x) (inputs=2: forward(x, other)) with every other argument at its default.
+def trace_module(module: nn.Module, inputs: int = 1, required: tuple[str, ...] = ()) -> fx.Graph:
+    """FX graph of module.forward(x) (inputs=2: forward(x, other)) with every other argument at its
+    default, and the `required` ones (without a default) None: a layer whose FFN is written inline
+    computes it alike whatever its attention mask.
 
     Traced on a throwaway subclass instance sharing the module's state, through a method that calls
     the undecorated forward with x alone: transformers wraps layer forwards in (*args, **kwargs)
@@ -118,14 +143,17 @@ def trace_module(module: nn.Module, inputs: int = 1) -> fx.Graph:
     """
     forward = inspect.unwrap(type(module).forward)
 
+    nones = dict.fromkeys(required)
+
     def _twell_traced(self, x):
-        return forward(self, x)
+        return forward(self, x, **nones)
 
     def _twell_traced_with_other(self, x, other):
-        return forward(self, x, other)
+        return forward(self, x, other, **nones)
 
     tracer = _Tracer()
     tracer.traced_func_name = "_twell_traced"
+    tracer.dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
     traced = _twell_traced if inputs == 1 else _twell_traced_with_other
     try:
         cls = type(type(module).__name__, (type(module),), {"_twell_traced": traced})
@@ -211,7 +239,9 @@ def _stack_root(node: fx.Node) -> str | None:
     return _child_name(node)
 
 
-def _candidate(path: str, module: nn.Module, graph: fx.Graph, match: FFNMatch, input_name: str) -> Candidate:
+def _candidate(
+    path: str, module: nn.Module, graph: fx.Graph, match: FFNMatch, input_name: str, required: tuple[str, ...]
+) -> Candidate:
     problems = list(match.problems)
     gate_name = match.gate.linear.node.target
     up_name = match.up.linear.node.target if match.up is not None else None
@@ -221,6 +251,8 @@ def _candidate(path: str, module: nn.Module, graph: fx.Graph, match: FFNMatch, i
     activation_children: tuple[str, ...] = ()
     if whole and not path:
         problems.append("the model itself is the FFN; sparsify a module that contains it")
+    if whole and required:  # SparseFFN computes the FFN from its input alone
+        problems.append(f"forward needs arguments besides its input: {', '.join(required)}")
     if whole and "forward" in module.__dict__:
         problems.append("forward is replaced on the instance (e.g. by offloading hooks)")
     linears = [module.get_submodule(name) for name in (gate_name, up_name, down_name) if name is not None]
@@ -430,7 +462,8 @@ def _split_candidate(path: str, module: nn.Module, graph: fx.Graph, pair) -> Can
             squared=match.squared,
         ),
         inline=True,
-        activation_children=() if problems else (f"{first}.{next(iter(owners))}",),
+        # the activation module, also where the FFN is not rewritable (relufy switches it)
+        activation_children=(f"{first}.{next(iter(owners))}",) if len(owners) == 1 and None not in owners else (),
     )
 
 
@@ -455,8 +488,7 @@ def scan(model: nn.Module) -> tuple[list[Candidate], list[Unmatched]]:
         pairs = _split_pairs(module)
         if pairs:
             try:
-                _input_name(module)
-                graph = trace_module(module)
+                graph = trace_module(module, required=_input_name(module)[1])
             except TraceFailure as failure:
                 unmatched.append(Unmatched(path, f"could not trace {type(module).__name__}: {failure}"))
             else:
@@ -470,8 +502,8 @@ def scan(model: nn.Module) -> tuple[list[Candidate], list[Unmatched]]:
         if not pair:
             continue
         try:
-            input_name = _input_name(module)
-            graph = trace_module(module)
+            input_name, required = _input_name(module)
+            graph = trace_module(module, required=required)
         except TraceFailure as failure:
             if expanding:
                 unmatched.append(Unmatched(path, f"could not trace {type(module).__name__}: {failure}"))
@@ -480,7 +512,7 @@ def scan(model: nn.Module) -> tuple[list[Candidate], list[Unmatched]]:
         if not matches and expanding:
             unmatched.append(Unmatched(path, _NO_PATTERN))
         for match in matches:
-            candidates.append(_candidate(path, module, graph, match, input_name))
+            candidates.append(_candidate(path, module, graph, match, input_name, required))
     return candidates, unmatched
 
 

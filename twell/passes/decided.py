@@ -8,6 +8,8 @@ weight of each FFN the backend finds, and what the backend did to each FFN is ke
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -49,9 +51,58 @@ def record_compiled(weight, record) -> None:
         _compiled[weight] = record
 
 
+# Why the compile backend leaves a mixture-of-experts layer's experts alone.
+EXPERTS_NOT_COMPILED = (
+    "experts stored as 3-D parameters are not rewritten by torch.compile's twell backend (it matches "
+    "FFNs of 2-D projections): call twell.sparsify(model) before torch.compile, which rewrites them"
+)
+
+
 def compiled_records(model: torch.nn.Module) -> list:
-    """What compilation did to the FFNs of `model` (in the order of their gate weights in the model)."""
-    return [_compiled[p] for p in model.parameters() if p in _compiled]
+    """What compilation did to the FFNs of `model` (in the order of their gate weights in the model),
+    each under the path twell.report gives it: a compiled graph shows the projections' module paths,
+    not whether the module holding them is the FFN (LlamaMLP: "model.layers.0.mlp") or computes it
+    inline (OPT's layer: "model.decoder.layers.0[fc1,fc2]"). Then one record per expert the backend
+    leaves alone (not sparsified before compiling), with the reason: the backend never sees them as
+    FFNs, so without these a Mixtral's report would be empty."""
+    from twell.passes import experts
+    from twell.passes.candidates import find_ffns
+    from twell.sparsify import Record
+
+    candidates = find_ffns(model)
+    paths = {}
+    for c in candidates:
+        weight = getattr(c.gate_module, "weight", None)
+        if isinstance(weight, torch.nn.Parameter):
+            paths.setdefault(weight, c.path)
+    compiled = [p for p in model.parameters() if p in _compiled]
+    records = [dataclasses.replace(_compiled[p], path=paths[p]) if p in paths else _compiled[p] for p in compiled]
+    for c in candidates:
+        if experts.is_experts(c.gate_module):
+            reason = EXPERTS_NOT_COMPILED if c.rewritable else c.reason
+            records.append(
+                Record(
+                    path=c.path,
+                    kind=c.kind,
+                    matched=True,
+                    activation=c.activation,
+                    rewritable=c.rewritable,
+                    rewritten=False,
+                    reason=reason,
+                    hidden_size=c.hidden_size,
+                    model_size=c.model_size,
+                    threshold=c.threshold,
+                )
+            )
+    return records
 
 
-__all__ = ["compiled_records", "decision_for", "decisions_digest", "forget", "record_compiled", "remember"]
+__all__ = [
+    "EXPERTS_NOT_COMPILED",
+    "compiled_records",
+    "decision_for",
+    "decisions_digest",
+    "forget",
+    "record_compiled",
+    "remember",
+]

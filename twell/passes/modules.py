@@ -19,6 +19,7 @@ limits and TwELL layout the op is called with; sparsify sets it from the layer's
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from twell import distributed, ops
+from twell.kernels import reference
 from twell.kernels.policy import DEFAULT, LayerConfig
 from twell.passes.projections import features, is_conv1d, linear_weight, native_forward
 
@@ -85,6 +87,69 @@ def _rows(linear: nn.Module, rows: slice | None) -> tuple[torch.Tensor, torch.Te
     return weight[rows], None if bias is None else bias[rows]
 
 
+@dataclass(frozen=True)
+class FFNWeights:
+    """An FFN's tensors in nn.Linear layouts (gate/up [N, K], down [K, N]); a plain FFN's up is None
+    and its gate is its up projection."""
+
+    gate: torch.Tensor
+    gate_bias: torch.Tensor | None
+    up: torch.Tensor | None
+    up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+    def map(self, fn) -> FFNWeights:
+        """fn applied to every tensor present (e.g. a DTensor's to_local)."""
+        tensors = (getattr(self, f.name) for f in dataclasses.fields(self))  # astuple would copy them
+        return FFNWeights(*(None if t is None else fn(t) for t in tensors))
+
+
+def ffn_weights(spec: FFNSpec, gate: nn.Module, up: nn.Module | None, down: nn.Module) -> FFNWeights:
+    """The FFN's weights through the projections' own accessors (linear_weight: a Conv1D's as a
+    transposed view), the rows of a fused gate_up linear as views."""
+    gate_weight, gate_bias = _rows(gate, spec.gate_rows)
+    up_weight, up_bias = (None, None) if spec.kind == "plain" else _rows(up, spec.up_rows)
+    return FFNWeights(gate_weight, gate_bias, up_weight, up_bias, linear_weight(down), down.bias)
+
+
+def hidden_activation(spec: FFNSpec, weights: FFNWeights, x: torch.Tensor) -> torch.Tensor:
+    """h [..., N], the down projection's input, from x [..., K]: the one computation of it (the ops'
+    reference), in plain torch ops so F.linear follows autocast as the original projections do."""
+    return reference.hidden(
+        x, weights.gate, weights.up, weights.gate_bias, weights.up_bias, spec.threshold, spec.drelu, spec.squared
+    )
+
+
+def call_op(spec: FFNSpec, weights: FFNWeights, x: torch.Tensor, config: LayerConfig, return_l1=False):
+    """twell.ops.(gated_)ffn of `spec` on x [..., K] with `weights` and the layer's `config`."""
+    if spec.kind == "plain":
+        return ops.ffn(
+            x,
+            weights.gate,
+            weights.down,
+            up_bias=weights.gate_bias,
+            down_bias=weights.down_bias,
+            threshold=spec.threshold,
+            squared=spec.squared,
+            return_l1=return_l1,
+            config=config,
+        )
+    return ops.gated_ffn(
+        x,
+        weights.gate,
+        weights.up,
+        weights.down,
+        gate_bias=weights.gate_bias,
+        up_bias=weights.up_bias,
+        down_bias=weights.down_bias,
+        threshold=spec.threshold,
+        drelu=spec.drelu,
+        return_l1=return_l1,
+        config=config,
+    )
+
+
 def run_ffn(
     spec: FFNSpec,
     gate: nn.Module,
@@ -95,35 +160,8 @@ def run_ffn(
     return_l1=False,
 ):
     """The FFN of `spec` on x [..., K] through twell.ops with the layer's `config`; gate/up/down are
-    projections (nn.Linear, or Conv1D passed as transposed views) with bias. return_l1: (y, l1,
-    density) as twell.ops returns."""
-    gate_weight, gate_bias = _rows(gate, spec.gate_rows)
-    if spec.kind == "plain":
-        return ops.ffn(
-            x,
-            gate_weight,
-            linear_weight(down),
-            up_bias=gate_bias,
-            down_bias=down.bias,
-            threshold=spec.threshold,
-            squared=spec.squared,
-            return_l1=return_l1,
-            config=config,
-        )
-    up_weight, up_bias = _rows(up, spec.up_rows)
-    return ops.gated_ffn(
-        x,
-        gate_weight,
-        up_weight,
-        linear_weight(down),
-        gate_bias=gate_bias,
-        up_bias=up_bias,
-        down_bias=down.bias,
-        threshold=spec.threshold,
-        drelu=spec.drelu,
-        return_l1=return_l1,
-        config=config,
-    )
+    projections (nn.Linear or Conv1D) with bias. return_l1: (y, l1, density) as twell.ops returns."""
+    return call_op(spec, ffn_weights(spec, gate, up, down), x, config, return_l1)
 
 
 _FORWARD_HOOKS = (
@@ -137,15 +175,9 @@ _FORWARD_HOOKS = (
 
 def dense_ffn(spec: FFNSpec, gate: nn.Module, up: nn.Module | None, down: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """run_ffn's function in plain torch ops, for calls the op cannot take (autocast, mixed dtypes):
-    F.linear follows autocast as the original linears did; kept means not (v <= threshold)."""
-    gate_weight, gate_bias = _rows(gate, spec.gate_rows)
-    hidden = F.linear(x, gate_weight, gate_bias)
-    hidden = hidden.masked_fill(hidden <= spec.threshold, 0.0)
-    if spec.kind == "plain":
-        return F.linear(hidden * hidden if spec.squared else hidden, linear_weight(down), down.bias)
-    up_weight, up_bias = _rows(up, spec.up_rows)
-    up_out = F.linear(x, up_weight, up_bias)
-    return F.linear(hidden * (torch.relu(up_out) if spec.drelu else up_out), linear_weight(down), down.bias)
+    F.linear follows autocast as the original linears did."""
+    weights = ffn_weights(spec, gate, up, down)
+    return F.linear(hidden_activation(spec, weights, x), weights.down, weights.down_bias)
 
 
 def _plain_linear(m: nn.Module) -> bool:
