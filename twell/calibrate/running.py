@@ -16,6 +16,7 @@ from twell.calibrate.costs import AnalyticCostModel, resolve_cost_model
 from twell.calibrate.decisions import Decision, decide, layer_changes
 from twell.calibrate.hooks import LayerRecorder
 from twell.distributed import agree, sharded
+from twell.inputs import check_batches
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:
@@ -199,7 +200,7 @@ def calibrate(model: torch.nn.Module, candidates, data, *, config=None, layer_co
     changes = layer_changes(layer_config, calibrated=True)
     candidates = list(candidates)
     device, dtype = _model_device(model), _model_dtype(model)
-    batches = [_as_kwargs(b, device) for b in data]
+    batches = [_as_kwargs(b, device) for b in check_batches(model, data)]
     if not batches:
         raise ValueError("calibration data is empty: give at least one batch")
 
