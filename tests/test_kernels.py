@@ -148,19 +148,28 @@ def test_gate_twell_packs_the_gate(m, k, n, dtype, bias, split):
 
 
 def test_gate_configs_that_overflow_shared_memory_are_pruned(monkeypatch):
-    """Configs past the shared-memory limit never launch (fp32 ones raised OutOfResources)."""
+    """Configs past the shared-memory limit never launch: the operand stages plus the epilogue's fp32
+    slice of the accumulator (fp32 operands, and bf16 at tile 256 with 64-wide K steps, raised
+    OutOfResources on the H200)."""
     import triton
 
     monkeypatch.setattr(gate, "interpreting", lambda: False)
-    configs = [triton.Config({"BLOCK_M": 128, "BLOCK_K": bk}, num_stages=4) for bk in (32, 64, 128)]
+    configs = [
+        triton.Config({"BLOCK_M": 128, "BLOCK_K": bk, "SPLIT": sp}, num_stages=4)
+        for bk in (32, 64, 128)
+        for sp in (1, 2)
+    ]
 
     def kept(dtype, tile_n):
         desc = type("Desc", (), {"base": torch.empty(1, dtype=dtype)})()
-        return [c.kwargs["BLOCK_K"] for c in gate._prune(configs, {"x_desc": desc}, TILE_N=tile_n)]
+        pruned = gate._prune(configs, {"x_desc": desc}, TILE_N=tile_n)
+        return [(c.kwargs["BLOCK_K"], c.kwargs["SPLIT"]) for c in pruned]
 
-    assert kept(torch.bfloat16, 128) == [32, 64]  # 4 stages x (128 + 128) x 128 x 2 B = 256 KiB > 227
-    assert kept(torch.float32, 128) == [32]
-    assert kept(torch.float32, 256) == [32]  # 4 x (128 + 256) x 32 x 4 B = 192 KiB
+    # 4 stages x (128 + 128) x 64 x 2 B = 128 KiB, + 128 x 128 x 4 B = 192 KiB <= 227
+    assert kept(torch.bfloat16, 128) == [(32, 1), (32, 2), (64, 1), (64, 2)]
+    assert kept(torch.float32, 128) == [(32, 1), (32, 2)]
+    assert kept(torch.bfloat16, 256) == [(32, 1), (32, 2)]  # 64-wide: 192 KiB of stages + 64-128 KiB
+    assert kept(torch.float32, 256) == []
 
 
 def test_gate_twell_counts_overflow_and_refuses_unaligned_rows():

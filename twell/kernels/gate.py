@@ -147,9 +147,12 @@ def _gate_tile(
     return pid_m, tile, acc
 
 
-def _smem(block_m: int, block_k: int, stages: int, tile_n: int, element: int) -> int:
-    """Shared memory of a config's pipelined operand tiles (fp32 operands need twice bf16's)."""
-    return stages * (block_m + tile_n) * block_k * element
+def _smem(block_m: int, block_k: int, stages: int, tile_n: int, element: int, split: int) -> int:
+    """Shared memory of a config: its pipelined operand tiles (fp32 operands need twice bf16's) and the
+    epilogue's fp32 slice of the accumulator (what the flattened loop's layout conversion holds:
+    ptxas's 196640 bytes at 128 x 128 x 64, 4 stages, SPLIT 1; 262176 at tile 256, SPLIT 2, which
+    raised OutOfResources on the H200: fuzz-20261201-214924.json)."""
+    return stages * (block_m + tile_n) * block_k * element + block_m * (tile_n // split) * 4
 
 
 def _prune(configs, named_args, **kwargs):
@@ -161,7 +164,8 @@ def _prune(configs, named_args, **kwargs):
     return [
         c
         for c in configs
-        if _smem(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_K"], c.num_stages, tile_n, element) <= SMEM_LIMIT
+        if _smem(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_K"], c.num_stages, tile_n, element, c.kwargs["SPLIT"])
+        <= SMEM_LIMIT
     ]
 
 
@@ -335,7 +339,8 @@ def fused_gate_supported(x: torch.Tensor, weight: torch.Tensor, tile_n: int) -> 
         return aligned
     if torch.cuda.get_device_capability(x.device)[0] < 9:
         return False
-    return any(_smem(bm, bk, s, tile_n, x.element_size()) <= SMEM_LIMIT for bm, bk, _, s, _ in GATE_CONFIGS)
+    element = x.element_size()
+    return any(_smem(bm, bk, s, tile_n, element, sp) <= SMEM_LIMIT for bm, bk, _, s, sp in GATE_CONFIGS)
 
 
 def gate_twell(

@@ -15,15 +15,21 @@ import triton.language as tl
 @triton.jit
 def encode(value, column):
     """Words of `value` (fp16, bf16 or fp32 tensor) and `column` (int, 0 <= column < 2**16)."""
+    # if / else with one return: Triton 3.6 compiles the statements after a return inside a
+    # compile-time if too (a 32-bit value's 16-bit bitcast then fails: fuzz-20261201-214924.json)
     if value.dtype == tl.float32:
-        return (value.to(tl.int32, bitcast=True).to(tl.int64) << 32) | column.to(tl.int64)
-    return (value.to(tl.int16, bitcast=True).to(tl.int32) << 16) | column.to(tl.int32)
+        word = (value.to(tl.int32, bitcast=True).to(tl.int64) << 32) | column.to(tl.int64)
+    else:
+        word = (value.to(tl.int16, bitcast=True).to(tl.int32) << 16) | column.to(tl.int32)
+    return word
 
 
 @triton.jit
 def decode(word, VALUE: tl.constexpr):
     """(value as fp32, column as int32) of words made by encode for values of dtype VALUE."""
     column = (word & 0xFFFF).to(tl.int32)
-    if VALUE == tl.float32:
-        return (word >> 32).to(tl.int32).to(tl.float32, bitcast=True), column
-    return (word >> 16).to(tl.int16).to(VALUE, bitcast=True).to(tl.float32), column
+    if VALUE == tl.float32:  # if / else with one return, as in encode
+        value = (word >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    else:
+        value = (word >> 16).to(tl.int16).to(VALUE, bitcast=True).to(tl.float32)
+    return value, column
