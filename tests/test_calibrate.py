@@ -324,7 +324,7 @@ def test_config_and_data_errors():
         calibrate(model, candidates, [{"x": torch.randn(2, 16)}], config={"tile_widths": (512,)})
     with pytest.raises(ValueError, match="empty"):
         calibrate(model, candidates, [], config=FAST)
-    with pytest.raises(TypeError, match="token-id tensors or dicts"):
+    with pytest.raises(TypeError, match=r"batch 0 is a list: expected a token-id tensor \[batch, seq\] or a dict"):
         calibrate(model, candidates, [[1, 2, 3]], config=FAST)
     with pytest.raises(ValueError, match="cost_model"):
         calibrate(model, candidates, [{"x": torch.randn(2, 16)}], config={**FAST, "cost_model": "fast"})

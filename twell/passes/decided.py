@@ -67,7 +67,7 @@ def compiled_records(model: torch.nn.Module) -> list:
     FFNs, so without these a Mixtral's report would be empty."""
     from twell.passes import experts
     from twell.passes.candidates import find_ffns
-    from twell.sparsify import Record
+    from twell.report import Record
 
     candidates = find_ffns(model)
     paths = {}
