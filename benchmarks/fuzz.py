@@ -27,7 +27,10 @@ over the sample, and per row with ||ref_row|| floored at a tenth of the sample's
 allowance covers entries whose gate pre-activation lies so near the threshold that the kernels'
 rounding (fp32 accumulation, the dtype's rounding of a stored gate, the threshold rounded to the dtype)
 may keep or drop them: the sum of what each such entry would add, |h_ij| ||W_d[:, j]||. The case log
-records how large it was, the summary the largest (bf16 at positive thresholds: a few percent).
+records how large it was, the summary the largest (bf16 at positive thresholds: a few percent). Both
+bounds widen to twice what the plain PyTorch FFN on the same rows in the case's dtype misses them by
+(rounding alone fails them on bf16 rows whose output nearly cancels), so a failure is twell erring
+more than the untouched model does.
 
 Work runs in worker processes on the one GPU (Triton compiles are CPU-bound and there are many
 variants): a case that raises is recorded and the worker goes on; one whose worker dies or hangs (a CUDA
@@ -313,8 +316,24 @@ def reference_check(case: dict, t: dict, rows: torch.Tensor) -> dict:
     return {"ref": ref, "allowance": allowance, "near": int(near.sum()), "active": active}
 
 
-def compare(out: torch.Tensor, rows: torch.Tensor, check: dict, tol: float) -> dict:
-    """The case's verdict fields for one output."""
+def plain_pytorch(case: dict, t: dict, rows: torch.Tensor) -> torch.Tensor:
+    """The sampled rows as the untouched model computes them: the reference's PyTorch ops in the case's
+    dtype (cuBLAS on a GPU), the yardstick of what rounding alone costs at this case's shapes."""
+    xs = t["x"][rows]
+    th, kind = case["threshold"], case["kind"]
+    if kind in ("gated", "drelu"):
+        return ref_ops.gated_ffn(
+            xs, t["gate_weight"], t["up_weight"], t["down_weight"], t["gate_bias"], t["up_bias"], t["down_bias"], th,
+            kind == "drelu",
+        )  # fmt: skip
+    return ref_ops.ffn(xs, t["gate_weight"], t["down_weight"], t["gate_bias"], t["down_bias"], th, kind == "relu2")
+
+
+def compare(out: torch.Tensor, rows: torch.Tensor, check: dict, tol: float, baseline: dict | None = None) -> dict:
+    """The case's verdict fields for one output. baseline: compare's fields for the plain PyTorch FFN on
+    the same rows; twell may err as much as rounding in the case's dtype does there, twice over (bf16
+    rows whose output nearly cancels miss the absolute bounds through rounding alone: the dense route
+    failed them in fuzz-20261201-214924.json)."""
     finite = bool(torch.isfinite(out).all())
     ref, allowance = check["ref"], check["allowance"]
     got = out.reshape(-1, out.shape[-1])[rows].double()
@@ -324,7 +343,11 @@ def compare(out: torch.Tensor, rows: torch.Tensor, check: dict, tol: float) -> d
     err = (diff.square().sum().sqrt() / ref_rows.square().sum().sqrt().clamp_min(1e-30)).item()
     allow = (allowance.square().sum().sqrt() / ref_rows.square().sum().sqrt().clamp_min(1e-30)).item()
     row_ratio = (diff / (tol * torch.maximum(ref_rows, floor).clamp_min(1e-30) + allowance)).max().item()
-    ok = finite and err <= tol + allow and row_ratio <= 1.0  # NaN compares false: never passes
+    err_bound, row_bound = tol + allow, 1.0
+    if baseline is not None:
+        err_bound = max(err_bound, 2 * baseline["rel_err"])
+        row_bound = max(row_bound, 2 * baseline["worst_row"])
+    ok = finite and err <= err_bound and row_ratio <= row_bound  # NaN compares false: never passes
     return {"ok": ok, "finite": finite, "rel_err": err, "allowance": allow, "worst_row": row_ratio}
 
 
@@ -367,6 +390,8 @@ def run_case(case: dict, device: str) -> dict:
         record["active"] = round(check["active"], 5)  # share of kept gate entries in the sample
         calls = 2 if record["path"] == "prefill" else 1
         tol = TOL[DTYPE_NAMES[case["dtype"]]]
+        baseline = compare(plain_pytorch(case, t, rows), torch.arange(len(rows), device=rows.device), check, tol)
+        record["baseline"] = baseline
         verdicts = []
         for _ in range(calls):
             x = shaped_x(t["x"], case["x_layout"])
@@ -376,7 +401,7 @@ def run_case(case: dict, device: str) -> dict:
                 raise ValueError(f"output {list(out.shape)} {out.dtype}, expected {list(x.shape)} {x.dtype}")
             if device != "cpu":
                 torch.cuda.synchronize()
-            verdicts.append(compare(out, rows, check, tol))
+            verdicts.append(compare(out, rows, check, tol, baseline))
             del out
         state = dispatch.layer_state(t["gate_weight"], case["m"]) if record["path"] == "prefill" else None
         record["hot_used"] = len(state.hot.index) if state is not None and state.hot is not None else 0
