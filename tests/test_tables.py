@@ -84,6 +84,9 @@ def test_the_newest_run_of_each_point_counts(tmp_path):
     write(tmp_path, "e2e-20260103-000000.json", e2e_run("e3", 5000.0, smoke=True))
     write(tmp_path, "train-20260101-000000.json", {"commit": "t1", "points": [ffn_point(32768, 0.5)]})
     write(tmp_path, "train-20260102-000000.json", {"commit": "t2", "points": [ffn_point(32768, 1.05)]})
+    # newer, but a variant of the kernels' settings (not what users get)
+    variant = {**ffn_point(32768, 3.0), "train_entries": 4}
+    write(tmp_path, "train-20260103-000000.json", {"commit": "t3", "points": [variant]})
 
     points = {p["M"]: p for p in tables.ffn_points(tmp_path)}
     assert (points[1]["speedup"], points[1]["source"]) == (2.5, "`ffn-20260102-000000.json` (new)")
