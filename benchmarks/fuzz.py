@@ -67,7 +67,7 @@ import triton  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ffn import environment, result_path  # noqa: E402
 
-import twell.kernels.ops  # noqa: E402,F401  (registers torch.ops.twell.*, which the CUDA cases call)
+import twell.kernels.library  # noqa: E402,F401  (registers torch.ops.twell.*, which the CUDA cases call)
 from twell.kernels import dispatch, policy  # noqa: E402
 from twell.kernels import reference as ref_ops  # noqa: E402
 

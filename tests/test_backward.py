@@ -231,8 +231,8 @@ def test_routing_needs_cuda_grad_and_the_kernel_layout():
     case = make_ffn(4, 16, 40, [0.2], torch.float32, biases=True)
     args = (case["gate_weight"], case["up_weight"], case["down_weight"], (None, None, None))
     x = case["x"].requires_grad_()
-    assert not twell.kernels.ops.sparse_training(x, *args, 1)  # CPU: the dense reference's autograd
-    assert not twell.kernels.ops.sparse_training(case["x"].detach(), *args, 1)  # no grad needed
+    assert not twell.kernels.library.sparse_training(x, *args, 1)  # CPU: the dense reference's autograd
+    assert not twell.kernels.library.sparse_training(case["x"].detach(), *args, 1)  # no grad needed
     assert policy.train_width(5632) == 256 and policy.train_width(14336) == 512 and policy.train_width(40) == 64
 
 
@@ -420,7 +420,7 @@ def test_gpu_real_shape_bf16_matches_dense_autograd(k, n, entries, sparse_traini
     params = [mlp.gate_proj.weight, mlp.gate_proj.bias, mlp.up_proj.weight, mlp.down_proj.weight]
     wg, bg, wu, wd = params
     xs = x.clone().requires_grad_()
-    assert twell.kernels.ops.sparse_training(xs, wg, wu, wd, (bg, None, None), 1)  # the sparse path runs
+    assert twell.kernels.library.sparse_training(xs, wg, wu, wd, (bg, None, None), 1)  # the sparse path runs
     y = block(xs)
     dy = torch.randn_like(y)
     y.backward(dy)
@@ -478,7 +478,7 @@ def test_gpu_plain_ffn_and_l1_train_sparsely(squared, sparse_training_on):
     w_down = (torch.randn(k, n, device="cuda", generator=g) / n**0.5).t().contiguous().t()
     leaves = [t.to(torch.bfloat16).requires_grad_() for t in (x, w_up, b_up, w_down)]
     xs, wu, bu, wd = leaves
-    assert twell.kernels.ops.sparse_training(xs, wu, None, wd, (bu, None), 1)
+    assert twell.kernels.library.sparse_training(xs, wu, None, wd, (bu, None), 1)
     y, l1, density = twell.ops.ffn(xs, wu, wd, up_bias=bu, squared=squared, return_l1=True, config=sparse_training_on)
     assert 0.002 < density.item() < 0.01
     dy = torch.randn_like(y)

@@ -6,7 +6,7 @@ from conftest import rel_err
 from ffn_cases import gated_ref, make_ffn, plain_ref
 
 import twell
-import twell.kernels.ops  # noqa: F401  (registers torch.ops.twell.*: the tests call them by name)
+import twell.kernels.library  # noqa: F401  (registers torch.ops.twell.*: the tests call them by name)
 from twell.kernels import reference
 
 

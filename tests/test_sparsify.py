@@ -444,7 +444,7 @@ def test_configure_sets_every_layer_config(monkeypatch):
 
 def test_training_routing_follows_the_layer_config(monkeypatch):
     """train_min_m reaches the sparse-training routing from the module's config (off by default)."""
-    from twell.kernels import ops as kernel_ops
+    from twell.kernels import library as kernel_ops
 
     seen = []
     sparse_training = kernel_ops.sparse_training

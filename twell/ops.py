@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from twell.kernels import ops as _ops
-from twell.kernels import policy, reference
+from twell.kernels import library, policy, reference
 from twell.kernels.policy import LayerConfig
 
 
@@ -77,7 +76,7 @@ def _run(args: tuple, drelu: bool, squared: bool, return_l1: bool, config: Layer
     elif not isinstance(config, LayerConfig):
         raise TypeError(f"config must be a twell.kernels.policy.LayerConfig or None, got {type(config).__name__}")
     biases = (gate_bias, up_bias, down_bias)
-    if _ops.sparse_training(x, gate_weight, up_weight, down_weight, biases, config.train_min_m):
+    if library.sparse_training(x, gate_weight, up_weight, down_weight, biases, config.train_min_m):
         width = policy.train_width(gate_weight.shape[0])
         y, *_, l1_sum, nonzero = torch.ops.twell.ffn_train(*args, drelu, squared, width, config.train_entries)
         if not return_l1:
@@ -96,4 +95,4 @@ def _run(args: tuple, drelu: bool, squared: bool, return_l1: bool, config: Layer
     return y, l1_sum / numel, nonzero / numel
 
 
-__all__ = ["LayerConfig", "gated_ffn", "ffn", "_ops"]
+__all__ = ["LayerConfig", "gated_ffn", "ffn"]

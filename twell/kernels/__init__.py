@@ -1,1 +1,1 @@
-"""Triton kernels for TwELL FFNs and the torch.ops.twell.* registration (twell.kernels.ops)."""
+"""Triton kernels for TwELL FFNs and the torch.ops.twell.* registration (twell.kernels.library)."""

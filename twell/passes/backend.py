@@ -299,7 +299,7 @@ def twell_backend(gm: fx.GraphModule, example_inputs, **kwargs):
 # What the rewritten graph depends on: the pass, and the op schemas it emits.
 _SOURCES = (
     *(str(Path(__file__).with_name(name)) for name in ("backend.py", "match.py", "projections.py")),
-    str(Path(__file__).parent.parent / "kernels" / "ops.py"),
+    str(Path(__file__).parent.parent / "kernels" / "library.py"),
 )
 
 

@@ -1,4 +1,5 @@
-"""torch.ops.twell.*: the operator surface of the kernels.
+"""torch.ops.twell.*: the operator surface of the kernels, registered with torch.library (twell.ops is
+the public Python API over them).
 
 Each op has a fake implementation (torch.compile traces it with no graph break), a default
 implementation in plain PyTorch (CPU and any device without Triton kernels) and a CUDA implementation
