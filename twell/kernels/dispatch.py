@@ -149,37 +149,51 @@ def _run(
     x2 = x.reshape(-1, shape[-1])
     # the kernels read biases with unit stride
     gate_bias, up_bias, down_bias = (b.contiguous() if b is not None else None for b in (gate_bias, up_bias, down_bias))
-    m = x2.shape[0]
-    # The kernels gather rows of down_weight^T [N, K]; a per-call transposed copy would cost more than
-    # the sparse FFN saves at decode sizes, so weights in the plain nn.Linear layout run dense
-    # (sparsify re-lays them once: twell.passes.modules.store_down_rows).
     wd_t = down_weight.t()
     # under CUDA-graph capture the layer's density state is frozen: no event queries, no new probes
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    path, state = _choose(x2, gate_weight, wd_t, config, capturing)
+    if path == "dense":
+        return dense_fn(x2).reshape(shape)
+    args = (x2, gate_weight, gate_bias, up_weight, up_bias, wd_t, down_bias, threshold)
+    if path in ("decode", "batched"):
+        decode = decode_ffn if path == "decode" else batched_decode_ffn
+        return decode(*args, drelu=drelu, square=square).reshape(shape)
+    return _prefill(*args, drelu, square, config, state, capturing).reshape(shape)
+
+
+def _choose(x2, gate_weight, wd_t, config, capturing) -> tuple[str, _LayerState | None]:
+    """The path of a call ("dense", "decode", "batched" or "prefill") and, for prefill, the layer's state.
+    The kernels gather rows of down_weight^T [N, K] (wd_t); a per-call transposed copy would cost more
+    than the sparse FFN saves at decode sizes, so weights in the plain nn.Linear layout run dense
+    (sparsify re-lays them once: twell.passes.modules.store_down_rows)."""
+    m = x2.shape[0]
     sparse_decode = max(config.decode_max_m, config.batched_max_m) < m <= config.decode_sparse_max_m
     density = layer_density(gate_weight, capturing, config) if sparse_decode else None
     path = policy.route(m, x2.shape[1], config, density) if wd_t.stride(1) == 1 else "dense"
-    if path == "prefill":
-        state = layer_state(gate_weight, m)
-        if not capturing:
-            state.update(config)
-        if state.dense_calls_left > 0:
-            state.dense_calls_left -= 1
-            path = "dense"
-    if path == "dense":
-        return dense_fn(x2).reshape(shape)
-    if path in ("decode", "batched"):
-        decode = decode_ffn if path == "decode" else batched_decode_ffn
-        return decode(
-            x2, gate_weight, gate_bias, up_weight, up_bias, wd_t, down_bias, threshold, drelu=drelu, square=square
-        ).reshape(shape)
+    if path != "prefill":
+        return path, None
+    state = layer_state(gate_weight, m)
+    if not capturing:
+        state.update(config)
+    if state.dense_calls_left > 0:
+        state.dense_calls_left -= 1
+        return "dense", None
+    return "prefill", state
 
+
+def _prefill(
+    x2, gate_weight, gate_bias, up_weight, up_bias, wd_t, down_bias, threshold, drelu, square, config, state, capturing
+):
+    """The prefill path: the gate packed to TwELL (the hot neurons' columns handed over), up+down, the hot
+    neurons' dense products, and the layer's density and hot-neuron probes."""
+    m = x2.shape[0]
     tile_n, slots = config.tile_n, config.slots
     n = gate_weight.shape[0]
     # one density probe in flight per layer: a newer one would never land while the host runs ahead
     probe = state.pending is None and not capturing
     hot = state.hot if config.hot_rate is not None else None
-    packed_hot = (hot.pos, hot_values(m, len(hot.index), x.dtype, x.device)) if hot is not None else None
+    packed_hot = (hot.pos, hot_values(m, len(hot.index), x2.dtype, x2.device)) if hot is not None else None
     measure = config.hot_rate is not None and not capturing and state.hot_pending is None and state.hot_calls_left == 0
     if config.hot_rate is not None and not capturing:
         state.hot_calls_left = policy.DENSE_RETRY if measure else max(state.hot_calls_left - 1, 0)
@@ -198,21 +212,9 @@ def _run(
         hot_kept = (h_hot > threshold).sum() if probe else None
         _hot_hidden_(h_hot, x2, hot.index, up_weight, up_bias, threshold, drelu, square)
     y = twell_up_down(
-        x2,
-        words,
-        counts,
-        gate_weight,
-        gate_bias,
-        up_weight,
-        up_bias,
-        wd_t,
-        down_bias,
-        tile_n=tile_n,
-        threshold=threshold,
-        drelu=drelu,
-        square=square,
-        hot_pos=hot.pos if hot is not None else None,
-    )
+        x2, words, counts, gate_weight, gate_bias, up_weight, up_bias, wd_t, down_bias, tile_n=tile_n,
+        threshold=threshold, drelu=drelu, square=square, hot_pos=hot.pos if hot is not None else None,
+    )  # fmt: skip
     if hot is not None:
         y.addmm_(h_hot, wd_t.index_select(0, hot.index))
     if probe:
@@ -220,7 +222,7 @@ def _run(
         if hot is not None:
             kept = torch.cat((kept, hot_kept.reshape(1)))
         state.pending = (*_to_host(kept), m * n, hot)
-    return y.reshape(shape)
+    return y
 
 
 def _measure_neurons(pre: torch.Tensor, threshold: float) -> tuple:
