@@ -30,6 +30,8 @@ in flight, partials summed by the last arrival.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -603,6 +605,52 @@ def _check_ffn(caller, x, gate_weight, gate_bias, up_weight, up_bias, down_weigh
     return m, k, n
 
 
+@dataclass(frozen=True)
+class _DecodePlan:
+    """decode_ffn's configuration for one call: kernel 1's (BLOCK_N, BLOCK_K, warps, stages, EACH), the
+    down kernel's (BLOCK_K, splits, CHUNK, SPLIT_MIN, warps) with splits counted in programs, the block
+    counts, and whether one token goes by block rows."""
+
+    gate_up: tuple
+    down: tuple
+    block_m: int
+    n_blocks: int
+    m_blocks: int
+    k_blocks: int
+    up_k: int
+    group: int  # neuron blocks a static split walks (SPLIT_MIN 0), else 0
+    down_rows: bool
+
+
+def _decode_plan(m: int, k: int, n: int, gate_up_config, down_config, down_rows) -> _DecodePlan:
+    """The launcher's choice of configs for m tokens of width k over n neurons (decode_ffn's arguments
+    override them)."""
+    default = GATE_UP_CONFIG_WIDE if m == 1 and k > 2048 else GATE_UP_CONFIG[min(m, 2)]
+    gate_up = tuple(gate_up_config or default)
+    n_blocks = triton.cdiv(n, gate_up[0])
+    block_m = 1 if m == 1 else min(max(triton.next_power_of_2(m), 16), 64)
+    down_k, splits, chunk, split_min, down_warps = down_config or DOWN_CONFIG[block_m]
+    if splits < 1 or split_min < 0:
+        raise ValueError(f"down_config needs SPLITS >= 1 and SPLIT_MIN >= 0, got {down_config}")
+    group = 0
+    if split_min == 0:  # static groups of `splits` neuron blocks
+        group, splits = splits, triton.cdiv(n_blocks, splits)
+    up_k = min(triton.next_power_of_2(k), 4096)
+    if down_rows is None:  # measured faster at K = 2048, slower at 4096 (the rows helper's registers)
+        down_rows = k <= 2048
+    return _DecodePlan(
+        gate_up=gate_up,
+        down=(down_k, splits, chunk, split_min, down_warps),
+        block_m=block_m,
+        n_blocks=n_blocks,
+        m_blocks=triton.cdiv(m, block_m),
+        k_blocks=triton.cdiv(k, down_k),
+        up_k=up_k,
+        group=group,
+        down_rows=bool(down_rows) and m == 1 and k <= up_k,
+    )
+
+
 def decode_ffn(
     x: torch.Tensor,
     gate_weight: torch.Tensor,
@@ -637,22 +685,12 @@ def decode_ffn(
     if m == 0 or n == 0 or k == 0:  # no tokens, neurons or width: y is the down bias (no launch)
         y = torch.zeros_like(x)
         return y + down_bias if down_bias is not None else y
-    default = GATE_UP_CONFIG_WIDE if m == 1 and k > 2048 else GATE_UP_CONFIG[min(m, 2)]
-    block_n, block_k, warps, stages, each = gate_up_config or default
-    n_blocks = triton.cdiv(n, block_n)
-    block_m = 1 if m == 1 else min(max(triton.next_power_of_2(m), 16), 64)
-    down_k, splits, chunk, split_min, down_warps = down_config or DOWN_CONFIG[block_m]
-    if splits < 1 or split_min < 0:
-        raise ValueError(f"down_config needs SPLITS >= 1 and SPLIT_MIN >= 0, got {down_config}")
-    m_blocks = triton.cdiv(m, block_m)
-    k_blocks = triton.cdiv(k, down_k)
-    if split_min == 0:  # static groups of `splits` neuron blocks
-        group, splits = splits, triton.cdiv(n_blocks, splits)
+    plan = _decode_plan(m, k, n, gate_up_config, down_config, down_rows)
+    block_n, block_k, warps, stages, each = plan.gate_up
+    down_k, splits, chunk, split_min, down_warps = plan.down
+    block_m, n_blocks, m_blocks, k_blocks, up_k = plan.block_m, plan.n_blocks, plan.m_blocks, plan.k_blocks, plan.up_k
+    group, down_rows = plan.group, plan.down_rows
     precision = dot_precision(x.dtype)
-    up_k = min(triton.next_power_of_2(k), 4096)
-    if down_rows is None:  # measured faster at K = 2048, slower at 4096 (the rows helper's registers)
-        down_rows = k <= 2048
-    down_rows = bool(down_rows) and m == 1 and k <= up_k
     counts = torch.empty(m_blocks * n_blocks, dtype=torch.int32, device=x.device)
     y = torch.empty_like(x)
     if down_rows:  # kernel 1 writes its block's row of y: no list, no partials, no counters
