@@ -278,6 +278,37 @@ def _decode_gate_up_kernel(
 
 
 @triton.jit
+def _store_tile(
+    acc, rows, m_ok, offs_k, k_ok, bd_ptr, y_ptr, part_ptr, sem, pid_s, splits, M, K, stride_ym, stride_yk,
+    HAS_DOWN_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """A down kernel's fp32 [BLOCK_M, BLOCK_K] tile of y (rows, K columns offs_k): stored (+ bias) with one
+    split; otherwise this split's partial goes to part_ptr and the last split to arrive at the tile's
+    counter `sem` sums the partials in split order (deterministic) and resets the counter (a rerun of
+    the kernel alone: autotuning, replays)."""
+    out_mask = m_ok[:, None] & k_ok[None, :]
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_k[None, :] * stride_yk
+    if splits == 1:
+        if HAS_DOWN_BIAS:
+            acc += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        part = part_ptr + rows[:, None] * K + offs_k[None, :]
+        split_stride = tl.cast(M, tl.int64) * K  # one split's [M, K] partials
+        tl.store(part + pid_s * split_stride, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is stored before the arrival is published
+        arrived = tl.atomic_add(sem, 1, sem="acq_rel")
+        if arrived == splits - 1:  # the last split of this tile: sum the partials in split order
+            total = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+            for split in range(0, splits):
+                total += tl.load(part + split * split_stride, mask=out_mask, other=0.0, cache_modifier=".cg")
+            if HAS_DOWN_BIAS:
+                total += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(sem, 0)
+
+
+@triton.jit
 def _decode_down_kernel(
     hc_ptr,
     ids_ptr,
@@ -366,27 +397,10 @@ def _decode_down_kernel(
                 local_m = tl.arange(0, BLOCK_M)
                 hv = tl.load(hc_ptr + pos[:, None] * BLOCK_M + local_m[None, :], mask=valid[:, None], other=0.0)
                 acc = tl.dot(tl.trans(hv), wd, acc, input_precision=DOT_PRECISION)
-        out_mask = m_ok[:, None] & k_ok[None, :]
-        y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_k[None, :] * stride_yk
-        if splits == 1:
-            if HAS_DOWN_BIAS:
-                acc += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-        else:
-            part = part_ptr + rows[:, None] * K + offs_k[None, :]
-            split_stride = tl.cast(M, tl.int64) * K  # one split's [M, K] partials
-            tl.store(part + pid_s * split_stride, acc, mask=out_mask)
-            tl.debug_barrier()  # every thread's partial is stored before the arrival is published
-            sem = sem_ptr + pid_m * tl.num_programs(0) + pid_k
-            arrived = tl.atomic_add(sem, 1, sem="acq_rel")
-            if arrived == splits - 1:  # the last split of this tile: sum the partials in split order
-                total_acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-                for split in range(0, splits):
-                    total_acc += tl.load(part + split * split_stride, mask=out_mask, other=0.0, cache_modifier=".cg")
-                if HAS_DOWN_BIAS:
-                    total_acc += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-                tl.store(y_ptrs, total_acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-                tl.atomic_xchg(sem, 0)  # ready for a rerun of this kernel alone (autotuning, replays)
+        _store_tile(
+            acc, rows, m_ok, offs_k, k_ok, bd_ptr, y_ptr, part_ptr, sem_ptr + pid_m * tl.num_programs(0) + pid_k,
+            pid_s, splits, M, K, stride_ym, stride_yk, HAS_DOWN_BIAS, BLOCK_M, BLOCK_K,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -515,26 +529,10 @@ def _batched_down_kernel(
             other=0.0,
         )
         acc = tl.dot(hv, wd, acc, input_precision=DOT_PRECISION)
-    out_mask = m_ok[:, None] & k_ok[None, :]
-    y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_k[None, :] * stride_yk
-    if splits == 1:
-        if HAS_DOWN_BIAS:
-            acc += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        part = part_ptr + rows[:, None] * K + offs_k[None, :]
-        split_stride = tl.cast(M, tl.int64) * K  # one split's [M, K] partials
-        tl.store(part + pid_s * split_stride, acc, mask=out_mask)
-        tl.debug_barrier()  # every thread's partial is stored before the arrival is published
-        sem = sem_ptr + pid_k * tl.num_programs(0) + pid_m
-        arrived = tl.atomic_add(sem, 1, sem="acq_rel")
-        if arrived == splits - 1:  # the last split of this tile: sum the partials in split order
-            total = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-            for split in range(0, splits):
-                total += tl.load(part + split * split_stride, mask=out_mask, other=0.0, cache_modifier=".cg")
-            if HAS_DOWN_BIAS:
-                total += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+    _store_tile(
+        acc, rows, m_ok, offs_k, k_ok, bd_ptr, y_ptr, part_ptr, sem_ptr + pid_k * tl.num_programs(0) + pid_m, pid_s,
+        splits, M, K, stride_ym, stride_yk, HAS_DOWN_BIAS, BLOCK_M, BLOCK_K,
+    )  # fmt: skip
 
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, EACH) of the gate + up kernel for one token and for more;
