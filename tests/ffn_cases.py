@@ -70,3 +70,11 @@ def plain_ref(case, threshold=0.0, squared=False):
 
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+
+
+def decode_args(case, gated: bool) -> tuple:
+    """The positional arguments (x, gate weight and bias, up weight and bias, down_weight^T, down bias,
+    threshold 0) of the decode launchers for a make_ffn case; a plain FFN's gate is its up projection."""
+    gate_w, gate_b = ("gate_weight", "gate_bias") if gated else ("up_weight", "up_bias")
+    up = (case["up_weight"], case["up_bias"]) if gated else (None, None)
+    return (case["x"], case[gate_w], case[gate_b], *up, case["down_weight"].t(), case["down_bias"], 0.0)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import triton
 from conftest import DEVICE, HAS_CUDA, rel_err
-from ffn_cases import TOL, gated_ref, make_ffn, plain_ref
+from ffn_cases import TOL, decode_args, gated_ref, make_ffn, plain_ref
 
 import twell
 from twell.calibrate import Decision
@@ -50,20 +50,7 @@ BATCHED_CASES = {
 
 
 def _call(case, gated, variant, **configs):
-    gate_w, gate_b = ("gate_weight", "gate_bias") if gated else ("up_weight", "up_bias")
-    return batched_decode_ffn(
-        case["x"],
-        case[gate_w],
-        case[gate_b],
-        case["up_weight"] if gated else None,
-        case["up_bias"] if gated else None,
-        case["down_weight"].t(),
-        case["down_bias"],
-        0.0,
-        drelu=variant == "drelu",
-        square=variant == "relu2",
-        **configs,
-    )
+    return batched_decode_ffn(*decode_args(case, gated), drelu=variant == "drelu", square=variant == "relu2", **configs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

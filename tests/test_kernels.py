@@ -10,7 +10,7 @@ import pytest
 import torch
 import triton
 from conftest import DEVICE, HAS_CUDA, rel_err
-from ffn_cases import TOL, gated_ref, make_ffn, plain_ref
+from ffn_cases import TOL, decode_args, gated_ref, make_ffn, plain_ref
 
 import twell
 from twell.format import TwELL, kept_mask
@@ -448,16 +448,8 @@ def test_decode_matches_reference(case_id, dtype, variant, poisoned_empty):
     m, k, n, densities, gate_up_config, down_config, down_rows = DECODE_CASES[case_id]
     gated = variant in ("gated", "drelu", "nobias")
     case = make_ffn(m, k, n, densities, dtype, DEVICE, seed=m * k, biases=variant != "nobias", gated=gated)
-    gate_w, gate_b = ("gate_weight", "gate_bias") if gated else ("up_weight", "up_bias")
     y = decode_ffn(
-        case["x"],
-        case[gate_w],
-        case[gate_b],
-        case["up_weight"] if gated else None,
-        case["up_bias"] if gated else None,
-        case["down_weight"].t(),
-        case["down_bias"],
-        0.0,
+        *decode_args(case, gated),
         drelu=variant == "drelu",
         square=variant == "relu2",
         gate_up_config=gate_up_config,
