@@ -303,6 +303,33 @@ def time_steps(step, steps: int, meter) -> dict:
     }
 
 
+def kernel_table(step, steps: int = 2, top: int = 30) -> dict:
+    """--profile: where a model step's GPU time goes (the `top` kernels by device time, ms per step and
+    launches per step) and what Dynamo did (graph breaks, recompilations) during the profiled steps."""
+    from torch._dynamo.utils import counters
+    from torch.profiler import ProfilerActivity, profile
+
+    counters.clear()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        total = getattr(event, "device_time_total", None)
+        total = event.cuda_time_total if total is None else total
+        if total > 0:
+            rows.append((total / 1e3 / steps, event.count / steps, event.key[:120]))
+    rows.sort(reverse=True)
+    return {
+        "device_ms": sum(r[0] for r in rows),
+        "launches": sum(r[1] for r in rows),
+        "kernels": [{"ms": ms, "per_step": n, "name": name} for ms, n, name in rows[:top]],
+        "dynamo": {k: dict(v) for k, v in counters.items() if k in ("graph_break", "stats", "recompiles")},
+    }
+
+
 def model_main(args, constants: dict) -> None:
     """The whole-model training step (module docstring, --model)."""
     from decode import llama, set_gate_biases
@@ -355,6 +382,9 @@ def model_main(args, constants: dict) -> None:
             torch.cuda.synchronize()
             measured = {"warmup_s": time.perf_counter() - start, **time_steps(step, args.steps, meter)}
             measured["density"] = statistics.mean(tracker.density().values())
+            if args.profile:
+                measured["profile"] = table = kernel_table(step)
+                print(f"{row}: {table['device_ms']:.1f} ms on the device, {table['launches']:.0f} launches a step")
         del optimizer, step, forward
         torch.cuda.empty_cache()
         measured["tokens_per_s"] = tokens / measured["ms"] * 1e3
@@ -409,6 +439,7 @@ def main():
     parser.add_argument("--rows", default=",".join(MODEL_ROWS), help="--model: which rows")
     parser.add_argument("--steps", type=int, default=10, help="--model: timed steps a row")
     parser.add_argument("--warmup", type=int, default=3, help="--model: untimed steps a row")
+    parser.add_argument("--profile", action="store_true", help="--model: kernel table and Dynamo counters a row")
     args = parser.parse_args()
     if SMOKE_WITHOUT_CUDA:
         smoke_without_cuda()
