@@ -97,3 +97,28 @@ def test_gpu_sweep(tmp_path):
     assert summary["failed"] == 0 and not summary["unfinished"], done.stdout[-4000:]
     assert summary["cases"] == 50 and done.returncode == 0, done.stderr[-3000:]
     assert summary["poison_effective"]  # fresh buffers of the calls' sizes read as NaN
+
+
+def test_row_scale_is_the_terms_magnitude():
+    """A row whose terms cancel is judged against the size of its terms (the scale of a dot product's
+    rounding), not its near-zero output; an error large against the terms still fails."""
+    case = {"kind": "gated", "threshold": 0.0}
+    d = {
+        "gate_weight": torch.eye(2, dtype=torch.float64),
+        "up_weight": torch.ones(2, 2, dtype=torch.float64),
+        "down_weight": torch.tensor([[1.0, -1.0]], dtype=torch.float64),  # [K=1, N=2]: the neurons cancel
+        "gate_bias": None,
+        "up_bias": None,
+        "down_bias": None,
+    }
+    xs = torch.tensor([[1.0, 1.0], [2.0, 1.0]], dtype=torch.float64)
+    pre = torch.nn.functional.linear(xs, d["gate_weight"])
+    mag = fuzz.magnitude(case, d, xs, pre)
+    # row 0: h = (2, 2) cancels to 0; each neuron's terms |g||u| + |pre| |x||W_u| = 4, through |W_d| = 1
+    assert mag[:, 0].tolist() == pytest.approx([8.0, 18.0])
+    ref = torch.tensor([[0.0], [3.0]], dtype=torch.float64)
+    rows = torch.arange(2)
+    check = {"ref": ref, "allowance": torch.zeros(2, dtype=torch.float64), "magnitude": mag.norm(dim=1)}
+    off = torch.tensor([[1.0], [0.0]], dtype=torch.float64)
+    assert fuzz.compare(ref + 2e-5 * off, rows, check, 1e-5)["ok"]  # a quarter of tol on row 0's terms
+    assert not fuzz.compare(ref + 2e-3 * off, rows, check, 1e-5)["ok"]
