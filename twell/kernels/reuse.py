@@ -207,20 +207,31 @@ def reuse_products_(
         raise ValueError(f"hidden must be a contiguous [{m}, {blocks.capacity}] {x.dtype}, got {list(hidden.shape)}")
     if m == 0:
         return y
-    warps = 4 if blocks.rows <= 64 else 8
+    _hidden(x, blocks, gate_weight, gate_bias, up_weight, up_bias, hidden, threshold, drelu, square)
+    return _down_(y, blocks, hidden, down_weight_t)
+
+
+def _hidden(x, blocks, gate_weight, gate_bias, up_weight, up_bias, hidden, threshold, drelu, square) -> None:
+    """Phase 1 of reuse_products_ (its arguments checked there): the blocks' dense h into `hidden`."""
+    m, k = x.shape
     up = (up_weight, up_bias if up_bias is not None else x) if up_weight is not None else (x, x)
     up_strides = up_weight.stride() if up_weight is not None else (0, 0)
-    precision = dot_precision(x.dtype)
-    _reuse_hidden_kernel[(n_blocks, triton.cdiv(blocks.capacity, CHUNK))](
+    _reuse_hidden_kernel[(triton.cdiv(m, blocks.rows), triton.cdiv(blocks.capacity, CHUNK))](
         x, gate_weight, gate_bias if gate_bias is not None else x, *up, blocks.union, blocks.lengths, hidden, m, k,
         blocks.capacity, threshold_in(threshold, x.dtype), x.stride(0), x.stride(1), gate_weight.stride(0),
         gate_weight.stride(1), *up_strides, HAS_UP=up_weight is not None, HAS_GATE_BIAS=gate_bias is not None,
-        HAS_UP_BIAS=up_bias is not None, DRELU=drelu, SQUARE=square, DOT_PRECISION=precision,
-        VALUE=tl_dtype(x.dtype), ROWS=blocks.rows, CHUNK=CHUNK, BLOCK_K=BLOCK_K, num_warps=warps, num_stages=3,
+        HAS_UP_BIAS=up_bias is not None, DRELU=drelu, SQUARE=square, DOT_PRECISION=dot_precision(x.dtype),
+        VALUE=tl_dtype(x.dtype), ROWS=blocks.rows, CHUNK=CHUNK, BLOCK_K=BLOCK_K,
+        num_warps=4 if blocks.rows <= 64 else 8, num_stages=3,
     )  # fmt: skip
-    _reuse_down_kernel[(n_blocks, triton.cdiv(k, DOWN_BLOCK_K))](
+
+
+def _down_(y, blocks, hidden, down_weight_t) -> torch.Tensor:
+    """Phase 2 of reuse_products_ (its arguments checked there): y += hidden W_d^T[union] per block."""
+    m, k = y.shape
+    _reuse_down_kernel[(triton.cdiv(m, blocks.rows), triton.cdiv(k, DOWN_BLOCK_K))](
         hidden, down_weight_t, blocks.union, blocks.lengths, y, m, k, blocks.capacity, down_weight_t.stride(0),
-        down_weight_t.stride(1), y.stride(0), y.stride(1), DOT_PRECISION=precision, ROWS=blocks.rows, CHUNK=CHUNK,
-        BLOCK_K=DOWN_BLOCK_K, num_warps=8 if blocks.rows >= 64 else 4, num_stages=3,
+        down_weight_t.stride(1), y.stride(0), y.stride(1), DOT_PRECISION=dot_precision(y.dtype), ROWS=blocks.rows,
+        CHUNK=CHUNK, BLOCK_K=DOWN_BLOCK_K, num_warps=8 if blocks.rows >= 64 else 4, num_stages=3,
     )  # fmt: skip
     return y
