@@ -358,7 +358,7 @@ def reuse_stages(x, w, config) -> dict:
     wd_t = w["down_weight"].t()
     m, k = x.shape
     tile_n, slots = config.tile_n, config.slots
-    spec = (config.reuse_rows, config.reuse_min, reuse.capacity(wg.shape[0]))
+    spec = (config.reuse_rows, config.reuse_min, reuse.per_tile(tile_n))
     pre = F.linear(x, wg, bg)
     hot = largest_hot()
     packed_hot = (hot.pos, dispatch.hot_values(m, len(hot.index), x.dtype, x.device)) if hot is not None else None
@@ -377,7 +377,7 @@ def reuse_stages(x, w, config) -> dict:
     row["down_ms"] = do_bench(lambda: reuse._down_(y, blocks, hidden, wd_t))
     union, dense_pairs, sparse_pairs = int(blocks.lengths.sum()), int(blocks.pairs.sum()), int(counts.sum())
     row["union_per_block"] = union / blocks.lengths.shape[0]
-    row["union_max"] = int(blocks.lengths.max())
+    row["union_max"] = int(blocks.lengths.sum(1).max())
     row["dense_pair_share"] = dense_pairs / max(dense_pairs + sparse_pairs, 1)
     row["products_bytes_floor_ms"] = union * 3 * k * x.element_size() / (L2_TB_S * 1e9)
     row["products_flop_floor_ms"] = union * 6 * blocks.rows * k / (TENSOR_TFLOP_S * 1e9)

@@ -48,10 +48,21 @@ def _block_counts(h, rows, threshold, hot_pos=None):
     return padded.reshape(blocks, rows, n).sum(1)
 
 
-def _expected_dense(counts, reuse_min, capacity):
-    """The dense columns of each block: kept in >= reuse_min rows, the first `capacity` by column."""
+def _expected_dense(counts, reuse_min, per_tile, tile_n):
+    """The dense columns of each block: kept in >= reuse_min rows, the first per_tile of each tile by
+    column."""
     wanted = counts >= reuse_min
-    return wanted & (wanted.long().cumsum(1) <= capacity)
+    blocks, n = wanted.shape
+    tiles = -(-n // tile_n)
+    padded = torch.zeros(blocks, tiles * tile_n, dtype=torch.bool, device=wanted.device)
+    padded[:, :n] = wanted
+    place = padded.reshape(blocks, tiles, tile_n).long().cumsum(2).reshape(blocks, -1)[:, :n]
+    return wanted & (place <= per_tile)
+
+
+def _union(blocks, b):
+    """Block b's dense neurons in union order: its tiles' lists one after another."""
+    return torch.cat([blocks.union[b, t, : blocks.lengths[b, t]] for t in range(blocks.lengths.shape[1])]).long()
 
 
 def _pre(m, n, rows, dtype, seed):
@@ -69,27 +80,31 @@ def _pre(m, n, rows, dtype, seed):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(
-    "m,n,tile_n,slots,rows,reuse_min,capacity",
+    "m,n,tile_n,slots,rows,reuse_min,per_tile",
     [
         (37, 300, 64, 8, 16, 2, 64),  # M not a multiple of the block, N not of the tile
-        (70, 100, 32, 4, 32, 3, 8),  # the capacity cuts the union: later columns stay sparse
-        (20, 40, 16, 4, 16, 1, 40),  # every kept column dense: nothing left in TwELL
+        (70, 100, 32, 4, 32, 3, 2),  # per_tile cuts the lists: a tile's later columns stay sparse
+        (20, 40, 16, 4, 16, 1, 16),  # every kept column dense: nothing left in TwELL
         (33, 96, 32, 8, 16, 100, 96),  # no column reaches reuse_min: no block has dense neurons
+        (150, 200, 64, 8, 64, 4, 16),  # a block of several 16-row counting steps, the last one partial
     ],
-    ids=["m37-n300", "capped", "all-dense", "none-dense"],
+    ids=["m37-n300", "capped", "all-dense", "none-dense", "b64"],
 )
-def test_pack_leaves_the_blocks_dense_columns_out(m, n, tile_n, slots, rows, reuse_min, capacity, dtype):
-    """Per block, the columns kept in >= reuse_min rows are listed (ascending, up to capacity), flagged,
-    counted, and left out of TwELL: TwELL equals the pack of h with those columns dropped per block."""
+def test_pack_leaves_the_blocks_dense_columns_out(m, n, tile_n, slots, rows, reuse_min, per_tile, dtype):
+    """Per block and tile, the columns kept in >= reuse_min rows are listed (ascending, up to per_tile),
+    flagged, counted, and left out of TwELL: TwELL equals the pack of h with those columns dropped per
+    block."""
     h = _pre(m, n, rows, dtype, seed=m + n)
-    words, counts, blocks = pack_dense(h, 0.0, tile_n, slots, reuse=(rows, reuse_min, capacity))
+    words, counts, blocks = pack_dense(h, 0.0, tile_n, slots, reuse=(rows, reuse_min, per_tile))
     block_counts = _block_counts(h, rows, 0.0)
-    dense = _expected_dense(block_counts, reuse_min, capacity)
+    dense = _expected_dense(block_counts, reuse_min, per_tile, tile_n)
     assert torch.equal(blocks.flags.cpu(), dense.to(torch.uint8).cpu())
-    assert blocks.lengths.tolist() == dense.sum(1).tolist()
     for b in range(dense.shape[0]):
-        assert blocks.union[b, : blocks.lengths[b]].tolist() == dense[b].nonzero().flatten().tolist()
-    assert blocks.pairs.tolist() == torch.where(dense, block_counts, 0).sum(1).tolist()
+        for t in range(blocks.lengths.shape[1]):
+            cols = slice(t * tile_n, (t + 1) * tile_n)
+            assert int(blocks.lengths[b, t]) == int(dense[b, cols].sum())
+            assert int(blocks.pairs[b, t]) == int(torch.where(dense[b, cols], block_counts[b, cols], 0).sum())
+        assert _union(blocks, b).tolist() == dense[b].nonzero().flatten().tolist()
     dropped = h.clone()
     dropped[dense.repeat_interleave(rows, 0)[:m]] = float("-inf")
     ref_words, ref_counts = pack_dense(dropped, 0.0, tile_n, slots)
@@ -99,7 +114,7 @@ def test_pack_leaves_the_blocks_dense_columns_out(m, n, tile_n, slots, rows, reu
     if reuse_min == 1:
         assert int(counts.clamp(min=0).sum()) == 0
     if reuse_min == 100:
-        assert blocks.lengths.tolist() == [0] * dense.shape[0]
+        assert int(blocks.lengths.sum()) == 0
 
 
 def test_pack_counts_no_hot_column_for_reuse():
@@ -110,8 +125,8 @@ def test_pack_counts_no_hot_column_for_reuse():
     pos = torch.full((n,), -1, dtype=torch.int32)
     pos[10], pos[11] = 0, 1
     hot = (pos.to(DEVICE), torch.full((m, 2), float("nan"), device=DEVICE))
-    words, counts, blocks = pack_dense(h, 0.0, 32, 8, hot=hot, reuse=(rows, 2, n))
-    dense = _expected_dense(_block_counts(h, rows, 0.0, pos), 2, n)
+    words, counts, blocks = pack_dense(h, 0.0, 32, 8, hot=hot, reuse=(rows, 2, 32))
+    dense = _expected_dense(_block_counts(h, rows, 0.0, pos), 2, 32, 32)
     assert torch.equal(blocks.flags.cpu(), dense.to(torch.uint8).cpu())
     assert not blocks.flags[:, 10:12].any()
     assert torch.equal(hot[1], h[:, 10:12])
@@ -124,7 +139,7 @@ def _dense_part(case, blocks, m, threshold, drelu, squared, gated):
     gate_w, gate_b = (c["gate_weight"], c["gate_bias"]) if gated else (c["up_weight"], c["up_bias"])
     y = torch.zeros(m, c["x"].shape[1], dtype=torch.float64)
     for b in range(blocks.lengths.shape[0]):
-        union = blocks.union[b, : blocks.lengths[b]].long().cpu()
+        union = _union(blocks, b).cpu()
         r = slice(b * blocks.rows, min(m, (b + 1) * blocks.rows))
         g = c["x"][r] @ gate_w[union].T + (gate_b[union] if gate_b is not None else 0)
         h = torch.where(g <= threshold, 0.0, g)
@@ -153,8 +168,8 @@ def test_reuse_products_match_float64(variant, dtype, m, rows):
     threshold = 0.02 if variant == "fatrelu-bias" else 0.0
     gate_w, gate_b = (case["gate_weight"], case["gate_bias"]) if gated else (case["up_weight"], case["up_bias"])
     pre = torch.nn.functional.linear(case["x"], gate_w, gate_b)
-    _, _, blocks = pack_dense(pre, threshold, 32, 8, reuse=(rows, 2, 64))
-    assert int(blocks.lengths.min()) > 0  # every block has dense neurons
+    _, _, blocks = pack_dense(pre, threshold, 32, 8, reuse=(rows, 2, 16))
+    assert int(blocks.lengths.sum(1).min()) > 0  # every block has dense neurons
     y0 = torch.randn(m, k, dtype=dtype).to(DEVICE)
     up = (case["up_weight"], case["up_bias"]) if gated else (None, None)
     wd_t = case["down_weight"].t()
@@ -171,7 +186,7 @@ def test_reuse_products_leave_blocks_without_dense_neurons_alone():
     m, k, n, rows = 48, 24, 64, 16
     case = make_ffn(m, k, n, [0.3], torch.float32, DEVICE, seed=5)
     pre = torch.nn.functional.linear(case["x"], case["gate_weight"])
-    _, _, blocks = pack_dense(pre, 0.0, 32, 8, reuse=(rows, 2, 64))
+    _, _, blocks = pack_dense(pre, 0.0, 32, 8, reuse=(rows, 2, 16))
     blocks.lengths[1] = 0
     y0 = torch.randn(m, k).to(DEVICE)
     y = reuse.reuse_products_(
@@ -263,9 +278,9 @@ def test_layer_config_reuse_fields():
         LayerConfig(reuse_min=0)
     with pytest.raises(ValueError, match=r"reuse rows must be one of \(16, 32, 64, 128\), got 8"):
         pack_dense(torch.randn(4, 32, device=DEVICE), 0.0, 32, 8, reuse=(8, 2, 32))
-    with pytest.raises(ValueError, match="reuse capacity must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="reuse per_tile must be an int >= 1, got 0"):
         pack_dense(torch.randn(4, 32, device=DEVICE), 0.0, 32, 8, reuse=(16, 2, 0))
-    assert reuse.capacity(5632) == 1408 and reuse.capacity(40) == reuse.CHUNK
+    assert reuse.per_tile(128) == 32 and reuse.per_tile(16) == 4
 
 
 @pytest.mark.gpu

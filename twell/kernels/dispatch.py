@@ -213,7 +213,7 @@ def _prefill(
         pre = F.linear(x2, gate_weight, gate_bias)
         if measure:
             state.hot_pending = _measure_neurons(pre[: policy.HOT_SAMPLE], threshold)
-        reuse = (config.reuse_rows, config.reuse_min, reuse_route.capacity(n)) if config.reuse_rows else None
+        reuse = (config.reuse_rows, config.reuse_min, reuse_route.per_tile(tile_n)) if config.reuse_rows else None
         packed = pack_dense(pre, threshold, tile_n, slots, square=square, hot=packed_hot, reuse=reuse)
         words, counts = packed[:2]
         blocks = packed[2] if reuse is not None else None

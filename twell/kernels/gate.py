@@ -257,26 +257,35 @@ def _load_tile(h_ptr, offs_m, tile, M, N, stride_hm, stride_hn, TILE_N: tl.const
 
 
 @triton.jit
-def _reuse_columns(
-    acc, offs_m, tile, block, placed, M, N, threshold, reuse_min, capacity, pos_ptr, n_hot, union_ptr, flag_ptr,
-    TILE_N: tl.constexpr, HAS_HOT: tl.constexpr,
-):  # fmt: skip
-    """The block's dense columns of one tile: those kept in at least reuse_min of its rows (hot neurons
-    left out), appended to the block's union list behind its `placed` entries while it has room
-    (capacity); their flags (one byte per neuron, the block's row of flag_ptr) set, the tile's others
-    cleared. Returns (dense [TILE_N], placed after this tile, kept entries in the dense columns)."""
+def _kept_columns(acc, offs_m, tile, M, N, threshold, pos_ptr, n_hot, TILE_N: tl.constexpr, HAS_HOT: tl.constexpr):
+    """How many of the rows offs_m keep each column of the tile (hot neurons never: as _pack_tile, a
+    position past n_hot is a packed neuron)."""
     cols = tile * TILE_N + tl.arange(0, TILE_N)
     keep = ((acc > threshold) | (acc != acc)) & (offs_m < M)[:, None] & (cols < N)[None, :]
     if HAS_HOT:
         pos = tl.load(pos_ptr + cols, mask=cols < N, other=-1)
-        keep = keep & ((pos < 0) | (pos >= n_hot))[None, :]  # as _pack_tile: a position past H is packed
-    active = tl.sum(keep.to(tl.int32), axis=0)
+        keep = keep & ((pos < 0) | (pos >= n_hot))[None, :]
+    return tl.sum(keep.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _reuse_columns(
+    active, tile, block, N, n_tiles, reuse_min, per_tile, union_ptr, len_ptr, flag_ptr, pairs_ptr, TILE_N: tl.constexpr
+):
+    """The block's dense columns of one tile: those kept in at least reuse_min of its rows (`active`),
+    the first per_tile of them by column, listed at (block, tile) of union_ptr with their number at
+    len_ptr and their kept entries at pairs_ptr; their flags (one byte per neuron, the block's row of
+    flag_ptr) set, the tile's others cleared. Returns the dense mask [TILE_N]."""
+    cols = tile * TILE_N + tl.arange(0, TILE_N)
     wanted = active >= reuse_min
-    place = placed + tl.cumsum(wanted.to(tl.int32), axis=0) - 1
-    dense = wanted & (place < capacity)
-    tl.store(union_ptr + block.to(tl.int64) * capacity + place, cols, mask=dense)
+    place = tl.cumsum(wanted.to(tl.int32), axis=0) - 1
+    dense = wanted & (place < per_tile)
+    at = block.to(tl.int64) * n_tiles + tile
+    tl.store(union_ptr + at * per_tile + place, cols, mask=dense)
+    tl.store(len_ptr + at, tl.sum(dense.to(tl.int32), axis=0))
+    tl.store(pairs_ptr + at, tl.sum(tl.where(dense, active, 0), axis=0))
     tl.store(flag_ptr + block.to(tl.int64) * N + cols, dense.to(flag_ptr.dtype.element_ty), mask=cols < N)
-    return dense, placed + tl.sum(dense.to(tl.int32), axis=0), tl.sum(tl.where(dense, active, 0), axis=0)
+    return dense
 
 
 @triton.autotune(
@@ -302,7 +311,7 @@ def _pack_dense_kernel(
     n_tiles,
     threshold,
     reuse_min,
-    capacity,
+    per_tile,
     stride_hm,
     stride_hn,
     HAS_HOT: tl.constexpr,
@@ -311,31 +320,33 @@ def _pack_dense_kernel(
     TILE_N: tl.constexpr,
     SLOTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    SUB: tl.constexpr = 16,
 ):
-    """One [BLOCK_M, TILE_N] tile a program; with REUSE, a program takes every tile of its row block
-    (BLOCK_M: the reuse block) in order, so its union list is compacted without a second pass, and
-    leaves the block's dense columns out of TwELL."""
+    """One [BLOCK_M, TILE_N] tile a program; with REUSE, BLOCK_M is the reuse block: the tile's dense
+    columns of the block are listed and left out of TwELL (SUB rows at a time)."""
     pid_m = tl.program_id(0)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    tile = tl.program_id(1)
     if REUSE:
-        placed = tl.full([], 0, tl.int32)
-        pairs = tl.full([], 0, tl.int32)
-        for tile in range(0, n_tiles):
+        # the block's column counts SUB rows at a time (a whole 64-128-row tile spills), then the same
+        # rows packed without the dense columns (the tile read again, from L1 / L2)
+        active = tl.zeros([TILE_N], dtype=tl.int32)
+        for r0 in range(0, BLOCK_M, SUB):
+            offs_m = pid_m * BLOCK_M + r0 + tl.arange(0, SUB)
             acc = _load_tile(h_ptr, offs_m, tile, M, N, stride_hm, stride_hn, TILE_N)
-            dense, placed, kept = _reuse_columns(
-                acc, offs_m, tile, pid_m, placed, M, N, threshold, reuse_min, capacity, pos_ptr, n_hot, union_ptr,
-                flag_ptr, TILE_N, HAS_HOT,
-            )  # fmt: skip
-            pairs += kept
+            active += _kept_columns(acc, offs_m, tile, M, N, threshold, pos_ptr, n_hot, TILE_N, HAS_HOT)
+        dense = _reuse_columns(
+            active, tile, pid_m, N, n_tiles, reuse_min, per_tile, union_ptr, len_ptr, flag_ptr, pairs_ptr, TILE_N
+        )
+        for r0 in range(0, BLOCK_M, SUB):
+            offs_m = pid_m * BLOCK_M + r0 + tl.arange(0, SUB)
+            acc = _load_tile(h_ptr, offs_m, tile, M, N, stride_hm, stride_hn, TILE_N)
             acc = tl.where(dense[None, :], float("-inf"), acc)  # never kept, NaN included
             _pack_tile(
                 acc, offs_m, tile, M, N, threshold, words_ptr, cnt_ptr, pos_ptr, hot_ptr, n_hot, n_tiles,
                 h_ptr.dtype.element_ty, TILE_N, SLOTS, SQUARE, 1, HAS_HOT,
             )  # fmt: skip
-        tl.store(len_ptr + pid_m, placed)
-        tl.store(pairs_ptr + pid_m, pairs)
     else:
-        tile = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         acc = _load_tile(h_ptr, offs_m, tile, M, N, stride_hm, stride_hn, TILE_N)
         _pack_tile(
             acc, offs_m, tile, M, N, threshold, words_ptr, cnt_ptr, pos_ptr, hot_ptr, n_hot, n_tiles,
@@ -488,9 +499,9 @@ def pack_dense(
 ):
     """TwELL arrays (words, counts) of a dense pre-activation h [M, N]: the pack pass for a cuBLAS gate.
     hot: (hot_pos, hot_values), module docstring. config: one row of PACK_CONFIGS instead of autotuning
-    (tests, benchmarks). reuse: (rows, reuse_min, capacity): per block of `rows` consecutive rows, the
-    columns kept in at least reuse_min of its rows (at most `capacity` a block, first by column) are
-    left out of TwELL and listed in a third return value, a twell.kernels.reuse.ReuseBlocks."""
+    (tests, benchmarks). reuse: (rows, reuse_min, per_tile): per block of `rows` consecutive rows, the
+    columns kept in at least reuse_min of its rows (at most per_tile a tile, first by column) are left
+    out of TwELL and listed in a third return value, a twell.kernels.reuse.ReuseBlocks."""
     if not isinstance(h, torch.Tensor) or h.dim() != 2:
         raise ValueError(f"pack_dense expects h [M, N], got {list(h.shape) if isinstance(h, torch.Tensor) else h}")
     check_input("h", h)
@@ -504,14 +515,14 @@ def pack_dense(
     if config is not None:
         block_m, warps, stages = config
         kernel, meta = _pack_dense_kernel.fn, {"BLOCK_M": block_m, "num_warps": warps, "num_stages": stages}
-    blocks = ReuseBlocks.empty(m, n, reuse, h.device) if reuse is not None else None
+    blocks = ReuseBlocks.empty(m, n, tile_n, reuse, h.device) if reuse is not None else None
     if blocks is not None:
-        # one program per reuse block, all its tiles; no autotuning: the block is the reuse block
+        # one program per (reuse block, tile); no autotuning: the row block is the reuse block
         kernel = _pack_dense_kernel.fn
-        meta = {"BLOCK_M": blocks.rows, "num_warps": 4 if blocks.rows <= 32 else 8, "num_stages": 1}
+        meta = {"BLOCK_M": blocks.rows, "num_warps": 4, "num_stages": 1}
     record = (blocks.union, blocks.lengths, blocks.flags, blocks.pairs) if blocks is not None else (counts,) * 4
     pos, hot_buf, n_hot = _hot_args(hot, counts)
-    kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), 1 if blocks is not None else n_tiles)](
+    kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), n_tiles)](
         h,
         words,
         counts,
@@ -525,7 +536,7 @@ def pack_dense(
         n_tiles,
         threshold_in(threshold, h.dtype),
         blocks.reuse_min if blocks is not None else 0,
-        blocks.capacity if blocks is not None else 0,
+        blocks.per_tile if blocks is not None else 0,
         h.stride(0),
         h.stride(1),
         HAS_HOT=hot is not None,
