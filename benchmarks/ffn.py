@@ -379,7 +379,9 @@ def reuse_stages(x, w, config) -> dict:
     row["union_per_block"] = union / blocks.lengths.shape[0]
     row["union_max"] = int(blocks.lengths.sum(1).max())
     row["dense_pair_share"] = dense_pairs / max(dense_pairs + sparse_pairs, 1)
-    row["products_bytes_floor_ms"] = union * 3 * k * x.element_size() / (L2_TB_S * 1e9)
+    # three weight rows per dense neuron and block, and the block's x rows once per hidden program
+    chunks = int(((blocks.lengths.sum(1) + reuse.HIDDEN_CHUNK - 1) // reuse.HIDDEN_CHUNK).sum())
+    row["products_bytes_floor_ms"] = (union * 3 + chunks * blocks.rows) * k * x.element_size() / (L2_TB_S * 1e9)
     row["products_flop_floor_ms"] = union * 6 * blocks.rows * k / (TENSOR_TFLOP_S * 1e9)
     row["updown_floor_ms"] = sparse_pairs * 2 * k * x.element_size() / (L2_TB_S * 1e9)
     return row

@@ -8,7 +8,7 @@ the block:
 A block's union is its tiles' lists in tile order (at most per_tile neurons a tile, so no pass
 compacts them across tiles: each program maps its union positions to (tile, place) by a prefix sum of
 the block's per-tile lengths, as the up+down kernel maps a row's entries).
-- _reuse_hidden_kernel, one program per (block, CHUNK of its union): g = x_block W_g[U]^T (+ bias,
+- _reuse_hidden_kernel, one program per (block, HIDDEN_CHUNK of its union): g = x_block W_g[U]^T (+ bias,
   rounded to x's dtype as the dense gate is), u = x_block W_u[U]^T likewise, h = act(g) * u (drelu:
   relu(u)), or act(g) (squared) without up; h rounded to x's dtype into a [M, capacity] buffer;
 - _reuse_down_kernel, one program per (block, BLOCK_K columns of y): y_block += h_block W_d^T[U],
@@ -31,7 +31,8 @@ import triton.language as tl
 from twell.kernels import policy
 from twell.kernels.common import check_bias, check_input, check_threshold, dot_precision, threshold_in, tl_dtype
 
-CHUNK = 32  # union neurons a step (the products' N / K dimension)
+HIDDEN_CHUNK = 64  # union neurons a hidden program computes: each re-reads the block's x rows (L2)
+CHUNK = 32  # union neurons a step of the down products (their K dimension)
 BLOCK_K = 64  # K step of the hidden products
 DOWN_BLOCK_K = 128  # columns of y a down program owns
 
@@ -255,13 +256,13 @@ def _hidden(x, blocks, gate_weight, gate_bias, up_weight, up_bias, hidden, thres
     m, k = x.shape
     up = (up_weight, up_bias if up_bias is not None else x) if up_weight is not None else (x, x)
     up_strides = up_weight.stride() if up_weight is not None else (0, 0)
-    _reuse_hidden_kernel[(triton.cdiv(m, blocks.rows), triton.cdiv(blocks.capacity, CHUNK))](
+    _reuse_hidden_kernel[(triton.cdiv(m, blocks.rows), triton.cdiv(blocks.capacity, HIDDEN_CHUNK))](
         x, gate_weight, gate_bias if gate_bias is not None else x, *up, blocks.union, blocks.lengths, hidden, m, k,
         *_layout(blocks), threshold_in(threshold, x.dtype), x.stride(0), x.stride(1), gate_weight.stride(0),
         gate_weight.stride(1), *up_strides, TILES_PAD=_tiles_pad(blocks), HAS_UP=up_weight is not None,
         HAS_GATE_BIAS=gate_bias is not None, HAS_UP_BIAS=up_bias is not None, DRELU=drelu, SQUARE=square,
-        DOT_PRECISION=dot_precision(x.dtype), VALUE=tl_dtype(x.dtype), ROWS=blocks.rows, CHUNK=CHUNK,
-        BLOCK_K=BLOCK_K, num_warps=4 if blocks.rows <= 64 else 8, num_stages=3,
+        DOT_PRECISION=dot_precision(x.dtype), VALUE=tl_dtype(x.dtype), ROWS=blocks.rows, CHUNK=HIDDEN_CHUNK,
+        BLOCK_K=BLOCK_K, num_warps=4 if blocks.rows <= 32 else 8, num_stages=3,
     )  # fmt: skip
 
 
