@@ -198,7 +198,9 @@ def test_reuse_products_leave_blocks_without_dense_neurons_alone():
 
 
 def _sparse_paths(**changes):
-    return LayerConfig(decode_max_m=64, prefill_min_m=65, hot_rate=None, **changes)
+    """Calls of more than 64 tokens take the prefill path; fused_gate on: with reuse the dispatcher must
+    take cuBLAS + the pack pass (the fused gate lists no dense neurons)."""
+    return LayerConfig(decode_max_m=64, prefill_min_m=65, hot_rate=None, fused_gate=True, **changes)
 
 
 # MIXED of test_kernels: empty rows, sparse rows and a fully dense one in ten (its tiles overflow, so the
