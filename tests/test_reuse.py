@@ -157,11 +157,12 @@ VARIANTS = ["gated", "fatrelu-bias", "drelu", "plain", "relu2"]
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("m,rows", [(37, 16), (70, 32)], ids=["m37-b16", "m70-b32"])
-def test_reuse_products_match_float64(variant, dtype, m, rows):
-    """y += each block's dense neurons' h W_d^T[union]: against float64 at awkward shapes, the hidden
-    buffer NaN-poisoned (only each block's own union columns are read)."""
-    k, n = 40, 150
+@pytest.mark.parametrize("m,rows,k", [(37, 16, 40), (70, 32, 200)], ids=["m37-b16-k40", "m70-b32-k200"])
+def test_reuse_products_match_float64(variant, dtype, m, rows, k):
+    """y += each block's dense neurons' h W_d^T[union]: against float64 at awkward shapes (K past one step
+    of the hidden products and one column block of the down products; unions past one hidden program),
+    the hidden buffer NaN-poisoned (only each block's own union columns are read)."""
+    n = 150
     gated = variant in ("gated", "fatrelu-bias", "drelu")
     case = make_ffn(m, k, n, [0.2, 0.05, 0.4], dtype, DEVICE, seed=m + rows, biases=variant == "fatrelu-bias",
                     gated=gated)  # fmt: skip
@@ -170,6 +171,7 @@ def test_reuse_products_match_float64(variant, dtype, m, rows):
     pre = torch.nn.functional.linear(case["x"], gate_w, gate_b)
     _, _, blocks = pack_dense(pre, threshold, 32, 8, reuse=(rows, 2, 16))
     assert int(blocks.lengths.sum(1).min()) > 0  # every block has dense neurons
+    assert int(blocks.lengths.sum(1).max()) > reuse.HIDDEN_CHUNK
     y0 = torch.randn(m, k, dtype=dtype).to(DEVICE)
     up = (case["up_weight"], case["up_bias"]) if gated else (None, None)
     wd_t = case["down_weight"].t()
