@@ -39,7 +39,7 @@ from triton.testing import do_bench
 
 import twell
 from twell.calibrate.timing import cuda_graph
-from twell.kernels import dispatch, policy, reference
+from twell.kernels import dispatch, policy, reference, reuse
 from twell.kernels.gate import gate_twell, pack_dense
 from twell.kernels.updown import _twell_up_down_kernel as updown_kernel
 from twell.kernels.updown import twell_up_down
@@ -293,6 +293,8 @@ def bench_point(k, n, m, density, pattern, compiled, variants=()) -> dict:
                     row[f"prefill[{name}]_err"] = rel_err_sample(warm_call(block, x), x, block)
                     row[f"prefill[{name}]_neurons"] = hot_neurons()
                     row[f"prefill[{name}]_ms"] = timed(lambda: block(x), False)
+                    if changes.get("reuse_rows"):
+                        row[f"prefill[{name}]_stages"] = reuse_stages(x, weights(block), block.mlp.layer_config)
         if m >= 8192:
             with twell.configure(block, route="prefill"):  # the stages at the default hot_rate's neurons
                 dispatch.forget_layers()
@@ -340,6 +342,48 @@ def prefill_stages(x, w, config) -> dict:
             return_mode="median",
         )  # fmt: skip
         row["hot_pairs_share"] = 1 - int(counts.sum()) / pairs
+    return row
+
+
+L2_TB_S = 8.0  # weight rows through L2 (the gathers' measured ceiling, NOTES.md v8-v30)
+TENSOR_TFLOP_S = 650.0  # bf16 products at these shapes (dense FFN's GEMMs: 550-677, NOTES.md v15)
+
+
+def reuse_stages(x, w, config) -> dict:
+    """The weight-row reuse path's pieces at the layer's config (its hot neurons too): the pack pass
+    with the block lists, up+down without the blocks' dense neurons, the dense products' two phases; the
+    union's size and share of the pairs, and the products' floors (three weight rows per dense neuron
+    and block through L2; 6 x rows x K FLOPs per dense neuron and block on the tensor cores)."""
+    wg, bg, wu = w["gate_weight"], w["gate_bias"], w["up_weight"]
+    wd_t = w["down_weight"].t()
+    m, k = x.shape
+    tile_n, slots = config.tile_n, config.slots
+    spec = (config.reuse_rows, config.reuse_min, reuse.per_tile(tile_n))
+    pre = F.linear(x, wg, bg)
+    hot = largest_hot()
+    packed_hot = (hot.pos, dispatch.hot_values(m, len(hot.index), x.dtype, x.device)) if hot is not None else None
+    row = {"pack_ms": do_bench(lambda: pack_dense(pre, 0.0, tile_n, slots, hot=packed_hot, reuse=spec))}
+    words, counts, blocks = pack_dense(pre, 0.0, tile_n, slots, hot=packed_hot, reuse=spec)
+    hot_pos = hot.pos if hot is not None else None
+    row["updown_ms"] = do_bench(
+        lambda: twell_up_down(
+            x, words, counts, wg, bg, wu, None, wd_t, None, tile_n=tile_n, threshold=0.0, hot_pos=hot_pos,
+            reuse=(blocks.flags, blocks.rows),
+        )
+    )  # fmt: skip
+    hidden = reuse.hidden_buffer(m, blocks, x.dtype, x.device)
+    row["hidden_ms"] = do_bench(lambda: reuse._hidden(x, blocks, wg, bg, wu, None, hidden, 0.0, False, False))
+    y = torch.zeros_like(x)
+    row["down_ms"] = do_bench(lambda: reuse._down_(y, blocks, hidden, wd_t))
+    union, dense_pairs, sparse_pairs = int(blocks.lengths.sum()), int(blocks.pairs.sum()), int(counts.sum())
+    row["union_per_block"] = union / blocks.lengths.shape[0]
+    row["union_max"] = int(blocks.lengths.sum(1).max())
+    row["dense_pair_share"] = dense_pairs / max(dense_pairs + sparse_pairs, 1)
+    # three weight rows per dense neuron and block, and the block's x rows once per hidden program
+    chunks = int(((blocks.lengths.sum(1) + reuse.HIDDEN_CHUNK - 1) // reuse.HIDDEN_CHUNK).sum())
+    row["products_bytes_floor_ms"] = (union * 3 + chunks * blocks.rows) * k * x.element_size() / (L2_TB_S * 1e9)
+    row["products_flop_floor_ms"] = union * 6 * blocks.rows * k / (TENSOR_TFLOP_S * 1e9)
+    row["updown_floor_ms"] = sparse_pairs * 2 * k * x.element_size() / (L2_TB_S * 1e9)
     return row
 
 
@@ -432,6 +476,16 @@ def main():
                     )
                     timed_variants = [v for v, _ in parse_variants(args.variants) if f"prefill[{v}]_ms" in row]
                     line += "".join(f"  [{v}] {row[f'prefill[{v}]_ms']:.3f}" for v in timed_variants)
+                    for v in timed_variants:
+                        if f"prefill[{v}]_stages" in row:
+                            st = row[f"prefill[{v}]_stages"]
+                            line += (
+                                f"\n      [{v}] pack {st['pack_ms']:.2f} updown {st['updown_ms']:.2f} hidden "
+                                f"{st['hidden_ms']:.2f} down {st['down_ms']:.2f} union/block "
+                                f"{st['union_per_block']:.0f} dense pairs {st['dense_pair_share']:.0%} floors: "
+                                f"bytes {st['products_bytes_floor_ms']:.2f} flops {st['products_flop_floor_ms']:.2f} "
+                                f"updown {st['updown_floor_ms']:.2f}"
+                            )
                     lines.append(line)
                     print(line, flush=True)
     path.write_text(json.dumps(result, indent=1))

@@ -143,7 +143,8 @@ def test_route_of_batched_max_m():
     forced = policy.DEFAULT.replace(route="batched")
     assert [policy.route(m, 2048, forced) for m in (1, 300, 1 << 20)] == ["batched"] * 3
     assert policy.DEFAULT.replace(route="dense").batched_max_m == 0
-    assert config.op_args()[-1] == 64 and policy.from_op_args(*config.op_args()) == config
+    assert config.op_args()[policy.OP_FIELDS.index("batched_max_m")] == 64
+    assert policy.from_op_args(*config.op_args()) == config
     with pytest.raises(ValueError, match="batched_max_m must be a non-negative int, got -1"):
         LayerConfig(batched_max_m=-1)
 

@@ -57,6 +57,15 @@ TRAIN_MIN_M: int | None = None
 # measured on the GPU: 1 until it is (benchmarks/NOTES.md, v27).
 TRAIN_ENTRIES_DEFAULT = 1
 TRAIN_ENTRIES = (1, 2, 4, 8)
+# Weight-row reuse on the prefill path: per block of reuse_rows consecutive tokens, the neurons active in
+# at least reuse_min of its rows are computed by dense tensor-core products over just those neurons'
+# rows (twell.kernels.reuse), the rest sparse. A sparse pair gathers two 8 KB rows (~1.2 ns); a block's
+# dense neuron costs its three rows once and 6 x rows x K FLOPs (benchmarks/NOTES.md, "v32"). Off (0)
+# until measured on the GPU.
+REUSE_ROWS = 0
+REUSE_BLOCKS = (0, 16, 32, 64, 128)  # the row blocks the kernels take (0: off)
+REUSE_MIN = 3
+REUSE_MAX_SHARE = 0.25  # at most this share of N is dense in one block (its hidden buffer is [M, N / 4])
 
 # Batched decode from calibration: (density, tokens) rows, a layer calibrated at most `density` dense
 # serving calls of up to `tokens` by the batched decode (the first row that holds). Empty, so no layer
@@ -110,6 +119,10 @@ class LayerConfig:
         training path (None: none does).
     train_entries: record entries the sparse training path's row kernels (forward, dx) gather a step,
         one of TRAIN_ENTRIES.
+    reuse_rows: on the prefill path, per block of this many consecutive tokens (one of REUSE_BLOCKS;
+        0: off), the neurons active in at least reuse_min of its rows are computed by dense products
+        over just those neurons, the rest sparse.
+    reuse_min: see reuse_rows (an int >= 1).
     Every other call runs dense, as do all calls with K > MAX_K.
     """
 
@@ -124,6 +137,8 @@ class LayerConfig:
     batched_max_m: int = BATCHED_MAX_M  # op_args' order: train_min_m is no op argument
     train_min_m: int | None = TRAIN_MIN_M
     train_entries: int = TRAIN_ENTRIES_DEFAULT
+    reuse_rows: int = REUSE_ROWS
+    reuse_min: int = REUSE_MIN
 
     def __post_init__(self):
         check_tile(self.tile_n, self.slots)
@@ -141,6 +156,11 @@ class LayerConfig:
         entries = self.train_entries
         if not isinstance(entries, int) or isinstance(entries, bool) or entries not in TRAIN_ENTRIES:
             raise ValueError(f"train_entries must be one of {TRAIN_ENTRIES}, got {entries!r}")
+        rows = self.reuse_rows
+        if not isinstance(rows, int) or isinstance(rows, bool) or rows not in REUSE_BLOCKS:
+            raise ValueError(f"reuse_rows must be one of {REUSE_BLOCKS}, got {self.reuse_rows!r}")
+        if not isinstance(self.reuse_min, int) or isinstance(self.reuse_min, bool) or self.reuse_min < 1:
+            raise ValueError(f"reuse_min must be an int >= 1, got {self.reuse_min!r}")
         rate = self.hot_rate
         if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1):
             raise ValueError(f"hot_rate must be a number in [0, 1] or None, got {rate!r}")
@@ -166,28 +186,29 @@ class LayerConfig:
         return dataclasses.replace(self, **changes)
 
     def op_args(self) -> tuple:
-        """The fields the ops take, in their schema's order (after the FFN's own arguments)."""
-        return (
-            self.tile_n,
-            self.slots,
-            self.decode_max_m,
-            self.decode_sparse_max_m,
-            self.prefill_min_m,
-            self.dense_above,
-            self.fused_gate,
-            self.hot_rate,
-            self.batched_max_m,
-        )
+        """The fields the ops take, in their schema's order (after the FFN's own arguments): OP_FIELDS."""
+        return tuple(getattr(self, name) for name in OP_FIELDS)
 
 
 DEFAULT = LayerConfig()
 
 
+# the fields op_args passes, in its order
+OP_FIELDS = (
+    "tile_n", "slots", "decode_max_m", "decode_sparse_max_m", "prefill_min_m", "dense_above", "fused_gate",
+    "hot_rate", "batched_max_m", "reuse_rows", "reuse_min",
+)  # fmt: skip
+
+
+def op_config(*args) -> LayerConfig:
+    """The LayerConfig of an op call's arguments (op_args' order), validated."""
+    return LayerConfig(**dict(zip(OP_FIELDS, args, strict=False)))
+
+
 @functools.lru_cache(maxsize=256, typed=True)  # typed: fused_gate True is not tile_n 1
 def from_op_args(*args) -> LayerConfig:
-    """The LayerConfig of an op call's arguments (op_args' order), validated; cached: the dispatcher
-    asks on every call."""
-    return LayerConfig(*args)
+    """op_config, cached: the dispatcher asks on every call."""
+    return op_config(*args)
 
 
 def route(m: int, k: int, config: LayerConfig, density: float | None = None) -> str:
