@@ -89,7 +89,7 @@ def batched_variants(m, sweep, stream_sweep=False) -> list[tuple[str, dict]]:
     """(name, batched_decode_ffn keyword arguments) to time at m tokens: the launcher's choice (the walk
     design) and the stream design (its partials summed by the last arrival, and by the sum kernel); with
     sweep the walk's up kernel BLOCK_N, down WALK / STEPS around its table and a wider partials cap; with
-    stream_sweep the stream design's up BLOCK_N / BLOCK_K / CH and down BLOCK_K / GROUP / CHUNK."""
+    stream_sweep the stream design's up BLOCK_N / BLOCK_K / CH / K_SPLITS and down BLOCK_K / GROUP / CHUNK."""
     bucket = decode._batched_bucket(m)
     up, down = decode.STREAM_UP_CONFIG[bucket], decode.STREAM_DOWN_CONFIG[bucket]
     variants = [
@@ -98,7 +98,13 @@ def batched_variants(m, sweep, stream_sweep=False) -> list[tuple[str, dict]]:
         ("stream sum-kernel", {"design": "stream", "down_config": (*down[:4], not down[4])}),
     ]
     if stream_sweep:
-        for name, i, values in (("BLOCK_N", 1, (32, 128)), ("BLOCK_K", 2, (128, 512)), ("CH", 3, (16, 32))):
+        up_sweep = (
+            ("BLOCK_N", 1, (32, 128)),
+            ("BLOCK_K", 2, (128, 512)),
+            ("CH", 3, (16, 32)),
+            ("K_SPLITS", 6, (1, 4, 8)),
+        )
+        for name, i, values in up_sweep:
             for value in values:
                 if value != up[i]:
                     changed = (*up[:i], value, *up[i + 1 :])

@@ -50,13 +50,15 @@ BATCHED_CASES = {
 
 
 STREAM_CASES = {
-    # m, k, n, densities, up_config (BLOCK_M, BLOCK_N, BLOCK_K, CH, warps, stages), down_config (BLOCK_K,
-    # GROUP, CHUNK, warps, ARRIVE) (None: the launcher's table)
+    # m, k, n, densities, up_config (BLOCK_M, BLOCK_N, BLOCK_K, CH, warps, stages, K_SPLITS), down_config
+    # (BLOCK_K, GROUP, CHUNK, warps, ARRIVE) (None: the launcher's table)
     "m9-empty-union": (9, 40, 100, [0.0], None, None),
     "m16-full-union": (16, 24, 70, [1.0], None, None),
-    "m16-arrivals": (16, 40, 200, MIXED, (16, 32, 16, 16, 4, 1), (16, 1, 16, 4, True)),
-    "m16-sum-kernel": (16, 40, 200, MIXED, (16, 32, 16, 16, 4, 1), (16, 2, 16, 4, False)),
-    "m33-token-blocks": (33, 130, 300, MIXED, (16, 64, 32, 16, 4, 1), (32, 4, 16, 4, False)),
+    "m16-arrivals": (16, 40, 200, MIXED, (16, 32, 16, 16, 4, 1, 1), (16, 1, 16, 4, True)),
+    "m16-sum-kernel": (16, 40, 200, MIXED, (16, 32, 16, 16, 4, 1, 1), (16, 2, 16, 4, False)),
+    "m16-k-splits": (16, 70, 200, MIXED, (16, 32, 16, 16, 4, 1, 3), (16, 2, 32, 4, True)),
+    "m33-token-blocks": (33, 130, 300, MIXED, (16, 64, 32, 16, 4, 1, 1), (32, 4, 16, 4, False)),
+    "m40-k-splits-blocks": (40, 130, 300, MIXED, (16, 64, 32, 16, 4, 1, 2), (32, 4, 16, 4, False)),
     "m70-one-split": (70, 24, 100, [0.02], None, (16, 4, 64, 4, True)),
     "m1": (1, 16, 64, [0.03], None, None),
     "m257-defaults": (257, 40, 150, [0.01, 0.0], None, None),
@@ -105,7 +107,7 @@ def test_stream_design_is_deterministic_and_rerunnable(arrive):
     """Either way of summing the splits' partials gives the same bits every call (the arrival counters
     reset for the next call), and both ways agree with the walk design."""
     case = make_ffn(20, 40, 200, MIXED, torch.float32, DEVICE, seed=5, biases=True)
-    config = {"design": "stream", "up_config": (16, 32, 16, 16, 4, 1), "down_config": (16, 1, 16, 4, arrive)}
+    config = {"design": "stream", "up_config": (16, 32, 16, 16, 4, 1, 2), "down_config": (16, 1, 16, 4, arrive)}
     runs = [_call(case, True, "gated", **config) for _ in "abc"]
     assert torch.equal(runs[0], runs[1]) and torch.equal(runs[1], runs[2])
     assert rel_err(runs[0], _call(case, True, "gated", design="walk")) <= 1e-5
@@ -120,7 +122,7 @@ def test_stream_design_caps_its_partials(cap, splits, monkeypatch):
     shapes = []
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **k: shapes.append(tuple(a)) or empty(*a, **k))
-    config = {"design": "stream", "up_config": (16, 32, 16, 16, 4, 1), "down_config": (16, 1, 16, 4, False)}
+    config = {"design": "stream", "up_config": (16, 32, 16, 16, 4, 1, 1), "down_config": (16, 1, 16, 4, False)}
     y = _call(case, True, "gated", max_parts_bytes=cap, **config)
     assert (splits, 16, 40) in shapes
     assert rel_err(y, gated_ref(case)) <= TOL[torch.float32]
@@ -172,8 +174,9 @@ def test_batched_decode_of_an_empty_call_is_the_down_bias(m, k, n, poisoned_empt
         ({"down_config": (16, 16, 16, 0, 4, 1)}, r"down_config needs STEPS >= 1, got \(16, 16, 16, 0, 4, 1\)"),
         ({"design": "tree"}, r"design must be one of \('walk', 'stream'\), got 'tree'"),
         ({"design": "stream", "down_config": (16, 3, 16, 4, True)}, r"needs a power-of-two GROUP, got \(16, 3,"),
+        ({"design": "stream", "up_config": (16, 32, 16, 16, 4, 1, 0)}, r"needs K_SPLITS >= 1, got \(16, 32,"),
     ],
-    ids=["x-3d", "up-dtype", "no-steps", "design", "group"],
+    ids=["x-3d", "up-dtype", "no-steps", "design", "group", "k-splits"],
 )
 def test_batched_decode_checks_its_inputs(change, match):
     case = make_ffn(12, 16, 64, [0.1], torch.float32, DEVICE)
@@ -182,7 +185,7 @@ def test_batched_decode_checks_its_inputs(change, match):
     with pytest.raises(ValueError, match=match):
         batched_decode_ffn(
             x, case["gate_weight"], None, up, None, case["down_weight"].t(), None, 0.0,
-            design=change.get("design"), down_config=change.get("down_config"),
+            design=change.get("design"), up_config=change.get("up_config"), down_config=change.get("down_config"),
         )  # fmt: skip
 
 
@@ -287,19 +290,19 @@ for bucket in decode.BATCHED_UP_CONFIG:
          dict(num_warps=down_warps, num_stages=down_stages)),
     ]
 for bucket in decode.STREAM_UP_CONFIG:  # the stream design: its up kernel, the list down kernel both ways
-    bm, bn, bk, ch, warps, stages = decode.STREAM_UP_CONFIG[bucket]
+    bm, bn, bk, ch, warps, stages, k_splits = decode.STREAM_UP_CONFIG[bucket]
     dk, group, chunk, down_warps, arrive = decode.STREAM_DOWN_CONFIG[bucket]
-    up = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, CH=ch)
+    up = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, CH=ch, SPLIT_UP=k_splits > 1)
     builds.append((decode._stream_up_kernel, up, dict(num_warps=warps, num_stages=stages)))
-    builds += [(decode._decode_down_kernel, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=dk, SUPER=group, CHUNK=chunk,
-                ARRIVE=a), dict(num_warps=down_warps)) for a in (True, False)]
+    down = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=dk, SUPER=group, CHUNK=chunk, UP_SPLITS=k_splits if k_splits > 1 else 0)
+    builds += [(decode._decode_down_kernel, {**down, "ARRIVE": a}, dict(num_warps=down_warps)) for a in (True, False)]
 for kernel, consts, options in builds:
     consts = {**{n: v for n, v in flags.items() if n in kernel.arg_names}, **consts}
     # unit strides are specialised to 1 by the launcher (contiguous rows), the rest divisible by 16
     consts.update({n: 1 for n in ("stride_xk", "stride_uk", "stride_dk", "stride_yk") if n in kernel.arg_names})
     signature = {n: "constexpr" if n in consts else arg_type(n) for n in kernel.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
-             if signature[n] != "constexpr" and (n.endswith("_ptr") or n.startswith("stride") or n in ("K", "N"))}
+             if signature[n] != "constexpr" and (n.endswith("_ptr") or n.startswith("stride") or n in ("K", "N", "k_span"))}
     out = compile(ASTSource(kernel, signature, consts, attrs), target=GPUTarget("cuda", 90, 32), options=options)
     Path("k.cubin").write_bytes(out.asm["cubin"])
     usage = subprocess.run([str(cuobjdump), "-res-usage", "k.cubin"], capture_output=True, text=True).stdout

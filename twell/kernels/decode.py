@@ -327,6 +327,8 @@ def _decode_down_kernel(
     stride_dk,
     stride_ym,
     stride_yk,
+    up_ptr,
+    stride_us,
     HAS_DOWN_BIAS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -337,6 +339,8 @@ def _decode_down_kernel(
     CHUNK: tl.constexpr,
     SPLIT_MIN: tl.constexpr,
     ARRIVE: tl.constexpr,
+    UP_SPLITS: tl.constexpr,
+    DRELU: tl.constexpr,
 ):
     pid_k = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -399,6 +403,16 @@ def _decode_down_kernel(
             else:
                 local_m = tl.arange(0, BLOCK_M)
                 hv = tl.load(hc_ptr + pos[:, None] * BLOCK_M + local_m[None, :], mask=valid[:, None], other=0.0)
+                if UP_SPLITS > 0:  # hc holds act(g); u is the sum of a K-split up kernel's partials (+ bias)
+                    up = up_ptr + pos[:, None] * BLOCK_M + local_m[None, :]
+                    u = tl.load(up, mask=valid[:, None], other=0.0)
+                    for split in tl.static_range(1, UP_SPLITS):
+                        u += tl.load(up + split * stride_us, mask=valid[:, None], other=0.0)
+                    u = u.to(hc_ptr.dtype.element_ty).to(tl.float32)
+                    if DRELU:
+                        u = tl.where(u <= 0.0, 0.0, u)
+                    hg = hv.to(tl.float32)
+                    hv = tl.where(hg == 0.0, 0.0, hg * u).to(hc_ptr.dtype.element_ty)
                 acc = tl.dot(tl.trans(hv), wd, acc, input_precision=DOT_PRECISION)
         _store_tile(
             acc, rows, m_ok, offs_k, k_ok, bd_ptr, y_ptr, part_ptr, sem_ptr + pid_m * tl.num_programs(0) + pid_k,
@@ -540,10 +554,11 @@ def _batched_down_kernel(
 
 @triton.jit
 def _stream_up_kernel(
-    g_ptr, x_ptr, wu_ptr, bu_ptr, hc_ptr, ids_ptr, cnt_ptr, sem_ptr, n_sems, M, N, K, threshold, stride_gm,
-    stride_xm, stride_xk, stride_un, stride_uk, HAS_UP: tl.constexpr, HAS_UP_BIAS: tl.constexpr,
-    DRELU: tl.constexpr, SQUARE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CH: tl.constexpr, SEM_BLOCK: tl.constexpr,
+    g_ptr, x_ptr, wu_ptr, bu_ptr, hc_ptr, up_ptr, ids_ptr, cnt_ptr, sem_ptr, n_sems, M, N, K, k_span, threshold,
+    stride_gm, stride_xm, stride_xk, stride_un, stride_uk, stride_us, HAS_UP: tl.constexpr,
+    HAS_UP_BIAS: tl.constexpr, DRELU: tl.constexpr, SQUARE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CH: tl.constexpr,
+    SPLIT_UP: tl.constexpr, SEM_BLOCK: tl.constexpr,
 ):  # fmt: skip
     """The stream design's up kernel, after the gate GEMM g [M, N] (cuBLAS): one program per (block of
     BLOCK_N neurons, block of BLOCK_M tokens), writing the list the decode down kernel reads (ids, hc and
@@ -551,11 +566,15 @@ def _stream_up_kernel(
     a token of the block) are gathered CH at a time into a dense [BLOCK_K, CH] tile of W_u rows, so a K
     step moves CH useful rows, not BLOCK_N masked ones, and the K loop runs in few wide steps; their g
     columns are read again from g (L2) at the compacted positions, and h = act(g) * u goes to hc at
-    those positions directly (no return to the block's layout)."""
+    those positions directly (no return to the block's layout).
+    SPLIT_UP: K is split over the grid's third axis, k_span a program: no K loop to wait on (one or two
+    steps); each program writes its fp32 partial of u at the compacted positions (the first with the up
+    bias) and hc holds act(g): the down kernel sums the partials and forms h (UP_SPLITS)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
     n_blocks = tl.num_programs(0)
-    if pid_n == 0 and pid_m == 0:  # the down kernel's arrival counters start at zero
+    if pid_n == 0 and pid_m == 0 and pid_s == 0:  # the down kernel's arrival counters start at zero
         for s0 in range(0, n_sems, SEM_BLOCK):
             offs_s = s0 + tl.arange(0, SEM_BLOCK)
             tl.store(sem_ptr + offs_s, tl.zeros([SEM_BLOCK], tl.int32), mask=offs_s < n_sems)
@@ -573,24 +592,24 @@ def _stream_up_kernel(
     n_active = tl.sum(active.to(tl.int32), axis=0)
     slot = tl.cumsum(active.to(tl.int32), axis=0) - 1
     seg = (pid_m.to(tl.int64) * n_blocks + pid_n) * BLOCK_N
-    tl.store(ids_ptr + seg + slot, offs_n, mask=active)
-    tl.store(cnt_ptr + pid_m * n_blocks + pid_n, n_active)
-    if not HAS_UP:  # h = act(g): the block's active columns, compacted in place
-        h = tl.where(kept, g, 0.0)
-        if SQUARE:
-            h = (h * h).to(dtype).to(tl.float32)
-        tl.store(hc_ptr + (seg + slot)[None, :] * BLOCK_M + local_m[:, None], h.to(dtype), mask=active[None, :])
-    else:
+    if pid_s == 0:
+        tl.store(ids_ptr + seg + slot, offs_n, mask=active)
+        tl.store(cnt_ptr + pid_m * n_blocks + pid_n, n_active)
+        if not HAS_UP or SPLIT_UP:  # act(g) (h without up): the block's active columns, compacted in place
+            h = tl.where(kept, g, 0.0)
+            if SQUARE:
+                h = (h * h).to(dtype).to(tl.float32)
+            tl.store(hc_ptr + (seg + slot)[None, :] * BLOCK_M + local_m[:, None], h.to(dtype), mask=active[None, :])
+    if HAS_UP:
+        k_lo = pid_s * k_span
+        k_hi = tl.minimum(k_lo + k_span, K)
         for c0 in range(0, n_active, CH):
             j = c0 + tl.arange(0, CH)
             j_ok = j < n_active
             pick = active[None, :] & (slot[None, :] == j[:, None])  # [CH, BLOCK_N]: slot j's neuron
             neuron = tl.sum(tl.where(pick, offs_n[None, :], 0), axis=1).to(tl.int64)
-            ok_c = m_ok[:, None] & j_ok[None, :]
-            g_c = tl.load(g_ptr + rows[:, None] * stride_gm + neuron[None, :], mask=ok_c, other=0.0).to(tl.float32)
-            kept_c = ((g_c > threshold) | (g_c != g_c)) & ok_c
             u = tl.zeros([BLOCK_M, CH], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
+            for k0 in range(k_lo, k_hi, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 k_ok = offs_k < K
                 xt = tl.load(
@@ -605,15 +624,24 @@ def _stream_up_kernel(
                 )
                 u = tl.dot(xt, wt, u, input_precision=DOT_PRECISION)
             if HAS_UP_BIAS:
-                u += tl.load(bu_ptr + neuron, mask=j_ok, other=0.0).to(tl.float32)[None, :]
-            u = u.to(dtype).to(tl.float32)
-            if DRELU:
-                u = tl.where(u <= 0.0, 0.0, u)
-            h = tl.where(kept_c, g_c, 0.0)
-            if SQUARE:
-                h = (h * h).to(dtype).to(tl.float32)
-            h = tl.where(kept_c, h * u, 0.0)
-            tl.store(hc_ptr + (seg + j)[None, :] * BLOCK_M + local_m[:, None], h.to(dtype), mask=j_ok[None, :])
+                if pid_s == 0:  # the bias once, in the first split's partial
+                    u += tl.load(bu_ptr + neuron, mask=j_ok, other=0.0).to(tl.float32)[None, :]
+            entries = (seg + j)[None, :] * BLOCK_M + local_m[:, None]
+            if SPLIT_UP:
+                tl.store(up_ptr + pid_s * stride_us + entries, u, mask=j_ok[None, :])
+            else:
+                ok_c = m_ok[:, None] & j_ok[None, :]
+                g_c = tl.load(g_ptr + rows[:, None] * stride_gm + neuron[None, :], mask=ok_c, other=0.0)
+                g_c = g_c.to(tl.float32)
+                kept_c = ((g_c > threshold) | (g_c != g_c)) & ok_c
+                u = u.to(dtype).to(tl.float32)
+                if DRELU:
+                    u = tl.where(u <= 0.0, 0.0, u)
+                h = tl.where(kept_c, g_c, 0.0)
+                if SQUARE:
+                    h = (h * h).to(dtype).to(tl.float32)
+                h = tl.where(kept_c, h * u, 0.0)
+                tl.store(hc_ptr + entries, h.to(dtype), mask=j_ok[None, :])
 
 
 @triton.jit
@@ -688,24 +716,29 @@ BATCHED_DOWN_CONFIG = {
 
 # The stream design (batched_decode_ffn(design="stream")), by token bucket as above. Not yet measured:
 # chosen by counting dependent memory rounds (benchmarks/NOTES.md, "Batched decode, stream design").
-# Up kernel (BLOCK_M, BLOCK_N, BLOCK_K, CH, num_warps, num_stages): a token block's active neurons of a
-# BLOCK_N block, CH at a time, in K steps of BLOCK_K (8 steps at K=2048 for 16-32 tokens): ~5 / 17
-# active of 64 at 16 / 64 tokens and 0.5%, so one CH group a block.
+# Up kernel (BLOCK_M, BLOCK_N, BLOCK_K, CH, num_warps, num_stages, K_SPLITS): a token block's active
+# neurons of a BLOCK_N block, CH at a time (~5 / 17 active of 64 at 16 / 64 tokens and 0.5%: one CH
+# group a block), in K steps of BLOCK_K, K split over K_SPLITS programs: at 16-32 tokens one to four
+# steps a program (K=2048 / 4096), fp32 partials of u summed by the down kernel (K_SPLITS x entries x
+# BLOCK_M x 4 bytes: 0.2-0.5 MB at 0.5%; 4 splits at 32 tokens, whose down chunk of 8 splits' [128, 32]
+# partials would not fit in shared memory); from 64 tokens one program walks K (8-16 pipelined
+# steps), where the partials would grow with the tokens and the steps carry more rows.
+# ptxas (sm_90, Triton 3.9, bf16): 116-237 registers, no spills, the K loop pipelined (cp.async).
 STREAM_UP_CONFIG = {
-    16: (16, 64, 256, 16, 4, 4),
-    32: (32, 64, 256, 16, 4, 3),
-    64: (64, 64, 128, 32, 4, 3),
-    128: (64, 64, 128, 32, 4, 3),
-    256: (64, 64, 128, 32, 4, 3),
+    16: (16, 64, 256, 16, 4, 2, 8),
+    32: (32, 64, 256, 16, 4, 2, 4),
+    64: (64, 64, 128, 32, 4, 3, 1),
+    128: (64, 64, 128, 32, 4, 3, 1),
+    256: (64, 64, 128, 32, 4, 3, 1),
 }
 # Down kernel: _decode_down_kernel's static groups (BLOCK_K, GROUP, CHUNK, num_warps, ARRIVE): split s
 # takes the entries of neuron blocks [s * GROUP, (s + 1) * GROUP) CHUNK at a time, one chunk at 0.5%
-# for 16-32 tokens (~40 / 75 entries a group of 8 blocks), two at 64+; ARRIVE: the last split to arrive
-# sums the partials, else _sum_parts_kernel does (one launch more, no fenced arrivals). GROUP grows
-# past max_parts_bytes of partials (fewer splits).
+# for 16 tokens (~40 entries a group of 8 blocks), two at 32+; ARRIVE: the last split to arrive sums
+# the partials, else _sum_parts_kernel does (one launch more, no fenced arrivals). GROUP grows past
+# max_parts_bytes of partials (fewer splits).
 STREAM_DOWN_CONFIG = {
     16: (64, 8, 64, 4, True),
-    32: (64, 8, 128, 4, True),
+    32: (64, 8, 64, 4, True),
     64: (64, 8, 128, 4, True),
     128: (64, 8, 128, 4, True),
     256: (64, 16, 128, 8, True),
@@ -905,6 +938,8 @@ def decode_ffn(
         down_weight_t.stride(1),
         y.stride(0),
         y.stride(1),
+        hc,
+        0,
         HAS_DOWN_BIAS=down_bias is not None,
         DOT_PRECISION=precision,
         BLOCK_M=block_m,
@@ -915,6 +950,8 @@ def decode_ffn(
         CHUNK=chunk,
         SPLIT_MIN=split_min,
         ARRIVE=True,
+        UP_SPLITS=0,
+        DRELU=False,
         num_warps=down_warps,
     )
     return y
@@ -1017,10 +1054,14 @@ def _batched_stream(
 ):  # fmt: skip
     """The stream design's launches (batched_decode_ffn's arguments, checked, and the call's M, K, N)."""
     bucket = _batched_bucket(m)
-    block_m, block_n, up_k, ch, up_warps, up_stages = up_config or STREAM_UP_CONFIG[bucket]
+    block_m, block_n, up_k, ch, up_warps, up_stages, k_splits = up_config or STREAM_UP_CONFIG[bucket]
     down_k, group, chunk, down_warps, arrive = down_config or STREAM_DOWN_CONFIG[bucket]
     if group < 1 or group & (group - 1):
         raise ValueError(f"down_config needs a power-of-two GROUP, got {down_config}")
+    if k_splits < 1:
+        raise ValueError(f"up_config needs K_SPLITS >= 1, got {up_config}")
+    k_span = triton.cdiv(triton.cdiv(k, k_splits), up_k) * up_k
+    k_splits = triton.cdiv(k, k_span) if up_weight is not None else 1  # no empty K splits
     g = F.linear(x, gate_weight, gate_bias)
     n_blocks, m_blocks, k_blocks = triton.cdiv(n, block_n), triton.cdiv(m, block_m), triton.cdiv(k, down_k)
     max_splits = max(1, max_parts_bytes // (m * k * 4))
@@ -1029,24 +1070,27 @@ def _batched_stream(
     hc = torch.empty(m_blocks * n_blocks * block_n, block_m, dtype=x.dtype, device=x.device)
     ids = torch.empty(m_blocks * n_blocks * block_n, dtype=torch.int32, device=x.device)
     counts = torch.empty(m_blocks * n_blocks, dtype=torch.int32, device=x.device)
+    split_up = k_splits > 1
+    up = torch.empty(k_splits if split_up else 0, *hc.shape, dtype=torch.float32, device=x.device)
     sems = torch.empty(k_blocks * m_blocks if arrive and splits > 1 else 0, dtype=torch.int32, device=x.device)
     parts = torch.empty(splits if splits > 1 else 0, m, k, dtype=torch.float32, device=x.device)
     y = torch.empty_like(x)
     precision = dot_precision(x.dtype)
     bias = down_bias if down_bias is not None else x
-    _stream_up_kernel[(n_blocks, m_blocks)](
-        g, x, up_weight if up_weight is not None else x, up_bias if up_bias is not None else x, hc, ids, counts,
-        sems, sems.numel(), m, n, k, threshold_in(threshold, x.dtype), g.stride(0), x.stride(0), x.stride(1),
-        *(up_weight.stride() if up_weight is not None else (0, 0)),
+    _stream_up_kernel[(n_blocks, m_blocks, k_splits)](
+        g, x, up_weight if up_weight is not None else x, up_bias if up_bias is not None else x, hc, up, ids, counts,
+        sems, sems.numel(), m, n, k, k_span, threshold_in(threshold, x.dtype), g.stride(0), x.stride(0), x.stride(1),
+        *(up_weight.stride() if up_weight is not None else (0, 0)), hc.numel(),
         HAS_UP=up_weight is not None, HAS_UP_BIAS=up_bias is not None, DRELU=drelu, SQUARE=square,
-        DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=up_k, CH=ch, SEM_BLOCK=256,
-        num_warps=up_warps, num_stages=up_stages,
+        DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=up_k, CH=ch, SPLIT_UP=split_up,
+        SEM_BLOCK=256, num_warps=up_warps, num_stages=up_stages,
     )  # fmt: skip
     _decode_down_kernel[(k_blocks, m_blocks, splits)](
         hc, ids, counts, down_weight_t, bias, y, parts, sems, m, k, n_blocks, down_weight_t.stride(0),
-        down_weight_t.stride(1), y.stride(0), y.stride(1), HAS_DOWN_BIAS=down_bias is not None,
+        down_weight_t.stride(1), y.stride(0), y.stride(1), up, hc.numel(), HAS_DOWN_BIAS=down_bias is not None,
         DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=down_k, NB=32, SUPER=group,
-        CHUNK=chunk, SPLIT_MIN=0, ARRIVE=bool(arrive), num_warps=down_warps,
+        CHUNK=chunk, SPLIT_MIN=0, ARRIVE=bool(arrive), UP_SPLITS=k_splits if split_up else 0, DRELU=drelu,
+        num_warps=down_warps,
     )  # fmt: skip
     if splits > 1 and not arrive:
         block = 256
