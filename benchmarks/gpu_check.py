@@ -89,7 +89,8 @@ def batched_variants(m, sweep, stream_sweep=False) -> list[tuple[str, dict]]:
     """(name, batched_decode_ffn keyword arguments) to time at m tokens: the launcher's choice (the walk
     design) and the stream design (its partials summed by the last arrival, and by the sum kernel); with
     sweep the walk's up kernel BLOCK_N, down WALK / STEPS around its table and a wider partials cap; with
-    stream_sweep the stream design's up BLOCK_N / BLOCK_K / CH / K_SPLITS and down BLOCK_K / GROUP / CHUNK."""
+    stream_sweep the stream design's up BLOCK_N / BLOCK_K / CH / stages / K_SPLITS and down BLOCK_K / GROUP /
+    CHUNK."""
     bucket = decode._batched_bucket(m)
     up, down = decode.STREAM_UP_CONFIG[bucket], decode.STREAM_DOWN_CONFIG[bucket]
     variants = [
@@ -100,7 +101,8 @@ def batched_variants(m, sweep, stream_sweep=False) -> list[tuple[str, dict]]:
     if stream_sweep:
         up_sweep = (
             ("BLOCK_N", 1, (32, 128)),
-            ("BLOCK_K", 2, (128, 512)),
+            ("BLOCK_K", 2, (128, 256, 512)),
+            ("stages", 5, (2, 4)),
             ("CH", 3, (16, 32)),
             ("K_SPLITS", 6, (1, 4, 8)),
         )

@@ -721,13 +721,15 @@ BATCHED_DOWN_CONFIG = {
 # group a block), in K steps of BLOCK_K, K split over K_SPLITS programs: at 16-32 tokens one to four
 # steps a program (K=2048 / 4096), fp32 partials of u summed by the down kernel (K_SPLITS x entries x
 # BLOCK_M x 4 bytes: 0.2-0.5 MB at 0.5%; 4 splits at 32 tokens, whose down chunk of 8 splits' [128, 32]
-# partials would not fit in shared memory); from 64 tokens one program walks K (8-16 pipelined
-# steps), where the partials would grow with the tokens and the steps carry more rows.
-# ptxas (sm_90, Triton 3.9, bf16): 116-237 registers, no spills, the K loop pipelined (cp.async).
+# partials would not fit in shared memory); from 64 tokens one program walks K in pipelined steps,
+# where the partials would grow with the tokens and the steps carry more rows: 256 wide at 64 tokens (8
+# warps: 189 registers, 144 KB shared, one program an SM for 88-224 programs), 128 at 128-256 tokens
+# (176-896 programs, 2 an SM). ptxas (sm_90, Triton 3.9, bf16): 116-237 registers, no spills, the K
+# loop pipelined (cp.async).
 STREAM_UP_CONFIG = {
     16: (16, 64, 256, 16, 4, 2, 8),
     32: (32, 64, 256, 16, 4, 2, 4),
-    64: (64, 64, 128, 32, 4, 3, 1),
+    64: (64, 64, 256, 32, 8, 3, 1),
     128: (64, 64, 128, 32, 4, 3, 1),
     256: (64, 64, 128, 32, 4, 3, 1),
 }
