@@ -301,8 +301,10 @@ for kernel, consts, options in builds:
     # unit strides are specialised to 1 by the launcher (contiguous rows), the rest divisible by 16
     consts.update({n: 1 for n in ("stride_xk", "stride_uk", "stride_dk", "stride_yk") if n in kernel.arg_names})
     signature = {n: "constexpr" if n in consts else arg_type(n) for n in kernel.arg_names}
+    # k_span (a multiple of BLOCK_K) too: Triton specialises integer arguments divisible by 16
+    aligned = ("K", "N", "k_span")
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
-             if signature[n] != "constexpr" and (n.endswith("_ptr") or n.startswith("stride") or n in ("K", "N", "k_span"))}
+             if signature[n] != "constexpr" and (n.endswith("_ptr") or n.startswith("stride") or n in aligned)}
     out = compile(ASTSource(kernel, signature, consts, attrs), target=GPUTarget("cuda", 90, 32), options=options)
     Path("k.cubin").write_bytes(out.asm["cubin"])
     usage = subprocess.run([str(cuobjdump), "-res-usage", "k.cubin"], capture_output=True, text=True).stdout

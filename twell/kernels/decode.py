@@ -25,7 +25,11 @@ for it at 16+ tokens), then the union of the call's kept neurons decides which r
 are read at all: the up kernel compacts each neuron block's union ids (the rest of its segment -1) and
 the tokens' h for them; the down kernel walks all segments in wide steps (ids, then the valid slots'
 W_d rows and h, independent of how many are valid), split across programs so that every SM has gathers
-in flight, partials summed by the last arrival.
+in flight, partials summed by the last arrival. Its stream design (design="stream", not yet measured)
+counts dependent memory rounds instead: the up kernel gathers each token block's active W_u rows into
+dense tiles, in one or two K steps a program at 16-32 tokens (K split over programs, u's partials
+summed by the down kernel), and writes the list above, which the list down kernel reads in one or
+two chunks a program.
 """
 
 from __future__ import annotations
