@@ -1,7 +1,7 @@
 """Kernel variants on the GPU in one run: correctness at real shapes, then timings, a short table last.
 
     PYTHONPATH=. python benchmarks/gpu_check.py decode [--shapes 2048x5632,4096x14336]
-    PYTHONPATH=. python benchmarks/gpu_check.py batched [--tokens 16,32,64,128,256] [--sweep]
+    PYTHONPATH=. python benchmarks/gpu_check.py batched [--tokens 16,32,64,128,256] [--sweep] [--stream-sweep]
 
 Used to choose kernel configurations (the shipped ones are in the kernel files, with the result file
 that chose them); benchmarks/ffn.py is the benchmark of record. Writes JSON to $OUT or
@@ -85,10 +85,37 @@ def batched_floor_bytes(k, n, m, union) -> int:
     return 2 * (n * k + 2 * union * k + 2 * m * k)
 
 
-def batched_variants(m, sweep) -> list[tuple[str, dict]]:
-    """(name, batched_decode_ffn keyword arguments) to time at m tokens: the launcher's choice, and with
-    sweep the up kernel's BLOCK_N, the down kernel's WALK / STEPS around it and a wider partials cap."""
-    variants = [("batched", {})]
+def batched_variants(m, sweep, stream_sweep=False) -> list[tuple[str, dict]]:
+    """(name, batched_decode_ffn keyword arguments) to time at m tokens: the launcher's choice (the walk
+    design) and the stream design (its partials summed by the last arrival, and by the sum kernel); with
+    sweep the walk's up kernel BLOCK_N, down WALK / STEPS around its table and a wider partials cap; with
+    stream_sweep the stream design's up BLOCK_N / BLOCK_K / CH / stages / K_SPLITS and down BLOCK_K / GROUP /
+    CHUNK."""
+    bucket = decode._batched_bucket(m)
+    up, down = decode.STREAM_UP_CONFIG[bucket], decode.STREAM_DOWN_CONFIG[bucket]
+    variants = [
+        ("batched", {}),
+        ("stream", {"design": "stream"}),
+        ("stream sum-kernel", {"design": "stream", "down_config": (*down[:4], not down[4])}),
+    ]
+    if stream_sweep:
+        up_sweep = (
+            ("BLOCK_N", 1, (32, 128)),
+            ("BLOCK_K", 2, (128, 256, 512)),
+            ("stages", 5, (2, 4)),
+            ("CH", 3, (16, 32)),
+            ("K_SPLITS", 6, (1, 4, 8)),
+        )
+        for name, i, values in up_sweep:
+            for value in values:
+                if value != up[i]:
+                    changed = (*up[:i], value, *up[i + 1 :])
+                    variants.append((f"stream up {name} {value}", {"design": "stream", "up_config": changed}))
+        for name, i, values in (("BLOCK_K", 0, (32, 128)), ("GROUP", 1, (4, 16)), ("CHUNK", 2, (64, 128))):
+            for value in values:
+                if value != down[i]:
+                    changed = (*down[:i], value, *down[i + 1 :])
+                    variants.append((f"stream down {name} {value}", {"design": "stream", "down_config": changed}))
     if not sweep:
         return variants
     bucket = decode._batched_bucket(m)
@@ -106,10 +133,11 @@ def batched_variants(m, sweep) -> list[tuple[str, dict]]:
     return variants
 
 
-def batched_point(k, n, m, density, pattern, sweep) -> list[dict]:
+def batched_point(k, n, m, density, pattern, sweep, stream_sweep=False) -> list[dict]:
     """At one point, per layer of a graph over LAYERS_PER_GRAPH layers: dense; the module as sparsify
     installs it; the one-token design's kernels forced (decode_ffn); the batched decode (each variant),
-    with its bytes floor, the union it met, and at 0.5% the time of each of its kernels in the graph."""
+    with its bytes floor, the union it met, and at 0.5% the time of each kernel of the walk and stream
+    designs (their shipped configs) in the graph."""
     x, block = make_inputs(m, k, n, density, pattern, seed=m + n)
     blocks = [block] + [neuron_permuted(block, i) for i in range(1, LAYERS_PER_GRAPH)]
 
@@ -132,7 +160,7 @@ def batched_point(k, n, m, density, pattern, sweep) -> list[dict]:
             return (x, w["gate_weight"], w["gate_bias"], w["up_weight"], None, w["down_weight"].t(), None, 0.0)
 
         calls = [("installed", lambda b: b(x)), ("decode", lambda b: decode.decode_ffn(*args(b)))]
-        for name, kwargs in batched_variants(m, sweep):
+        for name, kwargs in batched_variants(m, sweep, stream_sweep):
             calls.append((name, lambda b, kw=kwargs: decode.batched_decode_ffn(*args(b), **kw)))
         for name, call in calls:
             try:
@@ -144,7 +172,7 @@ def batched_point(k, n, m, density, pattern, sweep) -> list[dict]:
             row = {"K": k, "N": n, "M": m, "density": density, "pattern": pattern, "variant": name,
                    "dense_ms": dense_ms, "ms": ms, "speedup": dense_ms / ms, "rel_err": err, "union": union,
                    "floor_bytes": floor, "tb_s_of_floor": floor / ms / 1e9}  # fmt: skip
-            if name == "batched" and density == 0.005:
+            if name in ("batched", "stream", "stream sum-kernel") and density == 0.005:
                 row["kernels_us"] = graph_kernel_us(lambda c=call: [c(b) for b in blocks])
             rows.append(row)
             print(
@@ -329,7 +357,8 @@ def main():
     parser.add_argument("--pattern", default="exact", help="decode and floors inputs (ffn.py's patterns)")
     parser.add_argument("--tokens", default=None, help="floors (default 1,16,64), batched (16,32,64,128,256)")
     parser.add_argument("--densities", default="0.005,0.01,0.05", help="batched")
-    parser.add_argument("--sweep", action="store_true", help="batched: also the configs around the shipped ones")
+    parser.add_argument("--sweep", action="store_true", help="batched: also the walk configs around the shipped ones")
+    parser.add_argument("--stream-sweep", action="store_true", help="batched: also the stream design's configs")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -360,7 +389,9 @@ def main():
             k, n = map(int, shape.split("x"))
             for m in map(int, (args.tokens or "16,32,64,128,256").split(",")):
                 for density in map(float, args.densities.split(",")):
-                    result["rows"] += batched_point(k, n, m, density, args.pattern, args.sweep and density == 0.005)
+                    low = density == 0.005  # the sweeps at 0.5% only
+                    sweeps = (args.sweep and low, args.stream_sweep and low)
+                    result["rows"] += batched_point(k, n, m, density, args.pattern, *sweeps)
                 path.write_text(json.dumps(result, indent=1))  # kept if a later point runs out of time
     elif args.part == "floors":
         for shape in args.shapes.split(","):

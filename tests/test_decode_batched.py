@@ -15,7 +15,7 @@ from ffn_cases import TOL, decode_args, gated_ref, make_ffn, plain_ref
 
 import twell
 from twell.calibrate import Decision
-from twell.kernels import dispatch, policy
+from twell.kernels import decode, dispatch, policy
 from twell.kernels.decode import batched_decode_ffn, decode_ffn
 from twell.kernels.policy import LayerConfig
 
@@ -49,6 +49,23 @@ BATCHED_CASES = {
 }
 
 
+STREAM_CASES = {
+    # m, k, n, densities, up_config (BLOCK_M, BLOCK_N, BLOCK_K, CH, warps, stages, K_SPLITS), down_config
+    # (BLOCK_K, GROUP, CHUNK, warps, ARRIVE) (None: the launcher's table)
+    "m9-empty-union": (9, 40, 100, [0.0], None, None),
+    "m16-full-union": (16, 24, 70, [1.0], None, None),
+    "m16-arrivals": (16, 40, 200, MIXED, (16, 32, 16, 16, 4, 1, 1), (16, 1, 16, 4, True)),
+    "m16-sum-kernel": (16, 40, 200, MIXED, (16, 32, 16, 16, 4, 1, 1), (16, 2, 16, 4, False)),
+    "m16-k-splits": (16, 70, 200, MIXED, (16, 32, 16, 16, 4, 1, 3), (16, 2, 32, 4, True)),
+    "m33-token-blocks": (33, 130, 300, MIXED, (16, 64, 32, 16, 4, 1, 1), (32, 4, 16, 4, False)),
+    "m40-k-splits-blocks": (40, 130, 300, MIXED, (16, 64, 32, 16, 4, 1, 2), (32, 4, 16, 4, False)),
+    "m70-one-split": (70, 24, 100, [0.02], None, (16, 4, 64, 4, True)),
+    "m1": (1, 16, 64, [0.03], None, None),
+    "m257-defaults": (257, 40, 150, [0.01, 0.0], None, None),
+    "m300-defaults": (300, 24, 100, MIXED, None, None),
+}
+
+
 def _call(case, gated, variant, **configs):
     return batched_decode_ffn(*decode_args(case, gated), drelu=variant == "drelu", square=variant == "relu2", **configs)
 
@@ -67,6 +84,48 @@ def test_batched_decode_matches_reference(case_id, dtype, variant, poisoned_empt
     ref = gated_ref(case, drelu=variant == "drelu") if gated else plain_ref(case, squared=variant == "relu2")
     assert y.dtype == dtype and y.shape == (m, k)
     assert rel_err(y, ref) <= TOL[dtype] * (4 if variant == "relu2" else 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("variant", ["gated", "drelu", "plain", "relu2", "nobias"])
+@pytest.mark.parametrize("case_id", list(STREAM_CASES))
+def test_stream_design_matches_reference(case_id, dtype, variant, poisoned_empty):
+    """The stream design at 1-300 tokens: one and several token blocks, CH groups and chunks, one split,
+    many (summed by the last arrival or by the sum kernel), empty and full unions, awkward K and N;
+    every output and scratch element poisoned before the kernels run."""
+    m, k, n, densities, up_config, down_config = STREAM_CASES[case_id]
+    gated = variant in ("gated", "drelu", "nobias")
+    case = make_ffn(m, k, n, densities, dtype, DEVICE, seed=m + k, biases=variant != "nobias", gated=gated)
+    y = _call(case, gated, variant, design="stream", up_config=up_config, down_config=down_config)
+    ref = gated_ref(case, drelu=variant == "drelu") if gated else plain_ref(case, squared=variant == "relu2")
+    assert y.dtype == dtype and y.shape == (m, k)
+    assert rel_err(y, ref) <= TOL[dtype] * (4 if variant == "relu2" else 1)
+
+
+@pytest.mark.parametrize("arrive", [True, False], ids=["arrivals", "sum-kernel"])
+def test_stream_design_is_deterministic_and_rerunnable(arrive):
+    """Either way of summing the splits' partials gives the same bits every call (the arrival counters
+    reset for the next call), and both ways agree with the walk design."""
+    case = make_ffn(20, 40, 200, MIXED, torch.float32, DEVICE, seed=5, biases=True)
+    config = {"design": "stream", "up_config": (16, 32, 16, 16, 4, 1, 2), "down_config": (16, 1, 16, 4, arrive)}
+    runs = [_call(case, True, "gated", **config) for _ in "abc"]
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[1], runs[2])
+    assert rel_err(runs[0], _call(case, True, "gated", design="walk")) <= 1e-5
+
+
+@pytest.mark.parametrize("cap,splits", [(16 * 40 * 4 * 3, 2), (0, 0)], ids=["three-allowed", "one-allowed"])
+def test_stream_design_caps_its_partials(cap, splits, monkeypatch):
+    """Past max_parts_bytes of partials each split takes more neuron blocks: 7 blocks of 32 at GROUP 1
+    are 7 splits; 3 allowed make GROUP 4 (a power of two), so 2 splits; 1 allowed makes GROUP 8, so one
+    split and no partials."""
+    case = make_ffn(16, 40, 200, MIXED, torch.float32, DEVICE, seed=6, biases=True)
+    shapes = []
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: shapes.append(tuple(a)) or empty(*a, **k))
+    config = {"design": "stream", "up_config": (16, 32, 16, 16, 4, 1, 1), "down_config": (16, 1, 16, 4, False)}
+    y = _call(case, True, "gated", max_parts_bytes=cap, **config)
+    assert (splits, 16, 40) in shapes
+    assert rel_err(y, gated_ref(case)) <= TOL[torch.float32]
 
 
 def test_batched_decode_is_deterministic_and_rerunnable():
@@ -113,8 +172,11 @@ def test_batched_decode_of_an_empty_call_is_the_down_bias(m, k, n, poisoned_empt
         ({"x": "3d"}, r"x must be a 2-dim tensor \[M, K\], got \[1, 12, 16\]"),
         ({"up_weight": "half"}, r"up_weight must be \[64, 16\] torch.float32"),
         ({"down_config": (16, 16, 16, 0, 4, 1)}, r"down_config needs STEPS >= 1, got \(16, 16, 16, 0, 4, 1\)"),
+        ({"design": "tree"}, r"design must be one of \('walk', 'stream'\), got 'tree'"),
+        ({"design": "stream", "down_config": (16, 3, 16, 4, True)}, r"needs a power-of-two GROUP, got \(16, 3,"),
+        ({"design": "stream", "up_config": (16, 32, 16, 16, 4, 1, 0)}, r"needs K_SPLITS >= 1, got \(16, 32,"),
     ],
-    ids=["x-3d", "up-dtype", "no-steps"],
+    ids=["x-3d", "up-dtype", "no-steps", "design", "group", "k-splits"],
 )
 def test_batched_decode_checks_its_inputs(change, match):
     case = make_ffn(12, 16, 64, [0.1], torch.float32, DEVICE)
@@ -123,14 +185,14 @@ def test_batched_decode_checks_its_inputs(change, match):
     with pytest.raises(ValueError, match=match):
         batched_decode_ffn(
             x, case["gate_weight"], None, up, None, case["down_weight"].t(), None, 0.0,
-            down_config=change.get("down_config"),
+            design=change.get("design"), up_config=change.get("up_config"), down_config=change.get("down_config"),
         )  # fmt: skip
 
 
 def test_route_of_batched_max_m():
     """Calls above decode_max_m and up to batched_max_m take the batched decode, before the density-gated
     decode; off (0) by default, so today's routes stand until it is measured."""
-    assert policy.DEFAULT.batched_max_m == 0
+    assert policy.DEFAULT.batched_max_m == 0 and decode.BATCHED_DESIGN == "walk"  # the stream design: unmeasured
     assert [policy.route(m, 2048, policy.DEFAULT, density=0.005) for m in (8, 16, 64)] == ["decode", "decode", "dense"]
     config = LayerConfig(batched_max_m=64)
     assert [policy.route(m, 2048, config, density=0.005) for m in (8, 9, 64, 65)] == [
@@ -214,36 +276,54 @@ from twell.kernels import decode
 def arg_type(name):
     if not name.endswith("_ptr"):
         return "fp32" if name == "threshold" else "i32"
-    return {"ids_ptr": "*i32", "sem_ptr": "*i32", "part_ptr": "*fp32"}.get(name, "*bf16")
+    return {"ids_ptr": "*i32", "cnt_ptr": "*i32", "sem_ptr": "*i32", "part_ptr": "*fp32"}.get(name, "*bf16")
 
 flags = dict(HAS_UP=True, HAS_UP_BIAS=True, HAS_DOWN_BIAS=True, DRELU=False, SQUARE=False, DOT_PRECISION="tf32",
-             SEM_BLOCK=256)
+             SEM_BLOCK=256, NB=32, SPLIT_MIN=0)
 cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+builds = []
 for bucket in decode.BATCHED_UP_CONFIG:
     bm, bn, bk, warps, stages = decode.BATCHED_UP_CONFIG[bucket]
     dm, dk, walk, _, down_warps, down_stages = decode.BATCHED_DOWN_CONFIG[bucket]
-    for kernel, consts, options in [
+    builds += [
         (decode._batched_up_kernel, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), dict(num_warps=warps, num_stages=stages)),
         (decode._batched_down_kernel, dict(BLOCK_M=dm, BLOCK_K=dk, WALK=walk),
          dict(num_warps=down_warps, num_stages=down_stages)),
-    ]:
-        consts = {**{n: v for n, v in flags.items() if n in kernel.arg_names}, **consts}
-        # unit strides are specialised to 1 by the launcher (contiguous rows), the rest divisible by 16
-        consts.update({n: 1 for n in ("stride_xk", "stride_uk", "stride_dk", "stride_yk") if n in kernel.arg_names})
-        signature = {n: "constexpr" if n in consts else arg_type(n) for n in kernel.arg_names}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
-                 if signature[n] != "constexpr" and (n.endswith("_ptr") or n.startswith("stride") or n in ("K", "N"))}
-        out = compile(ASTSource(kernel, signature, consts, attrs), target=GPUTarget("cuda", 90, 32), options=options)
-        Path("k.cubin").write_bytes(out.asm["cubin"])
-        usage = subprocess.run([str(cuobjdump), "-res-usage", "k.cubin"], capture_output=True, text=True).stdout
-        assert "STACK:0 " in usage and "LOCAL:0 " in usage, (kernel.__name__, consts, usage)  # no spills
-        assert "cp.async" in out.asm["ptx"], (kernel.__name__, consts)  # the walk / K loop is pipelined
+    ]
+for bucket in decode.STREAM_UP_CONFIG:  # the stream design: its up kernel, the list down kernel both ways
+    bm, bn, bk, ch, warps, stages, k_splits = decode.STREAM_UP_CONFIG[bucket]
+    dk, group, chunk, down_warps, arrive = decode.STREAM_DOWN_CONFIG[bucket]
+    up = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, CH=ch, SPLIT_UP=k_splits > 1)
+    builds.append((decode._stream_up_kernel, up, dict(num_warps=warps, num_stages=stages)))
+    down = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=dk, SUPER=group, CHUNK=chunk, UP_SPLITS=k_splits if k_splits > 1 else 0)
+    builds += [(decode._decode_down_kernel, {**down, "ARRIVE": a}, dict(num_warps=down_warps)) for a in (True, False)]
+for kernel, consts, options in builds:
+    consts = {**{n: v for n, v in flags.items() if n in kernel.arg_names}, **consts}
+    # unit strides are specialised to 1 by the launcher (contiguous rows), the rest divisible by 16
+    consts.update({n: 1 for n in ("stride_xk", "stride_uk", "stride_dk", "stride_yk") if n in kernel.arg_names})
+    signature = {n: "constexpr" if n in consts else arg_type(n) for n in kernel.arg_names}
+    # k_span (a multiple of BLOCK_K) too: Triton specialises integer arguments divisible by 16
+    aligned = ("K", "N", "k_span")
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
+             if signature[n] != "constexpr" and (n.endswith("_ptr") or n.startswith("stride") or n in aligned)}
+    out = compile(ASTSource(kernel, signature, consts, attrs), target=GPUTarget("cuda", 90, 32), options=options)
+    Path("k.cubin").write_bytes(out.asm["cubin"])
+    usage = subprocess.run([str(cuobjdump), "-res-usage", "k.cubin"], capture_output=True, text=True).stdout
+    assert "STACK:0 " in usage and "LOCAL:0 " in usage, (kernel.__name__, consts, usage)  # no spills
+    assert "cp.async" in out.asm["ptx"], (kernel.__name__, consts)  # the walk / K loop is pipelined
+out = compile(ASTSource(decode._sum_parts_kernel, {"part_ptr": "*fp32", "bd_ptr": "*bf16", "y_ptr": "*bf16",
+              "splits": "i32", "M": "i32", "K": "i32", "stride_ym": "i32", "stride_yk": "constexpr",
+              "HAS_DOWN_BIAS": "constexpr", "SPLITS": "constexpr", "BLOCK": "constexpr"},
+              dict(stride_yk=1, HAS_DOWN_BIAS=True, SPLITS=32, BLOCK=256)), target=GPUTarget("cuda", 90, 32))
+Path("k.cubin").write_bytes(out.asm["cubin"])
+usage = subprocess.run([str(cuobjdump), "-res-usage", "k.cubin"], capture_output=True, text=True).stdout
+assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
 """
 
 
 def test_batched_kernels_compile_for_hopper_without_spills(tmp_path):
-    """Triton's compiler and ptxas build both batched kernels for sm_90 (no GPU needed) at every token
-    bucket's config: no register spills, and their loops pipelined (asynchronous copies)."""
+    """Triton's compiler and ptxas build both batched designs' kernels for sm_90 (no GPU needed) at every
+    token bucket's config: no register spills, and their loops pipelined (asynchronous copies)."""
     if not (Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump").exists():
         pytest.skip("this Triton build has no NVIDIA toolchain")
     if torch.cuda.is_available():  # the GPU tests build them for real (and older Tritons differ in these APIs)
@@ -261,17 +341,18 @@ def test_batched_kernels_compile_for_hopper_without_spills(tmp_path):
     "m,k,n", [(9, 2048, 5632), (16, 2048, 5632), (64, 2048, 5632), (128, 2048, 5632), (256, 2048, 5632),
               (16, 4096, 14336), (256, 4096, 14336)],
 )  # fmt: skip
-def test_batched_decode_on_the_gpu_at_model_shapes(m, k, n):
-    """bf16 at the benchmark shapes with the launcher's configs (the interpreter has no bf16): the float64
-    reference, and the same bits replayed from a CUDA graph."""
+@pytest.mark.parametrize("design", decode.BATCHED_DESIGNS)
+def test_batched_decode_on_the_gpu_at_model_shapes(m, k, n, design):
+    """bf16 at the benchmark shapes with the launcher's configs (the interpreter has no bf16), each
+    design: the float64 reference, and the same bits replayed from a CUDA graph."""
     case = make_ffn(m, k, n, [0.005, 0.02, 0.0, 0.3], torch.bfloat16, "cuda", seed=m, biases=True)
     args = (case["x"], case["gate_weight"], case["gate_bias"], case["up_weight"], case["up_bias"])
     args += (case["down_weight"].t().contiguous(), case["down_bias"], 0.0)
-    y = batched_decode_ffn(*args)
+    y = batched_decode_ffn(*args, design=design)
     assert rel_err(y, gated_ref(case)) <= TOL[torch.bfloat16]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        replayed = batched_decode_ffn(*args)
+        replayed = batched_decode_ffn(*args, design=design)
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
@@ -279,14 +360,17 @@ def test_batched_decode_on_the_gpu_at_model_shapes(m, k, n):
 
 
 @pytest.mark.gpu
-def test_batched_decode_generates_the_same_tokens_and_compiles_whole(monkeypatch):
-    """Greedy generation of 16 sequences, every step (16 tokens a call) through the batched decode: the
-    same tokens as the untouched model; torch.compile(fullgraph=True) traces the step's FFN."""
+@pytest.mark.parametrize("design", decode.BATCHED_DESIGNS)
+def test_batched_decode_generates_the_same_tokens_and_compiles_whole(design, monkeypatch):
+    """Greedy generation of 16 sequences, every step (16 tokens a call) through the batched decode (each
+    design): the same tokens as the untouched model; torch.compile(fullgraph=True) traces the step's FFN."""
     transformers = pytest.importorskip("transformers")
     dispatch.forget_layers()
     calls = []
     monkeypatch.setattr(
-        dispatch, "batched_decode_ffn", lambda *a, **k: calls.append(a[0].shape[0]) or batched_decode_ffn(*a, **k)
+        dispatch,
+        "batched_decode_ffn",
+        lambda *a, **k: calls.append(a[0].shape[0]) or batched_decode_ffn(*a, design=design, **k),
     )
     config = transformers.LlamaConfig(
         vocab_size=128, hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,

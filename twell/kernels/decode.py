@@ -25,7 +25,11 @@ for it at 16+ tokens), then the union of the call's kept neurons decides which r
 are read at all: the up kernel compacts each neuron block's union ids (the rest of its segment -1) and
 the tokens' h for them; the down kernel walks all segments in wide steps (ids, then the valid slots'
 W_d rows and h, independent of how many are valid), split across programs so that every SM has gathers
-in flight, partials summed by the last arrival.
+in flight, partials summed by the last arrival. Its stream design (design="stream", not yet measured)
+counts dependent memory rounds instead: the up kernel gathers each token block's active W_u rows into
+dense tiles, in one or two K steps a program at 16-32 tokens (K split over programs, u's partials
+summed by the down kernel), and writes the list above, which the list down kernel reads in one or
+two chunks a program.
 """
 
 from __future__ import annotations
@@ -280,12 +284,13 @@ def _decode_gate_up_kernel(
 @triton.jit
 def _store_tile(
     acc, rows, m_ok, offs_k, k_ok, bd_ptr, y_ptr, part_ptr, sem, pid_s, splits, M, K, stride_ym, stride_yk,
-    HAS_DOWN_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_DOWN_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ARRIVE: tl.constexpr,
 ):  # fmt: skip
     """A down kernel's fp32 [BLOCK_M, BLOCK_K] tile of y (rows, K columns offs_k): stored (+ bias) with one
-    split; otherwise this split's partial goes to part_ptr and the last split to arrive at the tile's
-    counter `sem` sums the partials in split order (deterministic) and resets the counter (a rerun of
-    the kernel alone: autotuning, replays)."""
+    split; otherwise this split's partial goes to part_ptr and, with ARRIVE, the last split to arrive at
+    the tile's counter `sem` sums the partials in split order (deterministic) and resets the counter (a
+    rerun of the kernel alone: autotuning, replays); without ARRIVE a later kernel sums them
+    (_sum_parts_kernel)."""
     out_mask = m_ok[:, None] & k_ok[None, :]
     y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_k[None, :] * stride_yk
     if splits == 1:
@@ -296,16 +301,17 @@ def _store_tile(
         part = part_ptr + rows[:, None] * K + offs_k[None, :]
         split_stride = tl.cast(M, tl.int64) * K  # one split's [M, K] partials
         tl.store(part + pid_s * split_stride, acc, mask=out_mask)
-        tl.debug_barrier()  # every thread's partial is stored before the arrival is published
-        arrived = tl.atomic_add(sem, 1, sem="acq_rel")
-        if arrived == splits - 1:  # the last split of this tile: sum the partials in split order
-            total = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-            for split in range(0, splits):
-                total += tl.load(part + split * split_stride, mask=out_mask, other=0.0, cache_modifier=".cg")
-            if HAS_DOWN_BIAS:
-                total += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(sem, 0)
+        if ARRIVE:
+            tl.debug_barrier()  # every thread's partial is stored before the arrival is published
+            arrived = tl.atomic_add(sem, 1, sem="acq_rel")
+            if arrived == splits - 1:  # the last split of this tile: sum the partials in split order
+                total = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+                for split in range(0, splits):
+                    total += tl.load(part + split * split_stride, mask=out_mask, other=0.0, cache_modifier=".cg")
+                if HAS_DOWN_BIAS:
+                    total += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+                tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+                tl.atomic_xchg(sem, 0)
 
 
 @triton.jit
@@ -325,6 +331,8 @@ def _decode_down_kernel(
     stride_dk,
     stride_ym,
     stride_yk,
+    up_ptr,
+    stride_us,
     HAS_DOWN_BIAS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -334,6 +342,9 @@ def _decode_down_kernel(
     SUPER: tl.constexpr,
     CHUNK: tl.constexpr,
     SPLIT_MIN: tl.constexpr,
+    ARRIVE: tl.constexpr,
+    UP_SPLITS: tl.constexpr,
+    DRELU: tl.constexpr,
 ):
     pid_k = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -396,10 +407,20 @@ def _decode_down_kernel(
             else:
                 local_m = tl.arange(0, BLOCK_M)
                 hv = tl.load(hc_ptr + pos[:, None] * BLOCK_M + local_m[None, :], mask=valid[:, None], other=0.0)
+                if UP_SPLITS > 0:  # hc holds act(g); u is the sum of a K-split up kernel's partials (+ bias)
+                    up = up_ptr + pos[:, None] * BLOCK_M + local_m[None, :]
+                    u = tl.load(up, mask=valid[:, None], other=0.0)
+                    for split in tl.static_range(1, UP_SPLITS):
+                        u += tl.load(up + split * stride_us, mask=valid[:, None], other=0.0)
+                    u = u.to(hc_ptr.dtype.element_ty).to(tl.float32)
+                    if DRELU:
+                        u = tl.where(u <= 0.0, 0.0, u)
+                    hg = hv.to(tl.float32)
+                    hv = tl.where(hg == 0.0, 0.0, hg * u).to(hc_ptr.dtype.element_ty)
                 acc = tl.dot(tl.trans(hv), wd, acc, input_precision=DOT_PRECISION)
         _store_tile(
             acc, rows, m_ok, offs_k, k_ok, bd_ptr, y_ptr, part_ptr, sem_ptr + pid_m * tl.num_programs(0) + pid_k,
-            pid_s, splits, M, K, stride_ym, stride_yk, HAS_DOWN_BIAS, BLOCK_M, BLOCK_K,
+            pid_s, splits, M, K, stride_ym, stride_yk, HAS_DOWN_BIAS, BLOCK_M, BLOCK_K, ARRIVE,
         )  # fmt: skip
 
 
@@ -531,8 +552,120 @@ def _batched_down_kernel(
         acc = tl.dot(hv, wd, acc, input_precision=DOT_PRECISION)
     _store_tile(
         acc, rows, m_ok, offs_k, k_ok, bd_ptr, y_ptr, part_ptr, sem_ptr + pid_k * tl.num_programs(0) + pid_m, pid_s,
-        splits, M, K, stride_ym, stride_yk, HAS_DOWN_BIAS, BLOCK_M, BLOCK_K,
+        splits, M, K, stride_ym, stride_yk, HAS_DOWN_BIAS, BLOCK_M, BLOCK_K, True,
     )  # fmt: skip
+
+
+@triton.jit
+def _stream_up_kernel(
+    g_ptr, x_ptr, wu_ptr, bu_ptr, hc_ptr, up_ptr, ids_ptr, cnt_ptr, sem_ptr, n_sems, M, N, K, k_span, threshold,
+    stride_gm, stride_xm, stride_xk, stride_un, stride_uk, stride_us, HAS_UP: tl.constexpr,
+    HAS_UP_BIAS: tl.constexpr, DRELU: tl.constexpr, SQUARE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CH: tl.constexpr,
+    SPLIT_UP: tl.constexpr, SEM_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """The stream design's up kernel, after the gate GEMM g [M, N] (cuBLAS): one program per (block of
+    BLOCK_N neurons, block of BLOCK_M tokens), writing the list the decode down kernel reads (ids, hc and
+    counts per token block, as _decode_gate_up_kernel writes them). The block's active neurons (kept for
+    a token of the block) are gathered CH at a time into a dense [BLOCK_K, CH] tile of W_u rows, so a K
+    step moves CH useful rows, not BLOCK_N masked ones, and the K loop runs in few wide steps; their g
+    columns are read again from g (L2) at the compacted positions, and h = act(g) * u goes to hc at
+    those positions directly (no return to the block's layout).
+    SPLIT_UP: K is split over the grid's third axis, k_span a program: no K loop to wait on (one or two
+    steps); each program writes its fp32 partial of u at the compacted positions (the first with the up
+    bias) and hc holds act(g): the down kernel sums the partials and forms h (UP_SPLITS)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    n_blocks = tl.num_programs(0)
+    if pid_n == 0 and pid_m == 0 and pid_s == 0:  # the down kernel's arrival counters start at zero
+        for s0 in range(0, n_sems, SEM_BLOCK):
+            offs_s = s0 + tl.arange(0, SEM_BLOCK)
+            tl.store(sem_ptr + offs_s, tl.zeros([SEM_BLOCK], tl.int32), mask=offs_s < n_sems)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    rows = offs_m.to(tl.int64)
+    local_m = tl.arange(0, BLOCK_M)
+    dtype = hc_ptr.dtype.element_ty
+    ok = m_ok[:, None] & n_ok[None, :]
+    g = tl.load(g_ptr + rows[:, None] * stride_gm + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
+    kept = ((g > threshold) | (g != g)) & ok  # not (g <= t): NaN kept, as by relu
+    active = tl.max(kept.to(tl.int32), axis=0) > 0
+    n_active = tl.sum(active.to(tl.int32), axis=0)
+    slot = tl.cumsum(active.to(tl.int32), axis=0) - 1
+    seg = (pid_m.to(tl.int64) * n_blocks + pid_n) * BLOCK_N
+    if pid_s == 0:
+        tl.store(ids_ptr + seg + slot, offs_n, mask=active)
+        tl.store(cnt_ptr + pid_m * n_blocks + pid_n, n_active)
+        if not HAS_UP or SPLIT_UP:  # act(g) (h without up): the block's active columns, compacted in place
+            h = tl.where(kept, g, 0.0)
+            if SQUARE:
+                h = (h * h).to(dtype).to(tl.float32)
+            tl.store(hc_ptr + (seg + slot)[None, :] * BLOCK_M + local_m[:, None], h.to(dtype), mask=active[None, :])
+    if HAS_UP:
+        k_lo = pid_s * k_span
+        k_hi = tl.minimum(k_lo + k_span, K)
+        for c0 in range(0, n_active, CH):
+            j = c0 + tl.arange(0, CH)
+            j_ok = j < n_active
+            pick = active[None, :] & (slot[None, :] == j[:, None])  # [CH, BLOCK_N]: slot j's neuron
+            neuron = tl.sum(tl.where(pick, offs_n[None, :], 0), axis=1).to(tl.int64)
+            u = tl.zeros([BLOCK_M, CH], dtype=tl.float32)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = offs_k < K
+                xt = tl.load(
+                    x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                    mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0,
+                )
+                wt = tl.load(
+                    wu_ptr + neuron[None, :] * stride_un + offs_k[:, None] * stride_uk,
+                    mask=j_ok[None, :] & k_ok[:, None],
+                    other=0.0,
+                )
+                u = tl.dot(xt, wt, u, input_precision=DOT_PRECISION)
+            if HAS_UP_BIAS:
+                if pid_s == 0:  # the bias once, in the first split's partial
+                    u += tl.load(bu_ptr + neuron, mask=j_ok, other=0.0).to(tl.float32)[None, :]
+            entries = (seg + j)[None, :] * BLOCK_M + local_m[:, None]
+            if SPLIT_UP:
+                tl.store(up_ptr + pid_s * stride_us + entries, u, mask=j_ok[None, :])
+            else:
+                ok_c = m_ok[:, None] & j_ok[None, :]
+                g_c = tl.load(g_ptr + rows[:, None] * stride_gm + neuron[None, :], mask=ok_c, other=0.0)
+                g_c = g_c.to(tl.float32)
+                kept_c = ((g_c > threshold) | (g_c != g_c)) & ok_c
+                u = u.to(dtype).to(tl.float32)
+                if DRELU:
+                    u = tl.where(u <= 0.0, 0.0, u)
+                h = tl.where(kept_c, g_c, 0.0)
+                if SQUARE:
+                    h = (h * h).to(dtype).to(tl.float32)
+                h = tl.where(kept_c, h * u, 0.0)
+                tl.store(hc_ptr + entries, h.to(dtype), mask=j_ok[None, :])
+
+
+@triton.jit
+def _sum_parts_kernel(
+    part_ptr, bd_ptr, y_ptr, splits, M, K, stride_ym, stride_yk, HAS_DOWN_BIAS: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """y = the sum of the down kernel's `splits` [M, K] fp32 partials (+ bias), BLOCK elements of y a
+    program, all SPLITS (>= splits, a power of two) loads in one round and summed in a fixed order
+    (deterministic): the kernel boundary replaces the down programs' fenced arrivals."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    e_ok = offs < tl.cast(M, tl.int64) * K
+    split = tl.arange(0, SPLITS).to(tl.int64)
+    mask = (split < splits)[:, None] & e_ok[None, :]
+    parts = tl.load(part_ptr + split[:, None] * M * K + offs[None, :], mask=mask, other=0.0)
+    total = tl.sum(parts, axis=0)
+    col = offs % K
+    if HAS_DOWN_BIAS:
+        total += tl.load(bd_ptr + col, mask=e_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + (offs // K) * stride_ym + col * stride_yk, total.to(y_ptr.dtype.element_ty), mask=e_ok)
 
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, EACH) of the gate + up kernel for one token and for more;
@@ -583,6 +716,43 @@ BATCHED_DOWN_CONFIG = {
     128: (128, 128, 64, 8, 8, 3),
     256: (128, 128, 64, 8, 8, 3),
 }
+
+
+# The stream design (batched_decode_ffn(design="stream")), by token bucket as above. Not yet measured:
+# chosen by counting dependent memory rounds (benchmarks/NOTES.md, "Batched decode, stream design").
+# Up kernel (BLOCK_M, BLOCK_N, BLOCK_K, CH, num_warps, num_stages, K_SPLITS): a token block's active
+# neurons of a BLOCK_N block, CH at a time (~5 / 17 active of 64 at 16 / 64 tokens and 0.5%: one CH
+# group a block), in K steps of BLOCK_K, K split over K_SPLITS programs: at 16-32 tokens one to four
+# steps a program (K=2048 / 4096), fp32 partials of u summed by the down kernel (K_SPLITS x entries x
+# BLOCK_M x 4 bytes: 0.2-0.5 MB at 0.5%; 4 splits at 32 tokens, whose down chunk of 8 splits' [128, 32]
+# partials would not fit in shared memory); from 64 tokens one program walks K in pipelined steps,
+# where the partials would grow with the tokens and the steps carry more rows: 256 wide at 64 tokens (8
+# warps: 189 registers, 144 KB shared, one program an SM for 88-224 programs), 128 at 128-256 tokens
+# (176-896 programs, 2 an SM). ptxas (sm_90, Triton 3.9, bf16): 116-237 registers, no spills, the K
+# loop pipelined (cp.async).
+STREAM_UP_CONFIG = {
+    16: (16, 64, 256, 16, 4, 2, 8),
+    32: (32, 64, 256, 16, 4, 2, 4),
+    64: (64, 64, 256, 32, 8, 3, 1),
+    128: (64, 64, 128, 32, 4, 3, 1),
+    256: (64, 64, 128, 32, 4, 3, 1),
+}
+# Down kernel: _decode_down_kernel's static groups (BLOCK_K, GROUP, CHUNK, num_warps, ARRIVE): split s
+# takes the entries of neuron blocks [s * GROUP, (s + 1) * GROUP) CHUNK at a time, one chunk at 0.5%
+# for 16 tokens (~40 entries a group of 8 blocks), two at 32+; ARRIVE: the last split to arrive sums
+# the partials, else _sum_parts_kernel does (one launch more, no fenced arrivals). GROUP grows past
+# max_parts_bytes of partials (fewer splits).
+STREAM_DOWN_CONFIG = {
+    16: (64, 8, 64, 4, True),
+    32: (64, 8, 64, 4, True),
+    64: (64, 8, 128, 4, True),
+    128: (64, 8, 128, 4, True),
+    256: (64, 16, 128, 8, True),
+}
+# The design batched_decode_ffn runs when its caller names none (the batched route's): "walk" until the
+# stream design is measured faster (gpu_check.py batched).
+BATCHED_DESIGN = "walk"
+BATCHED_DESIGNS = ("walk", "stream")
 
 
 def _check_ffn(caller, x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold):
@@ -774,6 +944,8 @@ def decode_ffn(
         down_weight_t.stride(1),
         y.stride(0),
         y.stride(1),
+        hc,
+        0,
         HAS_DOWN_BIAS=down_bias is not None,
         DOT_PRECISION=precision,
         BLOCK_M=block_m,
@@ -783,6 +955,9 @@ def decode_ffn(
         SUPER=32 if split_min > 0 else group,
         CHUNK=chunk,
         SPLIT_MIN=split_min,
+        ARRIVE=True,
+        UP_SPLITS=0,
+        DRELU=False,
         num_warps=down_warps,
     )
     return y
@@ -804,28 +979,46 @@ def batched_decode_ffn(
     *,
     drelu: bool = False,
     square: bool = False,
-    up_config: tuple[int, int, int, int, int] | None = None,
-    down_config: tuple[int, int, int, int, int, int] | None = None,
+    design: str | None = None,
+    up_config: tuple | None = None,
+    down_config: tuple | None = None,
     max_parts_bytes: int = BATCHED_PARTS_BYTES,
 ) -> torch.Tensor:
-    """Batched decode (9-256 tokens a call): decode_ffn's arguments and result, by three launches with no
-    host synchronisation and no memset (CUDA graphs capture it):
-    1. the gate g = x W_g^T (+ bias) [M, N] by cuBLAS (F.linear, as the dense FFN computes it): W_g read
-       once at GEMM speed;
-    2. _batched_up_kernel: the union of the call's kept neurons, compacted per neuron block, and h for
-       the union only, from the union's W_u rows;
-    3. _batched_down_kernel: y = h W_d over the union's W_d rows, in wide walk steps per (token block,
-       K block, split).
-    Exact at any density (a full union reads every row). The configs override BATCHED_UP_CONFIG /
-    BATCHED_DOWN_CONFIG (tests, benchmarks); max_parts_bytes caps the down kernel's partials
-    (BATCHED_PARTS_BYTES).
+    """Batched decode (9-256 tokens a call): decode_ffn's arguments and result, with no host
+    synchronisation and no memset (CUDA graphs capture it), the gate g = x W_g^T (+ bias) [M, N] by
+    cuBLAS first (F.linear, as the dense FFN computes it: W_g read once at GEMM speed). design (None:
+    BATCHED_DESIGN):
+    "walk": 2. _batched_up_kernel: the union of the call's kept neurons, compacted per neuron block, and
+       h for the union only, from the union's W_u rows; 3. _batched_down_kernel: y = h W_d over the
+       union's W_d rows, in wide walk steps per (token block, K block, split). Configs: BATCHED_UP_CONFIG
+       / BATCHED_DOWN_CONFIG.
+    "stream": 2. _stream_up_kernel: per (neuron block, token block) the token block's active neurons'
+       W_u rows gathered into dense tiles, few wide K steps, the decode list (ids, hc, counts) written;
+       3. _decode_down_kernel over static groups of neuron blocks, one or two chunks a program;
+       (4. _sum_parts_kernel, where the config's ARRIVE is off). Configs: STREAM_UP_CONFIG /
+       STREAM_DOWN_CONFIG.
+    Exact at any density (a full union reads every row). The configs override the design's tables
+    (tests, benchmarks); max_parts_bytes caps the down kernel's partials (BATCHED_PARTS_BYTES).
     """
+    design = BATCHED_DESIGN if design is None else design
+    if design not in BATCHED_DESIGNS:
+        raise ValueError(f"design must be one of {BATCHED_DESIGNS}, got {design!r}")
     m, k, n = _check_ffn(
         "batched_decode_ffn", x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold
     )
     if m == 0 or n == 0 or k == 0:  # no tokens, neurons or width: y is the down bias (no launch)
         y = torch.zeros_like(x)
         return y + down_bias if down_bias is not None else y
+    args = (x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold, drelu, square)
+    launch = _batched_stream if design == "stream" else _batched_walk
+    return launch(*args, m, k, n, up_config, down_config, max_parts_bytes)
+
+
+def _batched_walk(
+    x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold, drelu, square, m, k, n,
+    up_config, down_config, max_parts_bytes,
+):  # fmt: skip
+    """The walk design's launches (batched_decode_ffn's arguments, checked, and the call's M, K, N)."""
     bucket = _batched_bucket(m)
     up_m, block_n, up_k, up_warps, up_stages = up_config or BATCHED_UP_CONFIG[bucket]
     down_m, down_k, walk, steps, down_warps, down_stages = down_config or BATCHED_DOWN_CONFIG[bucket]
@@ -858,4 +1051,57 @@ def batched_decode_ffn(
         HAS_DOWN_BIAS=down_bias is not None, DOT_PRECISION=precision, BLOCK_M=down_m, BLOCK_K=down_k, WALK=walk,
         num_warps=down_warps, num_stages=down_stages,
     )  # fmt: skip
+    return y
+
+
+def _batched_stream(
+    x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold, drelu, square, m, k, n,
+    up_config, down_config, max_parts_bytes,
+):  # fmt: skip
+    """The stream design's launches (batched_decode_ffn's arguments, checked, and the call's M, K, N)."""
+    bucket = _batched_bucket(m)
+    block_m, block_n, up_k, ch, up_warps, up_stages, k_splits = up_config or STREAM_UP_CONFIG[bucket]
+    down_k, group, chunk, down_warps, arrive = down_config or STREAM_DOWN_CONFIG[bucket]
+    if group < 1 or group & (group - 1):
+        raise ValueError(f"down_config needs a power-of-two GROUP, got {down_config}")
+    if k_splits < 1:
+        raise ValueError(f"up_config needs K_SPLITS >= 1, got {up_config}")
+    k_span = triton.cdiv(triton.cdiv(k, k_splits), up_k) * up_k
+    k_splits = triton.cdiv(k, k_span) if up_weight is not None else 1  # no empty K splits
+    g = F.linear(x, gate_weight, gate_bias)
+    n_blocks, m_blocks, k_blocks = triton.cdiv(n, block_n), triton.cdiv(m, block_m), triton.cdiv(k, down_k)
+    max_splits = max(1, max_parts_bytes // (m * k * 4))
+    group = max(group, triton.next_power_of_2(triton.cdiv(n_blocks, max_splits)))
+    splits = triton.cdiv(n_blocks, group)
+    hc = torch.empty(m_blocks * n_blocks * block_n, block_m, dtype=x.dtype, device=x.device)
+    ids = torch.empty(m_blocks * n_blocks * block_n, dtype=torch.int32, device=x.device)
+    counts = torch.empty(m_blocks * n_blocks, dtype=torch.int32, device=x.device)
+    split_up = k_splits > 1
+    up = torch.empty(k_splits if split_up else 0, *hc.shape, dtype=torch.float32, device=x.device)
+    sems = torch.empty(k_blocks * m_blocks if arrive and splits > 1 else 0, dtype=torch.int32, device=x.device)
+    parts = torch.empty(splits if splits > 1 else 0, m, k, dtype=torch.float32, device=x.device)
+    y = torch.empty_like(x)
+    precision = dot_precision(x.dtype)
+    bias = down_bias if down_bias is not None else x
+    _stream_up_kernel[(n_blocks, m_blocks, k_splits)](
+        g, x, up_weight if up_weight is not None else x, up_bias if up_bias is not None else x, hc, up, ids, counts,
+        sems, sems.numel(), m, n, k, k_span, threshold_in(threshold, x.dtype), g.stride(0), x.stride(0), x.stride(1),
+        *(up_weight.stride() if up_weight is not None else (0, 0)), hc.numel(),
+        HAS_UP=up_weight is not None, HAS_UP_BIAS=up_bias is not None, DRELU=drelu, SQUARE=square,
+        DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=up_k, CH=ch, SPLIT_UP=split_up,
+        SEM_BLOCK=256, num_warps=up_warps, num_stages=up_stages,
+    )  # fmt: skip
+    _decode_down_kernel[(k_blocks, m_blocks, splits)](
+        hc, ids, counts, down_weight_t, bias, y, parts, sems, m, k, n_blocks, down_weight_t.stride(0),
+        down_weight_t.stride(1), y.stride(0), y.stride(1), up, hc.numel(), HAS_DOWN_BIAS=down_bias is not None,
+        DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=down_k, NB=32, SUPER=group,
+        CHUNK=chunk, SPLIT_MIN=0, ARRIVE=bool(arrive), UP_SPLITS=k_splits if split_up else 0, DRELU=drelu,
+        num_warps=down_warps,
+    )  # fmt: skip
+    if splits > 1 and not arrive:
+        block = 256
+        _sum_parts_kernel[(triton.cdiv(m * k, block),)](
+            parts, bias, y, splits, m, k, y.stride(0), y.stride(1), HAS_DOWN_BIAS=down_bias is not None,
+            SPLITS=triton.next_power_of_2(splits), BLOCK=block, num_warps=4,
+        )  # fmt: skip
     return y

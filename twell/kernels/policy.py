@@ -32,8 +32,9 @@ DECODE_MAX_M = 8
 DECODE_SPARSE_MAX_M = 16
 PREFILL_MIN_M: int | None = 16384
 # Calls of decode_max_m < M <= batched_max_m take the batched decode (twell.kernels.decode.
-# batched_decode_ffn: cuBLAS gate, the union's W_u / W_d rows only). 0 (none) until measured on the GPU
-# (benchmarks/NOTES.md, "Batched decode"); calibration sets a layer's from its density by BATCHED_CROSSOVER.
+# batched_decode_ffn: cuBLAS gate, the union's W_u / W_d rows only; its design: decode.BATCHED_DESIGN). 0
+# (none) until measured on the GPU (benchmarks/NOTES.md, "Batched decode" and "Batched decode, stream
+# design"); calibration sets a layer's from its density by BATCHED_CROSSOVER.
 BATCHED_MAX_M = 0
 # Gate of the prefill path: the persistent TMA GEMM with the packing epilogue (True) or cuBLAS + the
 # pack pass (False); the faster measured at K=2048/N=5632 and K=4096/N=14336 on an H200.
