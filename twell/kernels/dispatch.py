@@ -40,8 +40,8 @@ import triton
 from twell.kernels import dense as dense_route
 from twell.kernels import policy
 from twell.kernels.decode import batched_decode_ffn, decode_ffn
-from twell.kernels.gate import fused_gate_supported, gate_twell, hot_values, pack_dense
-from twell.kernels.updown import twell_up_down
+from twell.kernels.gate import fused_gate_supported, hot_values, launch_gate_twell, launch_pack_dense
+from twell.kernels.updown import launch_up_down
 
 
 @dataclass
@@ -106,7 +106,11 @@ def layer_state(weight: torch.Tensor, m: int) -> _LayerState:
         _layers[id(base)] = {}
         weakref.finalize(base, _layers.pop, id(base), None)
     key = (tuple(weight.shape), weight.storage_offset(), triton.next_power_of_2(m))
-    return _layers[id(base)].setdefault(key, _LayerState())
+    states = _layers[id(base)]
+    state = states.get(key)
+    if state is None:
+        state = states[key] = _LayerState()
+    return state
 
 
 def layer_density(weight: torch.Tensor, capturing: bool, config: policy.LayerConfig) -> float | None:
@@ -198,27 +202,29 @@ def _prefill(
     if config.hot_rate is not None and not capturing:
         state.hot_calls_left = policy.DENSE_RETRY if measure else max(state.hot_calls_left - 1, 0)
     if config.fused_gate and fused_gate_supported(x2, gate_weight, tile_n):
-        words, counts = gate_twell(x2, gate_weight, gate_bias, threshold, tile_n, slots, square=square, hot=packed_hot)
+        words, counts = launch_gate_twell(
+            x2, gate_weight, gate_bias, threshold, tile_n, slots, square=square, hot=packed_hot
+        )
         if measure:
             state.hot_pending = _measure_neurons(F.linear(x2[: policy.HOT_SAMPLE], gate_weight, gate_bias), threshold)
     else:
         pre = F.linear(x2, gate_weight, gate_bias)
         if measure:
             state.hot_pending = _measure_neurons(pre[: policy.HOT_SAMPLE], threshold)
-        words, counts = pack_dense(pre, threshold, tile_n, slots, square=square, hot=packed_hot)
+        words, counts = launch_pack_dense(pre, threshold, tile_n, slots, square=square, hot=packed_hot)
         del pre
     if hot is not None:
         h_hot = packed_hot[1]
         hot_kept = (h_hot > threshold).sum() if probe else None
         _hot_hidden_(h_hot, x2, hot.index, up_weight, up_bias, threshold, drelu, square)
-    y = twell_up_down(
+    # the op boundary checked the inputs (twell.kernels.library): the launchers do not again
+    y, kept = launch_up_down(
         x2, words, counts, gate_weight, gate_bias, up_weight, up_bias, wd_t, down_bias, tile_n=tile_n,
         threshold=threshold, drelu=drelu, square=square, hot_pos=hot.pos if hot is not None else None,
     )  # fmt: skip
     if hot is not None:
         y.addmm_(h_hot, wd_t.index_select(0, hot.index))
-    if probe:
-        kept = counts.sum(dtype=torch.int64).reshape(1)
+    if probe:  # kept: counts' total, from the launch that orders the rows
         if hot is not None:
             kept = torch.cat((kept, hot_kept.reshape(1)))
         state.pending = (*_to_host(kept), m * n, hot)
