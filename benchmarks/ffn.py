@@ -286,7 +286,10 @@ def bench_point(k, n, m, density, pattern, compiled, variants=()) -> dict:
                 row[f"{path}_err"] = rel_err_sample(warm_call(block, x), x, block)
                 dispatch.forget_layers()
                 row[f"{path}_ms"] = per_layer(lambda b: b(x)) if path == "decode" else timed(lambda: block(x), False)
-        if m >= 8192:  # the forced prefill under other LayerConfig values (--variants)
+        # the forced prefill under other LayerConfig values (--variants); from 4096 tokens, where the
+        # prefill threshold is measured ('prefill_min_m=4096,dense_above=0.008': the defaults but the sparse
+        # path from 4096 tokens)
+        if m >= 4096:
             for name, changes in variants:
                 with twell.configure(block, route="prefill", **changes):
                     dispatch.forget_layers()

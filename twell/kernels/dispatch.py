@@ -56,7 +56,8 @@ class _Hot:
 @dataclass
 class _LayerState:
     dense_calls_left: int = 0
-    pending: tuple | None = None  # (event or None, kept entries on the host: [sparse(, hot)], M * N, the call's _Hot)
+    # (event or None, kept entries on the host: [sparse parts...(, hot)], M * N, the call's _Hot)
+    pending: tuple | None = None
     density: float | None = None  # what the last landed probe measured
     hot: _Hot | None = None
     hot_pending: tuple | None = None  # (event or None, neuron counts on the host, the same on the device, rows)
@@ -72,8 +73,11 @@ class _LayerState:
         if self.pending is not None and (self.pending[0] is None or self.pending[0].query()):
             _, kept, possible, hot = self.pending
             self.pending = None
-            sparse, *dense = (v / max(possible, 1) for v in kept.tolist())
-            self.density = sparse + sum(dense)
+            # kept: the up+down launch's parts of the sparse entries' total, then the hot neurons' count
+            values = kept.tolist()
+            sparse_kept, hot_kept = (sum(values[:-1]), values[-1]) if hot is not None else (sum(values), 0)
+            sparse = sparse_kept / max(possible, 1)
+            self.density = sparse + hot_kept / max(possible, 1)
             # the hot neurons' dense products cost about their share of dense's up and down projections;
             # a call measured with other hot neurons than the layer's now does not say what the next will cost
             hot_share = len(hot.index) / len(hot.pos) if hot is not None else 0.0
@@ -224,7 +228,7 @@ def _prefill(
     )  # fmt: skip
     if hot is not None:
         y.addmm_(h_hot, wd_t.index_select(0, hot.index))
-    if probe:  # kept: counts' total, from the launch that orders the rows
+    if probe:  # kept: counts' total in parts, from the launch that orders the rows
         if hot is not None:
             kept = torch.cat((kept, hot_kept.reshape(1)))
         state.pending = (*_to_host(kept), m * n, hot)

@@ -422,21 +422,27 @@ _up_down_launch = TunedLaunch(_twell_up_down_kernel)
 
 @triton.jit
 def _row_totals_kernel(
-    cnt_ptr, key_ptr, kept_ptr, M, n_tiles, ORDER: tl.constexpr, BLOCK_M: tl.constexpr, TILES_PAD: tl.constexpr
-):
-    """For BLOCK_M rows of counts: their total entries (true counts) added to kept_ptr[0] (int64, zero
-    before: the layer's density probe), and with ORDER each row's sort key, its total clamped to 255
-    as a byte (one radix pass; rows past 255 entries are heavy-kernel rows anyway). One launch where
-    torch took four (sum, clamp, cast, the probe's sum)."""
+    cnt_ptr, key_ptr, part_ptr, heavy_ptr, sem_ptr, M, n_tiles, capacity, ORDER: tl.constexpr, BLOCK_M: tl.constexpr,
+    TILES_PAD: tl.constexpr,
+):  # fmt: skip
+    """For BLOCK_M rows of counts: their total entries (true counts) to part_ptr[program] (int64; the
+    density probe adds the programs' on the host), with ORDER each row's sort key, its total clamped to
+    255 as a byte (one radix pass; rows past 255 entries are heavy-kernel rows anyway); and the heavy-row
+    kernels' counters zeroed: the heavy list's length (by program 0) and this program's rows' share of
+    the per-row arrival counts. One launch where torch took five (sum, clamp, cast, the probe's sum, a
+    zero fill)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_t = tl.arange(0, TILES_PAD)
     rows = offs_m < M
     mask = rows[:, None] & (offs_t < n_tiles)[None, :]
     cnt = tl.load(cnt_ptr + offs_m.to(tl.int64)[:, None] * n_tiles + offs_t[None, :], mask=mask, other=0)
     total = tl.sum(cnt, axis=1)
-    tl.atomic_add(kept_ptr, tl.sum(total.to(tl.int64), axis=0))
+    tl.store(part_ptr + tl.program_id(0), tl.sum(total.to(tl.int64), axis=0))
     if ORDER:
         tl.store(key_ptr + offs_m, tl.minimum(total, 255).to(tl.uint8), mask=rows)
+    zero = tl.zeros([BLOCK_M], dtype=tl.int32)
+    tl.store(sem_ptr + offs_m, zero, mask=offs_m < capacity)
+    tl.store(heavy_ptr + offs_m * 0, zero, mask=offs_m == 0)
 
 
 def twell_up_down(
@@ -517,10 +523,10 @@ def launch_up_down(
     drelu=False, square=False, out=None, order=True, hot_pos=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """twell_up_down without its input checks, for callers that checked at the op boundary (the
-    dispatcher); returns (y, kept): kept, int64 [1] on the device, the total of counts (the density
-    probe's numerator, counted by the launch that builds the row order). Four launches: row totals,
-    the argsort of their keys (order), the main kernel (autotuned once per key, TunedLaunch), the
-    heavy-row kernel."""
+    dispatcher); returns (y, kept): kept, int64 [P] on the device, parts of the total of counts (the
+    density probe's numerator: their sum; counted by the launch that builds the row order). Launches:
+    row totals, the argsort of their keys (order), the main kernel (autotuned once per key,
+    TunedLaunch), the heavy-row kernel; no zero fill."""
     m, k = x.shape
     n = gate_weight.shape[0]
     n_tiles, slots = words.shape[1], words.shape[2]
@@ -531,10 +537,9 @@ def launch_up_down(
     g_scratch = torch.empty(max(m, programs), width, dtype=torch.float32, device=x.device)
     n_scratch = torch.empty(max(m, programs), width, dtype=torch.int32, device=x.device)
     capacity = max(1, min(m, PARTIAL_BYTES // (SPLITS * k * 4)))
-    # one zero fill: [0:2] the int64 total of counts, then the heavy list (heavy[0]: rows listed by the
-    # main kernel, heavy[1:1 + m]: their ids) and sem (parts arrived per row)
-    zeroed = torch.zeros(2 + 1 + m + capacity, dtype=torch.int32, device=x.device)
-    kept, heavy = zeroed[:2].view(torch.int64), zeroed[2:]
+    # heavy[0]: rows listed by the main kernel, heavy[1:1 + m]: their ids; sem = heavy[1 + m:]: parts
+    # arrived per row. The row totals' launch zeroes heavy[0] and sem.
+    heavy = torch.empty(1 + m + capacity, dtype=torch.int32, device=x.device)
     partials = torch.empty(capacity, SPLITS, k, dtype=torch.float32, device=x.device)
     dummy = x
     up = (up_weight, up_bias if up_bias is not None else dummy) if up_weight is not None else (dummy, dummy)
@@ -560,9 +565,12 @@ def launch_up_down(
     down_bias = down_bias if down_bias is not None else dummy
     keys = torch.empty(m, dtype=torch.uint8, device=x.device) if order else counts
     block_m = max(16, 8192 // tiles_pad)
-    _row_totals_kernel[(triton.cdiv(m, block_m),)](
-        counts, keys, kept, m, n_tiles, ORDER=order, BLOCK_M=block_m, TILES_PAD=tiles_pad
-    )
+    parts = max(1, triton.cdiv(m, block_m))  # program 0 zeroes heavy[0] even with no rows
+    kept = torch.empty(parts, dtype=torch.int64, device=x.device)
+    _row_totals_kernel[(parts,)](
+        counts, keys, kept, heavy, heavy[1 + m :], m, n_tiles, capacity, ORDER=order, BLOCK_M=block_m,
+        TILES_PAD=tiles_pad,
+    )  # fmt: skip
     row_order = torch.argsort(keys, descending=True) if order else counts  # int64: the kernel reads either
     bucket = m_bucket(m)
     _up_down_launch(
