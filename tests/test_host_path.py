@@ -83,6 +83,7 @@ def test_a_token_bucket_tunes_once(monkeypatch):
         h = torch.randn(m, 96, device=DEVICE)
         words, counts = gate.launch_pack_dense(h, 0.5, 32, 8)
         config = launch.configs[(triton.next_power_of_2(m), 96, 32, 8, torch.float32, True)]
+        assert launch.best_config is config
         row = (config.kwargs["BLOCK_M"], config.num_warps, config.num_stages)
         by_hand = gate.pack_dense(h, 0.5, 32, 8, config=row)
         assert torch.equal(counts, by_hand[1]) and torch.equal(_counted(words, counts), _counted(*by_hand))

@@ -41,13 +41,15 @@ class TunedLaunch:
     def __init__(self, kernel):
         self.kernel = kernel
         self.configs: dict[tuple, triton.Config] = {}
+        self.best_config: triton.Config | None = None  # the latest launch's (benchmarks record it)
 
     def __call__(self, key: tuple, grid, *args, **kwargs) -> None:
         config = self.configs.get(key)
         if config is None:
             self.kernel[grid](*args, **kwargs)
-            self.configs[key] = self.kernel.best_config
+            self.configs[key] = self.best_config = self.kernel.best_config
             return
+        self.best_config = config
         meta = config.all_kwargs()
         if config.pre_hook is not None:
             config.pre_hook({**dict(zip(self.kernel.arg_names, args, strict=False)), **kwargs, **meta})
