@@ -41,7 +41,7 @@ import twell
 from twell.calibrate.timing import cuda_graph
 from twell.kernels import dispatch, policy, reference, reuse
 from twell.kernels.gate import gate_twell, pack_dense
-from twell.kernels.updown import _twell_up_down_kernel as updown_kernel
+from twell.kernels.updown import _up_down_launch as updown_launch
 from twell.kernels.updown import twell_up_down
 
 MS = [1, 16, 128, 8192, 32768, 131072]
@@ -286,7 +286,10 @@ def bench_point(k, n, m, density, pattern, compiled, variants=()) -> dict:
                 row[f"{path}_err"] = rel_err_sample(warm_call(block, x), x, block)
                 dispatch.forget_layers()
                 row[f"{path}_ms"] = per_layer(lambda b: b(x)) if path == "decode" else timed(lambda: block(x), False)
-        if m >= 8192:  # the forced prefill under other LayerConfig values (--variants)
+        # the forced prefill under other LayerConfig values (--variants); from 4096 tokens, where the
+        # prefill threshold is measured ('prefill_min_m=4096,dense_above=0.008': the defaults but the sparse
+        # path from 4096 tokens)
+        if m >= 4096:
             for name, changes in variants:
                 with twell.configure(block, route="prefill", **changes):
                     dispatch.forget_layers()
@@ -318,7 +321,7 @@ def prefill_stages(x, w, config) -> dict:
         lambda: twell_up_down(x, words, counts, wg, bg, w["up_weight"], None, wd_t, None, tile_n=tile_n, threshold=0.0),
         return_mode="median",
     )
-    row["updown_config"] = str(updown_kernel.best_config)
+    row["updown_config"] = str(updown_launch.best_config)
     pairs = int(counts.sum())
     row["updown_l2_tb_s"] = pairs * 2 * x.shape[1] * 2 / row["updown_ms"] / 1e9
     row["overflow_tiles"] = int((counts > slots).sum())

@@ -1,16 +1,28 @@
 """Host time of one prefill call: what an eager call spends on the CPU before its kernels run.
 
-Run on a GPU:  PYTHONPATH=. python benchmarks/host_time.py [--ms 4096,8192] [--shape 2048x5632]
+Run on a GPU:  PYTHONPATH=. python benchmarks/host_time.py [--ms 4096,8192,16384] [--shape 2048x5632]
 For each token count, on ffn.py's FFN module (uniform 0.5%) after twell.sparsify with the prefill
 path forced: the host time per call (calls issued back to back, the GPU kept busy by a long kernel
-queued first, so no call waits for the device), the GPU time per call (CUDA-graph replay), the same
-for the dense module, and a cProfile of the host side (top functions by own time). JSON to
-benchmarks/results/ (or $OUT).
+queued first, so no call waits for the device), the GPU time per call (CUDA-graph replay) and the
+eager time per call (what a user's eager call takes: the larger of the two, roughly), the same three
+for the dense module, the GPU operations of one call (torch.profiler), and a cProfile of the host side
+(top functions by own time). JSON to benchmarks/results/ (or $OUT).
+
+On the CPU:  PYTHONPATH=. python benchmarks/host_time.py --cpu
+The dispatcher's prefill path (twell.kernels.dispatch.gated_ffn) on small CPU tensors (the host side
+of a CUDA call does not depend on the sizes; tiny CPU ops cost about what a CUDA op's dispatch and
+launch cost the host), every Triton launch replaced by a stub that records it and returns (the
+autotuner runs, tuning without timing): the Python-side host time of the wrappers without the
+Triton launches themselves, with and without the density probe, with and without hot neurons, the
+torch ops of one call (each a launch on CUDA, bar views and allocations), the Triton launches and
+their argument counts, and the op boundary's time (torch.ops.twell.gated_ffn on meta tensors: its
+dispatch, checks and fake). Runs on any tree (also an older commit's, for a comparison).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -21,9 +33,13 @@ import torch
 from ffn import environment, make_inputs, result_path, timed
 
 import twell
-from twell.kernels import dispatch
+from twell.kernels import dispatch, library  # library: registers torch.ops.twell.*
+from twell.kernels.policy import LayerConfig
 
 CALLS = 20
+# aten ops that launch nothing on CUDA (views, allocation, metadata)
+NO_LAUNCH = {"empty", "empty_like", "view", "_unsafe_view", "t", "transpose", "reshape", "slice", "select", "alias"}
+NO_LAUNCH |= {"detach"}
 
 
 def host_ms(fn) -> float:
@@ -53,6 +69,19 @@ def profile(fn, top: int = 25) -> str:
     return out.getvalue()
 
 
+def gpu_ops(fn) -> list[str]:
+    """Names of the GPU operations (kernels, copies, fills) one call runs, in order (torch.profiler)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return [e.name[:80] for e in sorted(events, key=lambda e: e.time_range.start)]
+
+
 def point(m: int, k: int, n: int, pattern: str) -> dict:
     x, block = make_inputs(m, k, n, 0.005, pattern, seed=m + n)
     call = lambda: block(x)  # noqa: E731
@@ -60,6 +89,7 @@ def point(m: int, k: int, n: int, pattern: str) -> dict:
     with torch.no_grad():
         row["dense_host_ms"] = host_ms(call)
         row["dense_gpu_ms"] = timed(call, True)
+        row["dense_eager_ms"] = timed(call, False)
         twell.sparsify(block)
         with twell.configure(block, route="prefill"):
             dispatch.forget_layers()
@@ -68,24 +98,144 @@ def point(m: int, k: int, n: int, pattern: str) -> dict:
             row["twell_host_ms"] = host_ms(call)
             row["twell_gpu_ms"] = timed(call, True)
             row["twell_eager_ms"] = timed(call, False)
+            row["twell_gpu_ops"] = gpu_ops(call)
             row["profile"] = profile(call)
+    row["speedup_eager"] = row["dense_eager_ms"] / row["twell_eager_ms"]
+    row["speedup_gpu"] = row["dense_gpu_ms"] / row["twell_gpu_ms"]
+    return row
+
+
+class _NotLanded:
+    """A probe's event that never completes: the meta tensors' copies are never read back."""
+
+    def query(self) -> bool:
+        return False
+
+
+@contextlib.contextmanager
+def _stubbed_launches(launches: list):
+    """Triton launches recorded (kernel name, argument count) instead of run; the autotuner runs as on
+    the GPU (its per-call key and lookup) but tunes without timing (every config scores the same, the
+    first is kept) and without its disk cache."""
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
+    def launch(self, *args, grid, warmup, **kwargs):
+        launches.append((self.__name__, len(args) + len(kwargs)))
+
+    def untimed_tuning(self, tuning_key, configs, bench_fn):
+        bench_fn()
+        return False
+
+    saved = JITFunction.run, Autotuner._bench, Autotuner.check_disk_cache, dispatch._to_host
+    JITFunction.run = launch
+    Autotuner._bench = lambda self, *args, config, **kwargs: [1.0, 1.0, 1.0]
+    Autotuner.check_disk_cache = untimed_tuning
+    dispatch._to_host = lambda t: (_NotLanded(), t)
+    try:
+        yield
+    finally:
+        JITFunction.run, Autotuner._bench, Autotuner.check_disk_cache, dispatch._to_host = saved
+
+
+def _aten_ops(fn) -> list[str]:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Record() as record:
+        fn()
+    return record.ops
+
+
+def _us_per_call(fn, calls: int = 200) -> float:
+    """CPU time of this thread per call (us), the least of 7 runs: waiting for a shared host's cores
+    does not count."""
+    samples = []
+    for _ in range(7):
+        start = time.thread_time()
+        for _ in range(calls):
+            fn()
+        samples.append((time.thread_time() - start) / calls * 1e6)
+    return min(samples)
+
+
+def cpu_point(hot: int, m: int = 64, k: int = 64, n: int = 256) -> dict:
+    """The dispatcher's prefill path on CPU tensors (module docstring), with `hot` hot neurons."""
+    torch.set_num_threads(1)  # tiny ops: threads only add contention with other processes
+    torch.set_flush_denormal(True)  # the stubs leave buffers unwritten: no slow denormal arithmetic
+    x = torch.randn(m, k)
+    gate_weight, up_weight = torch.randn(n, k), torch.randn(n, k)
+    down_weight = torch.randn(n, k).t()  # the layout sparsify gives W_down: rows of W_d^T contiguous
+    gate_bias = torch.randn(n)
+    config = LayerConfig().replace(route="prefill")
+    args = (x, gate_weight, up_weight, down_weight, gate_bias, None, None, 0.0, False, config)
+    launches = []
+    row = {"K": k, "N": n, "M": m, "hot": hot}
+    with _stubbed_launches(launches), torch.no_grad():
+        dispatch.forget_layers()
+        state = dispatch.layer_state(gate_weight, m)
+        state.hot_calls_left = 1 << 30  # the hot-neuron probe is due once every DENSE_RETRY calls: not timed
+        if hot:
+            pos = torch.full((n,), -1, dtype=torch.int32)
+            pos[:hot] = torch.arange(hot, dtype=torch.int32)
+            state.hot = dispatch._Hot(torch.arange(hot), pos)
+        call = lambda: dispatch.gated_ffn(*args)  # noqa: E731
+        call()  # the first call of a key tunes (here: takes the first config)
+
+        def probing():
+            state.pending = None  # as if the last probe had landed: this call queues one
+            call()
+
+        row["us_no_probe"] = _us_per_call(call)
+        row["us_probe"] = _us_per_call(probing)
+        launches.clear()
+        row["aten_ops_probe"] = _aten_ops(probing)
+        row["triton_launches"] = launches[:]
+        row["launching_aten_ops"] = [op for op in row["aten_ops_probe"] if op not in NO_LAUNCH]
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(50):
+            probing()
+        prof.disable()
+        out = io.StringIO()
+        stats = pstats.Stats(prof, stream=out)
+        row["python_calls_per_call"] = stats.total_calls / 50
+        stats.sort_stats("tottime").print_stats(15)
+        row["profile"] = out.getvalue()
+        boundary = [t.to("meta") if t is not None else None for t in args[:7]]
+        boundary = (*boundary, 0.0, False)
+        row["us_op_boundary_fake"] = _us_per_call(lambda: library.gated_ffn(*boundary, *config.op_args()))
     return row
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--ms", default="4096,8192")
+    parser.add_argument("--ms", default="4096,8192,16384")
     parser.add_argument("--shape", default="2048x5632")
     parser.add_argument("--pattern", default="uniform")
+    parser.add_argument("--cpu", action="store_true", help="the dispatcher's Python-side cost on meta tensors")
+    parser.add_argument("--hot", default="0,32", help="--cpu: hot neurons of the layer (of N=256)")
     args = parser.parse_args()
     k, n = map(int, args.shape.split("x"))
-    result = {**environment(), "calls": CALLS, "points": []}
-    for m in map(int, args.ms.split(",")):
-        row = point(m, k, n, args.pattern)
+    result = {**environment(), "calls": CALLS, "cpu": args.cpu, "points": []}
+    if args.cpu:
+        points = (lambda h=int(h): cpu_point(h) for h in args.hot.split(","))
+    else:
+        points = (lambda m=int(m): point(m, k, n, args.pattern) for m in args.ms.split(","))
+    for measure in points:
+        row = measure()
         result["points"].append(row)
-        print({key: v for key, v in row.items() if key != "profile"})
+        print({key: v for key, v in row.items() if key not in ("profile", "aten_ops_probe")})
         print(row["profile"])
-    path = result_path("benchmarks/results", "host_time")
+    path = result_path("benchmarks/results", "host_time-cpu" if args.cpu else "host_time")
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")
 

@@ -17,7 +17,7 @@ def test_sparsified_llama_matches_on_gpu(monkeypatch, tokens):
     dispatch.forget_layers()
     calls = []
     monkeypatch.setattr(dispatch, "decode_ffn", lambda *a, **k: calls.append("decode") or decode(*a, **k))
-    monkeypatch.setattr(dispatch, "twell_up_down", lambda *a, **k: calls.append("prefill") or updown(*a, **k))
+    monkeypatch.setattr(dispatch, "launch_up_down", lambda *a, **k: calls.append("prefill") or updown(*a, **k))
     model = _tiny_llama(transformers)
     untouched = copy.deepcopy(model)
     twell.sparsify(model, layer_config={"decode_max_m": 64, "prefill_min_m": 65})
@@ -30,7 +30,7 @@ def test_sparsified_llama_matches_on_gpu(monkeypatch, tokens):
 
 
 decode = dispatch.decode_ffn
-updown = dispatch.twell_up_down
+updown = dispatch.launch_up_down
 
 
 def _tiny_llama(transformers):
@@ -61,7 +61,7 @@ def test_sparsified_llama_generates_the_same_tokens(monkeypatch, cache):
     dispatch.forget_layers()
     calls = []
     monkeypatch.setattr(dispatch, "decode_ffn", lambda *a, **k: calls.append("decode") or decode(*a, **k))
-    monkeypatch.setattr(dispatch, "twell_up_down", lambda *a, **k: calls.append("prefill") or updown(*a, **k))
+    monkeypatch.setattr(dispatch, "launch_up_down", lambda *a, **k: calls.append("prefill") or updown(*a, **k))
     model = _tiny_llama(transformers)
     untouched = copy.deepcopy(model)
     twell.sparsify(model, layer_config={"prefill_min_m": 65})
@@ -103,7 +103,7 @@ def test_sparse_paths_capture_in_cuda_graphs_and_compile_whole(monkeypatch, toke
     dispatch.forget_layers()
     calls = []
     monkeypatch.setattr(dispatch, "decode_ffn", lambda *a, **k: calls.append("decode") or decode(*a, **k))
-    monkeypatch.setattr(dispatch, "twell_up_down", lambda *a, **k: calls.append("prefill") or updown(*a, **k))
+    monkeypatch.setattr(dispatch, "launch_up_down", lambda *a, **k: calls.append("prefill") or updown(*a, **k))
     torch.manual_seed(0)
     block = _Block(256, 1024).to("cuda", torch.bfloat16).eval()
     torch.nn.init.constant_(block.mlp.gate_proj.bias, -0.05)

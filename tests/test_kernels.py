@@ -601,18 +601,18 @@ def test_prefill_through_each_gate_route(fused, tile_n, slots, sparse_paths, mon
     """Each gate route packs at the layout of the layer's config, which up+down then reads."""
     config = sparse_paths.replace(fused_gate=fused, tile_n=tile_n, slots=slots)
     calls = []
-    for name, at in (("gate_twell", 4), ("pack_dense", 2)):  # where each takes tile_n, slots
+    for name, at in (("launch_gate_twell", 4), ("launch_pack_dense", 2)):  # where each takes tile_n, slots
         fn = getattr(dispatch, name)
         spy = lambda *a, _f=fn, _n=name, _at=at, **k: calls.append((_n, *a[_at : _at + 2])) or _f(*a, **k)
         monkeypatch.setattr(dispatch, name, spy)
-    updown = dispatch.twell_up_down
-    monkeypatch.setattr(dispatch, "twell_up_down", lambda *a, **k: calls.append(k["tile_n"]) or updown(*a, **k))
+    updown = dispatch.launch_up_down
+    monkeypatch.setattr(dispatch, "launch_up_down", lambda *a, **k: calls.append(k["tile_n"]) or updown(*a, **k))
     case = make_ffn(100, 40, 96, MIXED, torch.float32, DEVICE, seed=9, biases=True)
     args = [case[k] for k in ("gate_weight", "up_weight", "down_weight", "gate_bias", "up_bias", "down_bias")]
     y = dispatch.gated_ffn(case["x"], *args, 0.0, False, config)
     # on a GPU fp32 operands fit no fused-gate config: they take cuBLAS + the pack pass
     fused = fused and gate.fused_gate_supported(case["x"], case["gate_weight"], tile_n)
-    assert calls == [("gate_twell" if fused else "pack_dense", tile_n, slots), tile_n]
+    assert calls == [("launch_gate_twell" if fused else "launch_pack_dense", tile_n, slots), tile_n]
     assert rel_err(y, gated_ref(case)) <= 1e-5
 
 
@@ -690,8 +690,8 @@ def test_hot_neurons_run_dense_and_stay_exact(variant, dtype, fused, sparse_path
         call = lambda: dispatch.ffn(case["x"], *args, threshold, variant == "relu2", config)  # noqa: E731
         ref = plain_ref(case, threshold, variant == "relu2")
     maps = []
-    updown = dispatch.twell_up_down
-    monkeypatch.setattr(dispatch, "twell_up_down", lambda *a, **kw: maps.append(kw["hot_pos"]) or updown(*a, **kw))
+    updown = dispatch.launch_up_down
+    monkeypatch.setattr(dispatch, "launch_up_down", lambda *a, **kw: maps.append(kw["hot_pos"]) or updown(*a, **kw))
     first = call()  # measures which neurons fire in more than 5% of the rows
     state = dispatch.layer_state(args[0], m)
     assert maps == [None] and state.hot is None and state.hot_pending is not None
@@ -753,8 +753,8 @@ def test_a_layer_dense_in_few_neurons_stays_sparse(sparse_paths, monkeypatch):
     gate_bias[:16] = 100.0  # 16 neurons fire on every token: 25% density
     args = (case["gate_weight"], case["up_weight"], case["down_weight"], gate_bias, None, None, 0.0, False)
     maps = []
-    updown = dispatch.twell_up_down
-    monkeypatch.setattr(dispatch, "twell_up_down", lambda *a, **kw: maps.append(kw["hot_pos"]) or updown(*a, **kw))
+    updown = dispatch.launch_up_down
+    monkeypatch.setattr(dispatch, "launch_up_down", lambda *a, **kw: maps.append(kw["hot_pos"]) or updown(*a, **kw))
     ys = [dispatch.gated_ffn(case["x"], *args, sparse_paths) for _ in range(3)]
     state = dispatch.layer_state(case["gate_weight"], 80)
     assert state.hot.index.tolist() == list(range(16)) and state.density == 0.25
@@ -780,7 +780,7 @@ def test_nn_linear_layout_runs_dense(m, sparse_paths, monkeypatch):
     case = make_ffn(m, 24, 64, [0.05], torch.float32, DEVICE, seed=m)
     down = case["down_weight"].contiguous()
     monkeypatch.setattr(dispatch, "decode_ffn", None)  # any kernel call would fail
-    monkeypatch.setattr(dispatch, "twell_up_down", None)
+    monkeypatch.setattr(dispatch, "launch_up_down", None)
     args = (case["gate_weight"], case["up_weight"], down, None, None, None, 0.0, False)
     assert torch.equal(dispatch.gated_ffn(case["x"], *args, sparse_paths), reference.gated_ffn(case["x"], *args))
 

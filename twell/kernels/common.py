@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import functools
-import math
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from twell.kernels.policy import check_tile  # noqa: F401  (the launchers' layout check; policy owns the limits)
+# the launchers' checks, defined once: the layout by policy (it owns the limits), dtypes and threshold
+# by the op boundary (twell.kernels.library)
+from twell.kernels.library import FLOAT_DTYPES, check_threshold  # noqa: F401
+from twell.kernels.policy import check_tile  # noqa: F401
 
 
 def interpreting() -> bool:
@@ -23,6 +25,50 @@ def autotune_configs(table, to_meta) -> list[triton.Config]:
     the first row alone when interpreting."""
     rows = table[:1] if interpreting() else table
     return [triton.Config(to_meta(*row), num_warps=row[-2], num_stages=row[-1]) for row in rows]
+
+
+class TunedLaunch:
+    """Launches an autotuned kernel with the config its autotuner chose for a key, without the
+    autotuner's per-call work (its key built from every argument, the lookup, the config's kwargs):
+    tens of us of host time a launch. The first launch of a key goes through the autotuner (which
+    benchmarks, or reads its disk cache), and its choice is kept for the key.
+
+    key: what selects the autotuner's config, as the caller knows it: the autotune key's values and
+    whatever sets the dtypes of the tensor arguments (the autotuner keys by those too); a key must
+    never merge two of the autotuner's keys. Benchmarks that want the autotuner itself call the kernel.
+    """
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.configs: dict[tuple, triton.Config] = {}
+        self.best_config: triton.Config | None = None  # the latest launch's (benchmarks record it)
+
+    def __call__(self, key: tuple, grid, *args, **kwargs) -> None:
+        config = self.configs.get(key)
+        if config is None:
+            self.kernel[grid](*args, **kwargs)
+            self.configs[key] = self.best_config = self.kernel.best_config
+            return
+        self.best_config = config
+        meta = config.all_kwargs()
+        if config.pre_hook is not None:
+            config.pre_hook({**dict(zip(self.kernel.arg_names, args, strict=False)), **kwargs, **meta})
+        self.kernel.fn[grid](*args, **kwargs, **meta)
+
+
+@functools.cache
+def persistent_programs(device: torch.device, per_multiprocessor: int) -> int:
+    """Programs of a persistent kernel: per_multiprocessor on each multiprocessor of a CUDA device, a
+    few elsewhere (the interpreter); cached: launchers ask on every call."""
+    if device.type != "cuda":
+        return 4
+    return per_multiprocessor * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def compute_capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) of a CUDA device; cached: the dispatcher asks on every call."""
+    return torch.cuda.get_device_capability(device)
 
 
 def m_bucket(m: int) -> int:
@@ -43,7 +89,6 @@ def threshold_in(threshold: float, dtype: torch.dtype) -> float:
     return torch.tensor(float(threshold), dtype=torch.float64).to(dtype).item()
 
 
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
@@ -83,11 +128,6 @@ def check_bias(name: str, b, size: int, x: torch.Tensor) -> None:
     check_operand(name, b, (size,), x)
     if size > 1 and b.stride(0) != 1:
         raise ValueError(f"{name} must have unit stride (kernels read it contiguously), got stride {b.stride(0)}")
-
-
-def check_threshold(threshold) -> None:
-    if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or not math.isfinite(threshold):
-        raise ValueError(f"threshold must be a finite float, got {threshold!r}")
 
 
 def check_pos(pos, n: int, x: torch.Tensor) -> None:

@@ -46,8 +46,8 @@ from twell.kernels import dense as dense_route
 from twell.kernels import policy
 from twell.kernels import reuse as reuse_route
 from twell.kernels.decode import batched_decode_ffn, decode_ffn
-from twell.kernels.gate import fused_gate_supported, gate_twell, hot_values, pack_dense
-from twell.kernels.updown import twell_up_down
+from twell.kernels.gate import fused_gate_supported, hot_values, launch_gate_twell, launch_pack_dense
+from twell.kernels.updown import launch_up_down
 
 
 @dataclass
@@ -62,7 +62,8 @@ class _Hot:
 @dataclass
 class _LayerState:
     dense_calls_left: int = 0
-    pending: tuple | None = None  # (event or None, kept entries on the host: [sparse(, hot)], M * N, the call's _Hot)
+    # (event or None, kept entries on the host: [sparse parts...(, hot)], M * N, the call's _Hot)
+    pending: tuple | None = None
     density: float | None = None  # what the last landed probe measured
     hot: _Hot | None = None
     hot_pending: tuple | None = None  # (event or None, neuron counts on the host, the same on the device, rows)
@@ -78,8 +79,11 @@ class _LayerState:
         if self.pending is not None and (self.pending[0] is None or self.pending[0].query()):
             _, kept, possible, hot = self.pending
             self.pending = None
-            sparse, *dense = (v / max(possible, 1) for v in kept.tolist())
-            self.density = sparse + sum(dense)
+            # kept: the up+down launch's parts of the sparse entries' total, then the hot neurons' count
+            values = kept.tolist()
+            sparse_kept, hot_kept = (sum(values[:-1]), values[-1]) if hot is not None else (sum(values), 0)
+            sparse = sparse_kept / max(possible, 1)
+            self.density = sparse + hot_kept / max(possible, 1)
             # the hot neurons' dense products cost about their share of dense's up and down projections;
             # a call measured with other hot neurons than the layer's now does not say what the next will cost
             hot_share = len(hot.index) / len(hot.pos) if hot is not None else 0.0
@@ -112,7 +116,11 @@ def layer_state(weight: torch.Tensor, m: int) -> _LayerState:
         _layers[id(base)] = {}
         weakref.finalize(base, _layers.pop, id(base), None)
     key = (tuple(weight.shape), weight.storage_offset(), triton.next_power_of_2(m))
-    return _layers[id(base)].setdefault(key, _LayerState())
+    states = _layers[id(base)]
+    state = states.get(key)
+    if state is None:
+        state = states[key] = _LayerState()
+    return state
 
 
 def layer_density(weight: torch.Tensor, capturing: bool, config: policy.LayerConfig) -> float | None:
@@ -206,7 +214,9 @@ def _prefill(
         state.hot_calls_left = policy.DENSE_RETRY if measure else max(state.hot_calls_left - 1, 0)
     blocks = None
     if config.fused_gate and config.reuse_rows == 0 and fused_gate_supported(x2, gate_weight, tile_n):
-        words, counts = gate_twell(x2, gate_weight, gate_bias, threshold, tile_n, slots, square=square, hot=packed_hot)
+        words, counts = launch_gate_twell(
+            x2, gate_weight, gate_bias, threshold, tile_n, slots, square=square, hot=packed_hot
+        )
         if measure:
             state.hot_pending = _measure_neurons(F.linear(x2[: policy.HOT_SAMPLE], gate_weight, gate_bias), threshold)
     else:
@@ -214,7 +224,7 @@ def _prefill(
         if measure:
             state.hot_pending = _measure_neurons(pre[: policy.HOT_SAMPLE], threshold)
         reuse = (config.reuse_rows, config.reuse_min, reuse_route.per_tile(tile_n)) if config.reuse_rows else None
-        packed = pack_dense(pre, threshold, tile_n, slots, square=square, hot=packed_hot, reuse=reuse)
+        packed = launch_pack_dense(pre, threshold, tile_n, slots, square=square, hot=packed_hot, reuse=reuse)
         words, counts = packed[:2]
         blocks = packed[2] if reuse is not None else None
         del pre
@@ -222,7 +232,8 @@ def _prefill(
         h_hot = packed_hot[1]
         hot_kept = (h_hot > threshold).sum() if probe else None
         _hot_hidden_(h_hot, x2, hot.index, up_weight, up_bias, threshold, drelu, square)
-    y = twell_up_down(
+    # the op boundary checked the inputs (twell.kernels.library): the launchers do not again
+    y, kept = launch_up_down(
         x2, words, counts, gate_weight, gate_bias, up_weight, up_bias, wd_t, down_bias, tile_n=tile_n,
         threshold=threshold, drelu=drelu, square=square, hot_pos=hot.pos if hot is not None else None,
         reuse=(blocks.flags, blocks.rows) if blocks is not None else None,
@@ -234,10 +245,9 @@ def _prefill(
             y, x2, blocks, gate_weight, gate_bias, up_weight, up_bias, wd_t, threshold=threshold, drelu=drelu,
             square=square,
         )  # fmt: skip
-    if probe:
-        kept = counts.sum(dtype=torch.int64).reshape(1)
+    if probe:  # kept: counts' total in parts, from the launch that orders the rows
         if blocks is not None:  # the dense blocks' entries count as sparse ones: the layer's density stays its own
-            kept = kept + blocks.pairs.sum(dtype=torch.int64)
+            kept = torch.cat((kept, blocks.pairs.sum(dtype=kept.dtype).reshape(1)))
         if hot is not None:
             kept = torch.cat((kept, hot_kept.reshape(1)))
         state.pending = (*_to_host(kept), m * n, hot)

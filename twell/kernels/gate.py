@@ -24,6 +24,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from twell.format import word_dtype
 from twell.kernels.common import (
+    TunedLaunch,
     autotune_configs,
     check_bias,
     check_input,
@@ -31,9 +32,11 @@ from twell.kernels.common import (
     check_pos,
     check_threshold,
     check_tile,
+    compute_capability,
     dot_precision,
     interpreting,
     m_bucket,
+    persistent_programs,
     threshold_in,
     tl_dtype,
 )
@@ -354,6 +357,11 @@ def _pack_dense_kernel(
         )  # fmt: skip
 
 
+# the launchers' configs, chosen once per key by the autotuners
+_gate_twell_launch = TunedLaunch(_gate_twell_kernel)
+_pack_dense_launch = TunedLaunch(_pack_dense_kernel)
+
+
 def _alloc(m: int, n: int, tile_n: int, slots: int, dtype, device):
     """(words, counts) of a TwELL of [m, n] values of `dtype` (twell.format's layout)."""
     n_tiles = triton.cdiv(n, tile_n)
@@ -389,13 +397,6 @@ def check_hot(hot, m: int, n: int, x: torch.Tensor) -> None:
         raise ValueError(f"hot_values must be contiguous, got strides {values.stride()}")
 
 
-def _programs(device: torch.device) -> int:
-    """Programs of the persistent gate kernel: one per multiprocessor (a few when interpreting)."""
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def fused_gate_supported(x: torch.Tensor, weight: torch.Tensor, tile_n: int) -> bool:
     """Whether gate_twell can take these operands: TMA needs unit stride on K, 16-byte aligned rows and
     base addresses, and a Hopper-class GPU (compute capability >= 9); on a GPU, some config's operand
@@ -405,7 +406,7 @@ def fused_gate_supported(x: torch.Tensor, weight: torch.Tensor, tile_n: int) -> 
     )
     if not aligned or not x.is_cuda:
         return aligned
-    if torch.cuda.get_device_capability(x.device)[0] < 9:
+    if compute_capability(x.device)[0] < 9:
         return False
     element = x.element_size()
     return any(_smem(bm, bk, s, tile_n, element, sp) <= SMEM_LIMIT for bm, bk, _, s, sp in GATE_CONFIGS)
@@ -444,11 +445,18 @@ def gate_twell(
             "(see fused_gate_supported)"
         )
     check_tile(tile_n, slots)
+    return launch_gate_twell(x, weight, bias, threshold, tile_n, slots, square, config, hot)
+
+
+def launch_gate_twell(x, weight, bias, threshold, tile_n, slots, square=False, config=None, hot=None):
+    """gate_twell without its input checks, for callers that checked at the op boundary (the
+    dispatcher). Autotuned once per (token bucket, shape, layout, dtype, hot or not), then launched
+    with that config (TunedLaunch)."""
     m, k = x.shape
     n = weight.shape[0]
     words, counts = _alloc(m, n, tile_n, slots, x.dtype, x.device)
     n_tiles = counts.shape[1]
-    programs = _programs(x.device)
+    programs = persistent_programs(x.device, 1)
     # block shapes are set per config by _set_blocks
     x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [16, 16])
     w_desc = TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [16, 16])
@@ -456,34 +464,27 @@ def gate_twell(
     def grid(meta):
         return (min(programs, triton.cdiv(m, meta["BLOCK_M"]) * n_tiles),)
 
-    kernel, meta = _gate_twell_kernel, {}
-    if config is not None:
-        block_m, block_k, warps, stages, split = config
-        meta = {"BLOCK_M": block_m, "BLOCK_K": block_k, "SPLIT": split, "num_warps": warps, "num_stages": stages}
-        _set_blocks({"x_desc": x_desc, "w_desc": w_desc, "TILE_N": tile_n, **meta})
-        kernel = _gate_twell_kernel.fn
-    kernel[grid](
-        x_desc,
-        w_desc,
-        bias if bias is not None else x,
-        words,
-        counts,
-        *_hot_args(hot, counts),
-        m,
-        n,
-        k,
-        m_bucket(m),
-        n_tiles,
-        threshold_in(threshold, x.dtype),
-        HAS_BIAS=bias is not None,
-        HAS_HOT=hot is not None,
-        SQUARE=square,
-        DOT_PRECISION=dot_precision(x.dtype),
-        VALUE=tl_dtype(x.dtype),
-        TILE_N=tile_n,
-        SLOTS=slots,
-        **meta,
-    )
+    bucket = m_bucket(m)
+    args = (
+        x_desc, w_desc, bias if bias is not None else x, words, counts, *_hot_args(hot, counts), m, n, k, bucket,
+        n_tiles, threshold_in(threshold, x.dtype),
+    )  # fmt: skip
+    flags = {
+        "HAS_BIAS": bias is not None,
+        "HAS_HOT": hot is not None,
+        "SQUARE": square,
+        "DOT_PRECISION": dot_precision(x.dtype),
+        "VALUE": tl_dtype(x.dtype),
+        "TILE_N": tile_n,
+        "SLOTS": slots,
+    }
+    if config is None:
+        _gate_twell_launch((bucket, n, k, tile_n, slots, x.dtype, hot is None), grid, *args, **flags)
+        return words, counts
+    block_m, block_k, warps, stages, split = config
+    meta = {"BLOCK_M": block_m, "BLOCK_K": block_k, "SPLIT": split, "num_warps": warps, "num_stages": stages}
+    _set_blocks({"x_desc": x_desc, "w_desc": w_desc, "TILE_N": tile_n, **meta})
+    _gate_twell_kernel.fn[grid](*args, **flags, **meta)
     return words, counts
 
 
@@ -508,42 +509,35 @@ def pack_dense(
     check_threshold(threshold)
     check_hot(hot, h.shape[0], h.shape[1], h)
     check_tile(tile_n, slots)
+    return launch_pack_dense(h, threshold, tile_n, slots, square, hot, config, reuse)
+
+
+def launch_pack_dense(h, threshold, tile_n, slots, square=False, hot=None, config=None, reuse=None):
+    """pack_dense without its input checks, for callers that checked at the op boundary (the
+    dispatcher). Autotuned once per (token bucket, N, layout, dtype, hot or not), then launched with
+    that config (TunedLaunch)."""
     m, n = h.shape
     words, counts = _alloc(m, n, tile_n, slots, h.dtype, h.device)
     n_tiles = counts.shape[1]
-    kernel, meta = _pack_dense_kernel, {}
-    if config is not None:
-        block_m, warps, stages = config
-        kernel, meta = _pack_dense_kernel.fn, {"BLOCK_M": block_m, "num_warps": warps, "num_stages": stages}
+    bucket = m_bucket(m)
     blocks = ReuseBlocks.empty(m, n, tile_n, reuse, h.device) if reuse is not None else None
-    if blocks is not None:
-        # one program per (reuse block, tile); no autotuning: the row block is the reuse block
-        kernel = _pack_dense_kernel.fn
-        meta = {"BLOCK_M": blocks.rows, "num_warps": 4, "num_stages": 1}
     record = (blocks.union, blocks.lengths, blocks.flags, blocks.pairs) if blocks is not None else (counts,) * 4
     pos, hot_buf, n_hot = _hot_args(hot, counts)
-    kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), n_tiles)](
-        h,
-        words,
-        counts,
-        pos,
-        hot_buf,
-        *record,
-        n_hot,
-        m,
-        n,
-        m_bucket(m),
-        n_tiles,
-        threshold_in(threshold, h.dtype),
-        blocks.reuse_min if blocks is not None else 0,
-        blocks.per_tile if blocks is not None else 0,
-        h.stride(0),
+    args = (
+        h, words, counts, pos, hot_buf, *record, n_hot, m, n, bucket, n_tiles, threshold_in(threshold, h.dtype),
+        blocks.reuse_min if blocks is not None else 0, blocks.per_tile if blocks is not None else 0, h.stride(0),
         h.stride(1),
-        HAS_HOT=hot is not None,
-        REUSE=blocks is not None,
-        SQUARE=square,
-        TILE_N=tile_n,
-        SLOTS=slots,
-        **meta,
-    )
+    )  # fmt: skip
+    flags = {"HAS_HOT": hot is not None, "REUSE": blocks is not None, "SQUARE": square, "TILE_N": tile_n, "SLOTS": slots}
+
+    def grid(meta):
+        return (triton.cdiv(m, meta["BLOCK_M"]), n_tiles)
+
+    if blocks is not None:  # one program per (reuse block, tile); no autotuning: the row block is the reuse block
+        config = (blocks.rows, 4, 1)
+    if config is None:
+        _pack_dense_launch((bucket, n, tile_n, slots, h.dtype, hot is None), grid, *args, **flags)
+    else:
+        block_m, warps, stages = config
+        _pack_dense_kernel.fn[grid](*args, **flags, BLOCK_M=block_m, num_warps=warps, num_stages=stages)
     return (words, counts) if blocks is None else (words, counts, blocks)

@@ -27,6 +27,8 @@ import torch
 
 from twell.kernels import policy, reference
 
+# The one definition of the float dtypes the ops and kernels take, and of the threshold rule: every
+# kernel launcher's checks (twell.kernels.common) use these too.
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -61,9 +63,10 @@ def check_ffn_inputs(x, weights: dict, biases: dict, hidden: int) -> None:
             raise TypeError(f"{name} must match x ({x.dtype}, {x.device}), got ({b.dtype}, {b.device})")
 
 
-def check_threshold(threshold: float) -> None:
-    if not math.isfinite(threshold):
-        raise ValueError(f"threshold must be a finite float, got {threshold}")
+def check_threshold(threshold) -> None:
+    """A threshold is a finite real number (int or float; not a bool)."""
+    if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or not math.isfinite(threshold):
+        raise ValueError(f"threshold must be a finite float, got {threshold!r}")
 
 
 def check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold) -> None:

@@ -32,6 +32,7 @@ import triton.language as tl
 from twell.format import word_dtype
 from twell.kernels import policy
 from twell.kernels.common import (
+    TunedLaunch,
     autotune_configs,
     check_bias,
     check_input,
@@ -40,6 +41,7 @@ from twell.kernels.common import (
     check_threshold,
     check_tile,
     m_bucket,
+    persistent_programs,
     threshold_in,
 )
 from twell.kernels.words import decode
@@ -421,11 +423,33 @@ def _heavy_kernel(
             _store_row(y, m, bd_ptr, y_ptr, offs_k, k_ok, stride_ym, stride_yk, HAS_DOWN_BIAS)
 
 
-def _programs(device: torch.device) -> int:
-    """Programs of the persistent heavy-row kernel: a few per multiprocessor (a few when interpreting)."""
-    if device.type != "cuda":
-        return 4
-    return 8 * torch.cuda.get_device_properties(device).multi_processor_count
+# the main kernel's configs, chosen once per key by its autotuner
+_up_down_launch = TunedLaunch(_twell_up_down_kernel)
+
+
+@triton.jit
+def _row_totals_kernel(
+    cnt_ptr, key_ptr, part_ptr, heavy_ptr, sem_ptr, M, n_tiles, capacity, ORDER: tl.constexpr, BLOCK_M: tl.constexpr,
+    TILES_PAD: tl.constexpr,
+):  # fmt: skip
+    """For BLOCK_M rows of counts: their total entries (true counts) to part_ptr[program] (int64; the
+    density probe adds the programs' on the host), with ORDER each row's sort key, its total clamped to
+    255 as a byte (one radix pass; rows past 255 entries are heavy-kernel rows anyway); and the heavy-row
+    kernels' counters zeroed: the heavy list's length (by program 0) and this program's rows' share of
+    the per-row arrival counts. One launch where torch took five (sum, clamp, cast, the probe's sum, a
+    zero fill)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_t = tl.arange(0, TILES_PAD)
+    rows = offs_m < M
+    mask = rows[:, None] & (offs_t < n_tiles)[None, :]
+    cnt = tl.load(cnt_ptr + offs_m.to(tl.int64)[:, None] * n_tiles + offs_t[None, :], mask=mask, other=0)
+    total = tl.sum(cnt, axis=1)
+    tl.store(part_ptr + tl.program_id(0), tl.sum(total.to(tl.int64), axis=0))
+    if ORDER:
+        tl.store(key_ptr + offs_m, tl.minimum(total, 255).to(tl.uint8), mask=rows)
+    zero = tl.zeros([BLOCK_M], dtype=tl.int32)
+    tl.store(sem_ptr + offs_m, zero, mask=offs_m < capacity)
+    tl.store(heavy_ptr + offs_m * 0, zero, mask=offs_m == 0)
 
 
 def twell_up_down(
@@ -505,15 +529,34 @@ def twell_up_down(
         raise ValueError(
             f"out must be {list(x.shape)} {x.dtype} on {x.device}, got {list(out.shape)} {out.dtype} on {out.device}"
         )
+    return launch_up_down(
+        x, words, counts, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, tile_n=tile_n,
+        threshold=threshold, drelu=drelu, square=square, out=out, order=order, hot_pos=hot_pos, reuse=reuse,
+    )[0]  # fmt: skip
+
+
+def launch_up_down(
+    x, words, counts, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, *, tile_n, threshold,
+    drelu=False, square=False, out=None, order=True, hot_pos=None, reuse=None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """twell_up_down without its input checks, for callers that checked at the op boundary (the
+    dispatcher); returns (y, kept): kept, int64 [P] on the device, parts of the total of counts (the
+    density probe's numerator: their sum; counted by the launch that builds the row order). Launches:
+    row totals, the argsort of their keys (order), the main kernel (autotuned once per key,
+    TunedLaunch), the heavy-row kernel; no zero fill."""
+    m, k = x.shape
+    n = gate_weight.shape[0]
+    n_tiles, slots = words.shape[1], words.shape[2]
     y = torch.empty_like(x) if out is None else out
     width = min(n_tiles * slots, MAX_WIDTH)
-    programs = _programs(x.device)
+    programs = persistent_programs(x.device, 8)
     # a row's entries (main kernel), then a heavy-row program's (after it, in stream order)
     g_scratch = torch.empty(max(m, programs), width, dtype=torch.float32, device=x.device)
     n_scratch = torch.empty(max(m, programs), width, dtype=torch.int32, device=x.device)
     capacity = max(1, min(m, PARTIAL_BYTES // (SPLITS * k * 4)))
-    # heavy[0]: rows listed by the main kernel, heavy[1:1 + m]: their ids; sem: parts arrived per row
-    heavy = torch.zeros(1 + m + capacity, dtype=torch.int32, device=x.device)
+    # heavy[0]: rows listed by the main kernel, heavy[1:1 + m]: their ids; sem = heavy[1 + m:]: parts
+    # arrived per row. The row totals' launch zeroes heavy[0] and sem.
+    heavy = torch.empty(1 + m + capacity, dtype=torch.int32, device=x.device)
     partials = torch.empty(capacity, SPLITS, k, dtype=torch.float32, device=x.device)
     dummy = x
     up = (up_weight, up_bias if up_bias is not None else dummy) if up_weight is not None else (dummy, dummy)
@@ -524,6 +567,7 @@ def twell_up_down(
         y.stride(0),
         y.stride(1),
     )
+    tiles_pad = max(triton.next_power_of_2(n_tiles), 2)
     flags = {
         "HAS_UP": up_weight is not None,
         "HAS_UP_BIAS": up_bias is not None,
@@ -531,17 +575,25 @@ def twell_up_down(
         "DRELU": drelu,
         "TILE_N": tile_n,
         "SLOTS": slots,
-        "TILES_PAD": max(triton.next_power_of_2(n_tiles), 2),
+        "TILES_PAD": tiles_pad,
         "WIDTH": width,
         "BLOCK_K": triton.next_power_of_2(k),
     }
     down_bias = down_bias if down_bias is not None else dummy
-    row_order = counts
-    if order:  # a one-byte key sorts in one radix pass; rows past 255 entries are heavy-kernel rows anyway
-        row_order = torch.argsort(counts.sum(1).clamp_(max=255).to(torch.uint8), descending=True).to(torch.int32)
-    _twell_up_down_kernel[(m,)](
+    keys = torch.empty(m, dtype=torch.uint8, device=x.device) if order else counts
+    block_m = max(16, 8192 // tiles_pad)
+    parts = max(1, triton.cdiv(m, block_m))  # program 0 zeroes heavy[0] even with no rows
+    kept = torch.empty(parts, dtype=torch.int64, device=x.device)
+    _row_totals_kernel[(parts,)](
+        counts, keys, kept, heavy, heavy[1 + m :], m, n_tiles, capacity, ORDER=order, BLOCK_M=block_m,
+        TILES_PAD=tiles_pad,
+    )  # fmt: skip
+    row_order = torch.argsort(keys, descending=True) if order else counts  # int64: the kernel reads either
+    bucket = m_bucket(m)
+    _up_down_launch(
+        (bucket, k, tile_n, slots, flags["HAS_UP"], width, x.dtype, order), (m,),
         x, words, counts, row_order, heavy, *up, down_weight_t, down_bias, y, g_scratch, n_scratch, k,
-        n_tiles, m_bucket(m), x.stride(0), x.stride(1), *strides, HAS_ORDER=order, CHUNK=CHUNK, **flags,
+        n_tiles, bucket, x.stride(0), x.stride(1), *strides, HAS_ORDER=order, CHUNK=CHUNK, **flags,
     )  # fmt: skip
     # neurons recomputed at a time: a [RECOMPUTE, BLOCK_K] tile of W_g in registers, kept ones fit the scratch
     recompute = 1 << (min(16, max(1, 16384 // flags["BLOCK_K"]), tile_n, width).bit_length() - 1)
@@ -554,4 +606,4 @@ def twell_up_down(
         *strides, HAS_GATE_BIAS=gate_bias is not None, HAS_HOT=hot_pos is not None, SQUARE=square, CHUNK=CHUNK,
         RECOMPUTE=recompute, SPLITS=SPLITS, REUSE_ROWS=reuse[1] if reuse is not None else 0, num_warps=4, **flags,
     )  # fmt: skip
-    return y
+    return y, kept
