@@ -71,7 +71,7 @@ def test_pack_dense_matches_the_spec(m, n, tile_n, slots, square, dtype, config)
     h[0, -2] = float("nan")  # kept, as by relu
     words, counts = pack_dense(h.to(DEVICE), 0.3, tile_n, slots, square=square, config=config)
     kept = torch.where(kept_mask(h, 0.3), h * h, 0.0) if square else h
-    spec = twell.pack(kept, tile_n=tile_n, compression=tile_n // slots, threshold=0.0 if square else 0.3)
+    spec = twell.pack(kept, tile_n=tile_n, slots=slots, threshold=0.0 if square else 0.3)
     assert torch.equal(counts.cpu(), spec.counts)
     assert torch.equal(_counted(words, counts), spec.words), "every slot inside a count, bit for bit"
     got = _twell(words.cpu(), counts.cpu(), (m, n), tile_n, dtype)
@@ -93,7 +93,7 @@ def test_pack_dense_hands_over_hot_columns():
     assert torch.allclose(hot[1].cpu(), h[:, index], rtol=0, atol=0, equal_nan=True)
     cold = h.clone()
     cold[:, index] = -1.0
-    spec = twell.pack(cold, tile_n=64, compression=8, threshold=0.0)
+    spec = twell.pack(cold, tile_n=64, slots=8, threshold=0.0)
     assert torch.equal(counts.cpu(), spec.counts) and torch.equal(_counted(words, counts), spec.words)
     bad = (pos.clone().index_fill_(0, torch.tensor([299]), 99).to(DEVICE), torch.zeros(37, len(index), device=DEVICE))
     bad_counts = pack_dense(h.to(DEVICE), 0.0, 64, 8, hot=bad)[1]
@@ -139,7 +139,7 @@ def test_gate_twell_packs_the_gate(m, k, n, dtype, bias, split):
     assert rel_err(got, ref) <= TOL[dtype]
     assert torch.equal(counts.sum(1).cpu(), (got != 0).sum(1).cpu())
     gate_pre = torch.nn.functional.linear(case["x"], case["gate_weight"], case["gate_bias"])
-    spec = twell.pack(gate_pre.cpu(), tile_n=64, compression=4, threshold=threshold)
+    spec = twell.pack(gate_pre.cpu(), tile_n=64, slots=16, threshold=threshold)
     if dtype == torch.float32:  # fp32 accumulation order differs from torch's in the last bit
         assert torch.equal(counts.cpu(), spec.counts)
         assert torch.equal(_counted(words, counts).bitwise_and(0xFFFF), spec.words.bitwise_and(0xFFFF))

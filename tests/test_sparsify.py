@@ -217,7 +217,7 @@ def test_mixtral_calibration_measures_each_expert(tmp_path):
     assert [r.rewritten for r in records] == [n > 0 for n in routed]
     torch.testing.assert_close(logits(model, ids), expected, atol=1e-5, rtol=1e-5)
     # each rewritten expert runs with its own decision's layout
-    layouts = {r.path: (r.decision["tile_n"], r.decision["tile_n"] // r.decision["compression"]) for r in records}
+    layouts = {r.path: (r.decision["tile_n"], r.decision["slots"]) for r in records}
     configs = twell.layer_configs(model)
     assert set(configs) == {r.path for r in records if r.rewritten}
     assert all((c.tile_n, c.slots) == layouts[path] for path, c in configs.items())
@@ -392,7 +392,7 @@ def test_calibrated_layout_reaches_the_op(tmp_path):
     for layer in model.model.layers:
         layer.mlp.gate_proj.bias.data.fill_(-0.2)
     ids = token_ids()
-    config = {**QUICK_CALIBRATION, "min_speedup": 0.0, "max_overflow": 0.99, "tile_widths": (32,), "compressions": (4,)}
+    config = {**QUICK_CALIBRATION, "min_speedup": 0.0, "max_overflow": 0.99, "layouts": [(32, 8)]}
     twell.sparsify(model, [ids], config=config, layer_config={"prefill_min_m": 4096})
     expected = twell.LayerConfig(tile_n=32, slots=8, prefill_min_m=4096)
     configs = twell.layer_configs(model)

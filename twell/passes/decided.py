@@ -42,7 +42,7 @@ def decision_for(weight) -> tuple[str, object] | None:
 def decisions_digest() -> bytes:
     """The decisions of every live sparsified model (with the layouts the rewrites get), as bytes that
     change when any of them does."""
-    lines = (f"{path} {d.rewrite} {d.reason} {d.tile_n} {d.compression}" for path, d in _decisions.values())
+    lines = (f"{path} {d.rewrite} {d.reason} {d.tile_n} {d.slots}" for path, d in _decisions.values())
     return "\n".join(sorted(lines)).encode()
 
 
