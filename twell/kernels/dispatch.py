@@ -13,7 +13,7 @@ and TwELL layout; policy.route decides.
   exact at any sparsity.
 - Otherwise dense (also for K > MAX_K, and for a down weight not stored as the kernels read it):
   twell.kernels.dense, cuBLAS with the activation and product in one pass.
-- Hybrid by neuron (prefill, the layer's hot_rate): the layer's hot neurons, those firing in more
+- Hot neurons (prefill, the layer's hot_rate): the layer's hot neurons, those firing in more
   than hot_rate of its tokens, are computed by dense products over just those neurons: the packers
   leave them out of TwELL and write their gate pre-activations to an [M, H] buffer instead (the
   overflow recompute leaves them out too); a cuBLAS GEMM over their gathered up rows, the activation,

@@ -40,7 +40,7 @@ BATCHED_MAX_M = 0
 FUSED_GATE = False
 # Mean density above which a layer's prefill runs dense: 1.28x at 0.5%, 0.99-1.00x at 1% (NOTES.md v5/v6).
 DENSE_ABOVE = 0.008
-# Hybrid by neuron on the prefill path: neurons firing in more than this share of a layer's prefill
+# Hot neurons on the prefill path: neurons firing in more than this share of a layer's prefill
 # tokens (measured on the device from a call's first HOT_SAMPLE rows) are computed by dense products
 # over just those neurons (the packer hands over their gate columns; cuBLAS: their up columns, then
 # their share of the down projection), the rest sparse. A sparse (token, neuron) pair gathers 8 KB of
