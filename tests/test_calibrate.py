@@ -681,7 +681,9 @@ def test_plan_written_with_the_old_compression_key_is_read(tmp_path, calibrated)
         decision["compression"] = None if slots is None else decision["tile_n"] // slots
         for stats in decision["stats"].values():
             overflow = stats["overflow_rows"]
-            stats["overflow_rows"] = {t: {str(int(t) // int(s)): f for s, f in by.items()} for t, by in overflow.items()}
+            stats["overflow_rows"] = {
+                t: {str(int(t) // int(s)): f for s, f in by.items()} for t, by in overflow.items()
+            }
     assert any(d["compression"] not in (None, 1) for d in plan["decisions"].values())
     path.write_text(json.dumps(plan))
     assert load_plan(path, candidates) == decisions

@@ -759,7 +759,7 @@ def test_a_layer_dense_in_few_neurons_stays_sparse(sparse_paths, monkeypatch):
     state = dispatch.layer_state(case["gate_weight"], 80)
     assert state.hot.index.tolist() == list(range(16)) and state.density == 0.25
     assert len(maps) == 3 and maps[1] is maps[2] is state.hot.pos and state.dense_calls_left == 0
-    ref = reference.gated_ffn(case["x"].double(), *(a.double() if a is not None else None for a in args[:6]))
+    ref = reference.gated_ffn_reference(case["x"].double(), *(a.double() if a is not None else None for a in args[:6]))
     assert all(rel_err(y, ref) <= 1e-5 for y in ys)
 
 
@@ -771,7 +771,7 @@ def test_default_dispatch_runs_dense_where_kernels_lose():
     case = make_ffn(m, 24, 64, [0.05], torch.float32, DEVICE, seed=m)
     args = (case["gate_weight"], case["up_weight"], case["down_weight"], None, None, None, 0.0, False)
     got = dispatch.gated_ffn(case["x"], *args, policy.DEFAULT)
-    assert torch.equal(got, reference.gated_ffn(case["x"], *args))
+    assert torch.equal(got, reference.gated_ffn_reference(case["x"], *args))
 
 
 @pytest.mark.parametrize("m", [1, 80], ids=["decode", "prefill"])
@@ -782,7 +782,9 @@ def test_nn_linear_layout_runs_dense(m, sparse_paths, monkeypatch):
     monkeypatch.setattr(dispatch, "decode_ffn", None)  # any kernel call would fail
     monkeypatch.setattr(dispatch, "twell_up_down", None)
     args = (case["gate_weight"], case["up_weight"], down, None, None, None, 0.0, False)
-    assert torch.equal(dispatch.gated_ffn(case["x"], *args, sparse_paths), reference.gated_ffn(case["x"], *args))
+    assert torch.equal(
+        dispatch.gated_ffn(case["x"], *args, sparse_paths), reference.gated_ffn_reference(case["x"], *args)
+    )
 
 
 @pytest.mark.parametrize("density,path", [(0.005, "decode"), (0.03, "dense")])

@@ -173,8 +173,10 @@ def test_mixtral_relu_experts_run_through_twell_ops(monkeypatch):
     assert all(isinstance(layer.mlp.experts, SparseExperts) for layer in model.model.layers)
     assert [layer.mlp.gate for layer in model.model.layers] == routers
     calls = []
-    gated_ffn = reference.gated_ffn
-    monkeypatch.setattr(reference, "gated_ffn", lambda x, *rest: calls.append(x.shape[0]) or gated_ffn(x, *rest))
+    gated_ffn = reference.gated_ffn_reference
+    monkeypatch.setattr(
+        reference, "gated_ffn_reference", lambda x, *rest: calls.append(x.shape[0]) or gated_ffn(x, *rest)
+    )
     torch.testing.assert_close(logits(model, ids), expected, atol=1e-5, rtol=1e-5)
     routed = routed_tokens(model, ids)
     assert sorted(calls) == sorted([n for layer in routed for n in layer if n] * 2)  # two logits() calls
@@ -554,8 +556,10 @@ def test_conv1d_ffn_reaches_the_sparse_route_without_copies(monkeypatch):
 
     model = twell.sparsify(build("gpt2"))
     seen = []
-    ffn = reference.ffn
-    monkeypatch.setattr(reference, "ffn", lambda x, up, down, *rest: seen.append((up, down)) or ffn(x, up, down, *rest))
+    ffn = reference.ffn_reference
+    monkeypatch.setattr(
+        reference, "ffn_reference", lambda x, up, down, *rest: seen.append((up, down)) or ffn(x, up, down, *rest)
+    )
     logits(model, token_ids())
     assert len(seen) == LAYERS
     for (up, down), block in zip(seen, model.transformer.h, strict=True):
@@ -570,7 +574,7 @@ def test_warmup_runs_conv1d_split_and_expert_ffns(family, monkeypatch):
 
     model = twell.sparsify(build(family))
     calls = []
-    for name in ("ffn", "gated_ffn"):
+    for name in ("ffn_reference", "gated_ffn_reference"):
         original = getattr(reference, name)
         monkeypatch.setattr(reference, name, lambda x, *rest, f=original: calls.append(tuple(x.shape)) or f(x, *rest))
     twell.warmup(model, token_counts=(3,))

@@ -243,7 +243,7 @@ def _hot_hidden_(g, x, index, up_weight, up_bias, threshold, drelu, square) -> t
 
 def gated_ffn(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu, config):
     def dense(x2):
-        return dense_route.gated_ffn(
+        return dense_route.gated_ffn_dense(
             x2, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu
         )
 
@@ -254,6 +254,6 @@ def gated_ffn(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_b
 
 def ffn(x, up_weight, down_weight, up_bias, down_bias, threshold, squared, config):
     def dense(x2):
-        return dense_route.ffn(x2, up_weight, down_weight, up_bias, down_bias, threshold, squared)
+        return dense_route.ffn_dense(x2, up_weight, down_weight, up_bias, down_bias, threshold, squared)
 
     return _run(x, up_weight, up_bias, None, None, down_weight, down_bias, threshold, False, squared, dense, config)

@@ -48,7 +48,7 @@ def hidden(
     return h * (torch.relu(up) if drelu else up)
 
 
-def gated_ffn(
+def gated_ffn_reference(
     x: torch.Tensor,
     gate_weight: torch.Tensor,
     up_weight: torch.Tensor,
@@ -73,7 +73,7 @@ def gated_ffn(
     return F.linear(h, down_weight, down_bias)
 
 
-def ffn(
+def ffn_reference(
     x: torch.Tensor,
     up_weight: torch.Tensor,
     down_weight: torch.Tensor,
