@@ -24,7 +24,6 @@ remove the tracker before.
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 
 import torch
@@ -240,11 +239,9 @@ class RelufyReport:
         yield f"config: {self.config}"
 
     def __str__(self) -> str:
-        from rich.console import Console
+        from twell.report import plain_text
 
-        buffer = io.StringIO()
-        Console(file=buffer, width=100, force_terminal=False, color_system=None).print(self)
-        return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines())
+        return plain_text(self, width=100)
 
     def __repr__(self) -> str:
         return f"RelufyReport({sum(c.switched for c in self.changes)} of {len(self.changes)} switched)"

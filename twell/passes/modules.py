@@ -123,31 +123,11 @@ def hidden_activation(spec: FFNSpec, weights: FFNWeights, x: torch.Tensor) -> to
 
 def call_op(spec: FFNSpec, weights: FFNWeights, x: torch.Tensor, config: LayerConfig, return_l1=False):
     """twell.ops.(gated_)ffn of `spec` on x [..., K] with `weights` and the layer's `config`."""
+    shared = {"down_bias": weights.down_bias, "threshold": spec.threshold, "return_l1": return_l1, "config": config}
     if spec.kind == "plain":
-        return ops.ffn(
-            x,
-            weights.gate,
-            weights.down,
-            up_bias=weights.gate_bias,
-            down_bias=weights.down_bias,
-            threshold=spec.threshold,
-            squared=spec.squared,
-            return_l1=return_l1,
-            config=config,
-        )
-    return ops.gated_ffn(
-        x,
-        weights.gate,
-        weights.up,
-        weights.down,
-        gate_bias=weights.gate_bias,
-        up_bias=weights.up_bias,
-        down_bias=weights.down_bias,
-        threshold=spec.threshold,
-        drelu=spec.drelu,
-        return_l1=return_l1,
-        config=config,
-    )
+        return ops.ffn(x, weights.gate, weights.down, up_bias=weights.gate_bias, squared=spec.squared, **shared)
+    biases = {"gate_bias": weights.gate_bias, "up_bias": weights.up_bias}
+    return ops.gated_ffn(x, weights.gate, weights.up, weights.down, **biases, drelu=spec.drelu, **shared)
 
 
 def run_ffn(
