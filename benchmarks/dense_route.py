@@ -37,8 +37,8 @@ def shape_times(k: int, n: int, m: int) -> dict:
     g, u = F.linear(x, wg), F.linear(x, wu)
     return {
         "eager_ffn": bench(lambda: F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)),
-        "route_plain_down": bench(lambda: dense.gated_ffn(x, wg, wu, wd, None, None, None, 0.0, False)),
-        "route_rows_down": bench(lambda: dense.gated_ffn(x, wg, wu, rows.t(), None, None, None, 0.0, False)),
+        "route_plain_down": bench(lambda: dense.gated_ffn_dense(x, wg, wu, wd, None, None, None, 0.0, False)),
+        "route_rows_down": bench(lambda: dense.gated_ffn_dense(x, wg, wu, rows.t(), None, None, None, 0.0, False)),
         "down_gemm_plain": bench(lambda: F.linear(h, wd)),
         "down_gemm_rows": bench(lambda: F.linear(h, rows.t())),
         "gate_gemm": bench(lambda: F.linear(x, wg)),

@@ -188,7 +188,9 @@ def weights(block) -> dict:
 def rel_err_sample(out, x, block, rows=1024):
     idx = torch.linspace(0, out.shape[0] - 1, min(rows, out.shape[0]), device="cuda").long()
     c = {name: t.double() for name, t in weights(block).items()}
-    ref = reference.gated_ffn(x[idx].double(), c["gate_weight"], c["up_weight"], c["down_weight"], c["gate_bias"])
+    ref = reference.gated_ffn_reference(
+        x[idx].double(), c["gate_weight"], c["up_weight"], c["down_weight"], c["gate_bias"]
+    )
     return ((out[idx].double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 

@@ -293,12 +293,14 @@ def reference_check(case: dict, t: dict, rows: torch.Tensor) -> dict:
     xs = t["x"][rows].double()
     th, kind = case["threshold"], case["kind"]
     if kind in ("gated", "drelu"):
-        ref = ref_ops.gated_ffn(
+        ref = ref_ops.gated_ffn_reference(
             xs, d["gate_weight"], d["up_weight"], d["down_weight"], d["gate_bias"], d["up_bias"], d["down_bias"], th,
             kind == "drelu",
         )  # fmt: skip
     else:
-        ref = ref_ops.ffn(xs, d["gate_weight"], d["down_weight"], d["gate_bias"], d["down_bias"], th, kind == "relu2")
+        ref = ref_ops.ffn_reference(
+            xs, d["gate_weight"], d["down_weight"], d["gate_bias"], d["down_bias"], th, kind == "relu2"
+        )
     pre = torch.nn.functional.linear(xs, d["gate_weight"], d["gate_bias"])
     spread = torch.nn.functional.linear(xs * xs, d["gate_weight"] ** 2).sqrt()
     band = STORE_ULP[dtype] * pre.abs() + 8 * FP32_ULP * math.sqrt(case["k"] / 2) * spread
@@ -350,11 +352,13 @@ def plain_pytorch(case: dict, t: dict) -> torch.Tensor:
     xs = t["x"]
     th, kind = case["threshold"], case["kind"]
     if kind in ("gated", "drelu"):
-        return ref_ops.gated_ffn(
+        return ref_ops.gated_ffn_reference(
             xs, t["gate_weight"], t["up_weight"], t["down_weight"], t["gate_bias"], t["up_bias"], t["down_bias"], th,
             kind == "drelu",
         )  # fmt: skip
-    return ref_ops.ffn(xs, t["gate_weight"], t["down_weight"], t["gate_bias"], t["down_bias"], th, kind == "relu2")
+    return ref_ops.ffn_reference(
+        xs, t["gate_weight"], t["down_weight"], t["gate_bias"], t["down_bias"], th, kind == "relu2"
+    )
 
 
 def compare(out: torch.Tensor, rows: torch.Tensor, check: dict, tol: float, baseline: dict | None = None) -> dict:

@@ -249,7 +249,7 @@ def smoke_without_cuda() -> None:
     y.backward(dy)
     ref_leaves = [t.double().requires_grad_() for t in (x, wg, bg, wu, wd)]
     xr, wgr, bgr, wur, wdr = ref_leaves
-    reference.gated_ffn(xr, wgr, wur, wdr, bgr).backward(dy.double())
+    reference.gated_ffn_reference(xr, wgr, wur, wdr, bgr).backward(dy.double())
     errors = {
         name: rel(a.grad, b.grad) for name, a, b in zip(("x", "wg", "bg", "wu", "wd"), leaves, ref_leaves, strict=True)
     }

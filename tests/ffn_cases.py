@@ -51,7 +51,7 @@ def make_ffn(m, k, n, densities, dtype, device="cpu", seed=0, biases=False, gate
 
 def gated_ref(case, threshold=0.0, drelu=False):
     c = {name: (t.double() if t is not None else None) for name, t in case.items()}
-    return reference.gated_ffn(
+    return reference.gated_ffn_reference(
         c["x"],
         c["gate_weight"],
         c["up_weight"],
@@ -66,7 +66,9 @@ def gated_ref(case, threshold=0.0, drelu=False):
 
 def plain_ref(case, threshold=0.0, squared=False):
     c = {name: (t.double() if t is not None else None) for name, t in case.items()}
-    return reference.ffn(c["x"], c["up_weight"], c["down_weight"], c["up_bias"], c["down_bias"], threshold, squared)
+    return reference.ffn_reference(
+        c["x"], c["up_weight"], c["down_weight"], c["up_bias"], c["down_bias"], threshold, squared
+    )
 
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}

@@ -27,7 +27,7 @@ def op_calls(monkeypatch):
     calls = {"gated_ffn": 0, "ffn": 0}
 
     def counting(name):
-        original = getattr(reference, name)
+        original = getattr(reference, f"{name}_reference")
 
         def wrapper(*args, **kwargs):
             calls[name] += 1
@@ -36,7 +36,7 @@ def op_calls(monkeypatch):
         return wrapper
 
     for name in calls:
-        monkeypatch.setattr(reference, name, counting(name))
+        monkeypatch.setattr(reference, f"{name}_reference", counting(name))
     torch._dynamo.reset()
     yield calls
     torch._dynamo.reset()

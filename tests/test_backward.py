@@ -426,7 +426,7 @@ def test_gpu_real_shape_bf16_matches_dense_autograd(k, n, entries, sparse_traini
     y.backward(dy)
     ref_leaves = [x.double().requires_grad_()] + [p.detach().double().requires_grad_() for p in params]
     xr, rwg, rbg, rwu, rwd = ref_leaves
-    ref = twell.kernels.reference.gated_ffn(xr, rwg, rwu, rwd, rbg)
+    ref = twell.kernels.reference.gated_ffn_reference(xr, rwg, rwu, rwd, rbg)
     ref.backward(dy.double())
     assert rel_err(y, ref) <= 1e-2
     for got, want in zip([xs.grad] + [p.grad for p in params], ref_leaves, strict=True):

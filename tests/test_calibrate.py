@@ -99,9 +99,9 @@ def sparse_input(m: int, n: int, density: float, seed: int = 0) -> torch.Tensor:
 FAST = {"progress": False, "timing_repeats": 0}
 
 
-def reference_stats(h: torch.Tensor, threshold: float, tile_n: int, compression: int) -> dict:
+def reference_stats(h: torch.Tensor, threshold: float, tile_n: int, slots: int) -> dict:
     """Statistics through twell.format.pack: an independent implementation of the same counts."""
-    t = twell.pack(h, tile_n=tile_n, compression=compression, threshold=threshold)
+    t = twell.pack(h, tile_n=tile_n, slots=slots, threshold=threshold)
     nnz = t.nnz_per_row()
     return {
         "density": t.stats()["density"],
@@ -124,21 +124,21 @@ def test_statistics_match_format_pack(n, threshold):
     h = torch.cat([sparse_input(300, n, 0.05, seed=1), sparse_input(1, n, 0.9, seed=2)])  # one dense row
     h[:, -7:] = -1.0  # dead neurons
     batches = [{"x": h[:150].view(3, 50, n)}, {"x": h[150:].unsqueeze(0)}]
-    config = {**FAST, "tile_widths": (64, 128, 256), "compressions": (2, 4, 8)}
+    config = {**FAST, "layouts": [(t, t // share) for t in (64, 128, 256) for share in (2, 4, 8)]}
     decision = calibrate(model, [candidate_of(model, 0, threshold=threshold)], batches, config=config)["blocks.0"]
     stats = decision.stats["prefill"]
     assert stats["rows"] == 301 and stats["calls"] == 2 and "decode" not in decision.stats
 
     for tile_n in (64, 128, 256):
-        ref = reference_stats(h, threshold, tile_n, 8)
+        ref = reference_stats(h, threshold, tile_n, tile_n // 8)
         assert stats["max_nnz_per_tile"][str(tile_n)] == ref["max_per_tile"]
         if tile_n > n:  # a tile wider than the layer is no layout candidate
             assert str(tile_n) not in stats["overflow_rows"]
             continue
-        for compression in (2, 4, 8):
-            expected = reference_stats(h, threshold, tile_n, compression)["overflow"]
-            assert stats["overflow_rows"][str(tile_n)][str(compression)] == pytest.approx(expected)
-    ref = reference_stats(h, threshold, 256, 8)
+        for slots in (tile_n // 2, tile_n // 4, tile_n // 8):
+            expected = reference_stats(h, threshold, tile_n, slots)["overflow"]
+            assert stats["overflow_rows"][str(tile_n)][str(slots)] == pytest.approx(expected)
+    ref = reference_stats(h, threshold, 256, 32)
     assert stats["density"] == pytest.approx(ref["density"])
     assert decision.density == pytest.approx(ref["density"])
     nnz = stats["nnz_per_row"]
@@ -209,17 +209,17 @@ def test_layout_choice_and_decision():
     routed = Routed(*model.blocks)
     candidates = [candidate_of(routed, i) for i in range(3)]
     decisions = calibrate(routed, candidates, [{"x": torch.zeros(1)}], config=FAST)
-    assert (decisions["blocks.0"].tile_n, decisions["blocks.0"].compression) == (128, 8)  # the kernels' default
+    assert (decisions["blocks.0"].tile_n, decisions["blocks.0"].slots) == (128, 16)  # the kernels' default
     assert decisions["blocks.0"].rewrite and decisions["blocks.0"].overflow_rows == 0.0
     assert decisions["blocks.0"].predicted_speedup["prefill"] > 1.2
-    # 40 actives fit the 64 slots of (256, 4) or (128, 2); most compression first, then nearest 128.
-    assert (decisions["blocks.1"].tile_n, decisions["blocks.1"].compression) == (256, 4)
+    # 40 actives fit the 64 slots of (256, 64) or (128, 64); fewest slots a column first, then nearest 128.
+    assert (decisions["blocks.1"].tile_n, decisions["blocks.1"].slots) == (256, 64)
     assert decisions["blocks.1"].overflow_rows <= 0.01
     assert not decisions["blocks.2"].rewrite and decisions["blocks.2"].tile_n is None
     assert "too dense" in decisions["blocks.2"].reason
-    # A looser overflow limit accepts the clumpy layer's rows at (128, 8), which then run dense.
+    # A looser overflow limit accepts the clumpy layer's rows at (128, 16), which then run dense.
     loose = calibrate(routed, candidates, [{"x": torch.zeros(1)}], config={**FAST, "max_overflow": 0.1})
-    assert (loose["blocks.1"].tile_n, loose["blocks.1"].compression) == (128, 8)
+    assert (loose["blocks.1"].tile_n, loose["blocks.1"].slots) == (128, 16)
     assert loose["blocks.1"].overflow_rows == pytest.approx(13 / 256)
 
 
@@ -317,11 +317,17 @@ def test_config_and_data_errors():
     candidates = [candidate_of(model, 0)]
     with pytest.raises(ValueError, match="unknown calibration option"):
         calibrate(model, candidates, [{"x": torch.randn(2, 16)}], config={"tile_width": 64})
-    with pytest.raises(ValueError, match="divisible"):
-        calibrate(model, candidates, [{"x": torch.randn(2, 16)}], config={"tile_widths": (100,), "compressions": (8,)})
+    with pytest.raises(ValueError, match="slots must be <= tile_n, got slots=128, tile_n=64"):
+        calibrate(model, candidates, [{"x": torch.randn(2, 16)}], config={"layouts": [(64, 128)]})
     # a layout the kernels cannot run is no candidate: the chosen one is what the layer's kernels run
     with pytest.raises(ValueError, match="need 16 <= tile_n <= 256, got 512"):
-        calibrate(model, candidates, [{"x": torch.randn(2, 16)}], config={"tile_widths": (512,)})
+        calibrate(model, candidates, [{"x": torch.randn(2, 16)}], config={"layouts": [(512, 64)]})
+    with pytest.raises(ValueError, match="need a power-of-two slots, got 12"):
+        calibrate(model, candidates, [{"x": torch.randn(2, 16)}], config={"layouts": [(128, 12)]})
+    with pytest.raises(ValueError, match=r"layouts must be \(tile_n, slots\) pairs, got 128"):
+        calibrate(model, candidates, [{"x": torch.randn(2, 16)}], config={"layouts": [128, 16]})
+    with pytest.raises(ValueError, match="layouts must not be empty"):
+        calibrate(model, candidates, [{"x": torch.randn(2, 16)}], config={"layouts": []})
     with pytest.raises(ValueError, match="empty"):
         calibrate(model, candidates, [], config=FAST)
     with pytest.raises(TypeError, match=r"batch 0 is a list: expected a token-id tensor \[batch, seq\] or a dict"):
@@ -516,7 +522,7 @@ def test_benchmark_tokens_sets_the_prefill_shape():
     decision = calibrate(model, [candidate_of(model, 0)], batches, config={**FAST, "cost_model": Recording(0.5)})
     assert seen == [(policy.PREFILL_MIN_M, 32, 64, "gated"), (5, 32, 64, "gated")]  # prefill at serving size
     # predicted for the layer as it will run: its chosen layout, the default route limits
-    layout = decision["blocks.0"].tile_n, decision["blocks.0"].tile_n // decision["blocks.0"].compression
+    layout = decision["blocks.0"].tile_n, decision["blocks.0"].slots
     assert configs == [LayerConfig(*layout)] * 2 == [decision["blocks.0"].layer_config()] * 2
     seen.clear()
     config = {**FAST, "cost_model": Recording(0.5), "benchmark_tokens": 32768}
@@ -658,9 +664,32 @@ def test_plan_with_an_invalid_layout_is_refused(tmp_path, calibrated):
     path = tmp_path / "plan.json"
     save_plan(decisions, candidates, path)
     plan = json.loads(path.read_text())
+    plan["decisions"]["blocks.0"]["slots"] = 300
+    path.write_text(json.dumps(plan))
+    with pytest.raises(ValueError, match="blocks.0: invalid TwELL layout: slots must be <= tile_n"):
+        load_plan(path, candidates)
+
+
+def test_plan_written_with_the_old_compression_key_is_read(tmp_path, calibrated):
+    """Plans saved before the layout was named by its slots hold "compression" (tile_n / slots)."""
+    _, candidates, decisions = calibrated
+    path = tmp_path / "plan.json"
+    save_plan(decisions, candidates, path)
+    plan = json.loads(path.read_text())
+    for decision in plan["decisions"].values():
+        slots = decision.pop("slots")
+        decision["compression"] = None if slots is None else decision["tile_n"] // slots
+        for stats in decision["stats"].values():
+            overflow = stats["overflow_rows"]
+            stats["overflow_rows"] = {
+                t: {str(int(t) // int(s)): f for s, f in by.items()} for t, by in overflow.items()
+            }
+    assert any(d["compression"] not in (None, 1) for d in plan["decisions"].values())
+    path.write_text(json.dumps(plan))
+    assert load_plan(path, candidates) == decisions
     plan["decisions"]["blocks.0"]["compression"] = 3
     path.write_text(json.dumps(plan))
-    with pytest.raises(ValueError, match="blocks.0: invalid TwELL layout: tile_n must be divisible by compression"):
+    with pytest.raises(ValueError, match="blocks.0: invalid TwELL layout: tile_n must be a multiple of compression"):
         load_plan(path, candidates)
 
 
@@ -671,7 +700,7 @@ def test_plan_with_a_layout_the_kernels_cannot_run_is_refused(tmp_path, calibrat
     path = tmp_path / "plan.json"
     save_plan(decisions, candidates, path)
     plan = json.loads(path.read_text())
-    plan["decisions"]["blocks.0"].update(rewrite=True, tile_n=512, compression=8)
+    plan["decisions"]["blocks.0"].update(rewrite=True, tile_n=512, slots=64)
     path.write_text(json.dumps(plan))
     with pytest.raises(ValueError, match=r"rewrites blocks.0 with a layout the kernels cannot run .*tile_n <= 256"):
         load_plan(path, candidates)
@@ -719,10 +748,10 @@ def test_decode_steps_on_a_hugging_face_model(with_mask):
     [
         ({"min_speedup": "1.1"}, "min_speedup must be a number"),
         ({"min_speedup": float("nan")}, "finite number >= 0"),
-        ({"tile_widths": 256}, "tile_widths must be a sequence"),
+        ({"layouts": 256}, "layouts must be a sequence"),
         ({"cost_model": "analytical"}, "cost_model must be"),
     ],
-    ids=["speedup-string", "speedup-nan", "tile-widths-int", "cost-model-typo"],
+    ids=["speedup-string", "speedup-nan", "layouts-int", "cost-model-typo"],
 )
 def test_bad_config_fails_before_the_model_runs(config, match):
     calls = []

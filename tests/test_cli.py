@@ -127,7 +127,7 @@ def test_wide_console_shows_every_column(monkeypatch, capsys):
     monkeypatch.setenv("COLUMNS", "200")
     rc, out, err = run(["report", *QUICK], capsys)
     assert rc == 0, err
-    assert "nnz/row" in out and "tile/C" in out and "128/8" in out
+    assert "nnz/row" in out and "tile/slots" in out and "128/16" in out
 
 
 # Python source, the kind of text the demo model was trained on (examples/train_sparse.py)
@@ -149,7 +149,7 @@ def test_demo_model_is_sparse_as_trained(tmp_path, capsys):
     assert [r["rewritten"] for r in records] == [f["rewrite"] for f in ffns] == [True] * 4
     assert ffns[0]["predicted_speedup"]["prefill"] == 1.0 and ffns[0]["predicted_speedup"]["decode"] > 1.05
     assert all(f["predicted_speedup"]["prefill"] > 1.05 for f in ffns[1:]) and not any(f["dense_phases"] for f in ffns)
-    assert all(f["dead_neurons"] > 0 and f["tile_n"] == 128 and f["compression"] == 8 for f in ffns)
+    assert all(f["dead_neurons"] > 0 and f["tile_n"] == 128 and f["slots"] == 16 for f in ffns)
     summary = report["summary"]
     assert (summary["candidates"], summary["rewritable"], summary["rewritten"], summary["unmatched"]) == (4, 4, 4, 0)
     # Time shares are measured (so machine-dependent); the summary must be Amdahl over them.

@@ -42,7 +42,7 @@ def test_act_mul_is_the_same_bits_as_torch(dtype, shape, gated, drelu, square, t
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
 def test_dense_route_matches_the_reference(gated):
-    """The whole dense route (GEMMs, fused activation, product) against reference.gated_ffn / ffn: the
+    """The whole dense route (GEMMs, fused activation, product) against reference.gated_ffn_reference / ffn: the
     same ops in the same order, so the same values; biases and a down weight stored as rows of its
     transpose (the layout sparsify leaves)."""
     case = make_ffn(13, 24, 70, [0.0, 0.1, 1.0], torch.float32, DEVICE, seed=2, biases=True, gated=gated)
@@ -50,10 +50,10 @@ def test_dense_route_matches_the_reference(gated):
     down = c["down_weight"].t().contiguous().t()  # [K, N] view of [N, K] rows
     if gated:
         args = (c["x"], c["gate_weight"], c["up_weight"], down, c["gate_bias"], c["up_bias"], c["down_bias"], 0.0)
-        out, ref = dense.gated_ffn(*args, False), reference.gated_ffn(*args, False)
+        out, ref = dense.gated_ffn_dense(*args, False), reference.gated_ffn_reference(*args, False)
     else:
         args = (c["x"], c["up_weight"], down, c["up_bias"], c["down_bias"], 0.0)
-        out, ref = dense.ffn(*args, True), reference.ffn(*args, True)
+        out, ref = dense.ffn_dense(*args, True), reference.ffn_reference(*args, True)
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
 
 

@@ -49,10 +49,10 @@ def _dense_wrong(threshold_shift=0.0, nan=False):
         th = case["threshold"] + threshold_shift
         if case["kind"] in ("gated", "drelu"):
             w = (t["gate_weight"], t["up_weight"], t["down_weight"], t["gate_bias"], t["up_bias"], t["down_bias"])
-            y = reference.gated_ffn(x2, *w, th, case["kind"] == "drelu")
+            y = reference.gated_ffn_reference(x2, *w, th, case["kind"] == "drelu")
         else:
             w = (t["gate_weight"], t["down_weight"], t["gate_bias"], t["down_bias"])
-            y = reference.ffn(x2, *w, th, case["kind"] == "relu2")
+            y = reference.ffn_reference(x2, *w, th, case["kind"] == "relu2")
         if nan:
             y[-1, -1] = math.nan
         return y.reshape(x.shape)

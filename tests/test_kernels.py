@@ -71,7 +71,7 @@ def test_pack_dense_matches_the_spec(m, n, tile_n, slots, square, dtype, config)
     h[0, -2] = float("nan")  # kept, as by relu
     words, counts = pack_dense(h.to(DEVICE), 0.3, tile_n, slots, square=square, config=config)
     kept = torch.where(kept_mask(h, 0.3), h * h, 0.0) if square else h
-    spec = twell.pack(kept, tile_n=tile_n, compression=tile_n // slots, threshold=0.0 if square else 0.3)
+    spec = twell.pack(kept, tile_n=tile_n, slots=slots, threshold=0.0 if square else 0.3)
     assert torch.equal(counts.cpu(), spec.counts)
     assert torch.equal(_counted(words, counts), spec.words), "every slot inside a count, bit for bit"
     got = _twell(words.cpu(), counts.cpu(), (m, n), tile_n, dtype)
@@ -93,7 +93,7 @@ def test_pack_dense_hands_over_hot_columns():
     assert torch.allclose(hot[1].cpu(), h[:, index], rtol=0, atol=0, equal_nan=True)
     cold = h.clone()
     cold[:, index] = -1.0
-    spec = twell.pack(cold, tile_n=64, compression=8, threshold=0.0)
+    spec = twell.pack(cold, tile_n=64, slots=8, threshold=0.0)
     assert torch.equal(counts.cpu(), spec.counts) and torch.equal(_counted(words, counts), spec.words)
     bad = (pos.clone().index_fill_(0, torch.tensor([299]), 99).to(DEVICE), torch.zeros(37, len(index), device=DEVICE))
     bad_counts = pack_dense(h.to(DEVICE), 0.0, 64, 8, hot=bad)[1]
@@ -139,7 +139,7 @@ def test_gate_twell_packs_the_gate(m, k, n, dtype, bias, split):
     assert rel_err(got, ref) <= TOL[dtype]
     assert torch.equal(counts.sum(1).cpu(), (got != 0).sum(1).cpu())
     gate_pre = torch.nn.functional.linear(case["x"], case["gate_weight"], case["gate_bias"])
-    spec = twell.pack(gate_pre.cpu(), tile_n=64, compression=4, threshold=threshold)
+    spec = twell.pack(gate_pre.cpu(), tile_n=64, slots=16, threshold=threshold)
     if dtype == torch.float32:  # fp32 accumulation order differs from torch's in the last bit
         assert torch.equal(counts.cpu(), spec.counts)
         assert torch.equal(_counted(words, counts).bitwise_and(0xFFFF), spec.words.bitwise_and(0xFFFF))
@@ -759,7 +759,7 @@ def test_a_layer_dense_in_few_neurons_stays_sparse(sparse_paths, monkeypatch):
     state = dispatch.layer_state(case["gate_weight"], 80)
     assert state.hot.index.tolist() == list(range(16)) and state.density == 0.25
     assert len(maps) == 3 and maps[1] is maps[2] is state.hot.pos and state.dense_calls_left == 0
-    ref = reference.gated_ffn(case["x"].double(), *(a.double() if a is not None else None for a in args[:6]))
+    ref = reference.gated_ffn_reference(case["x"].double(), *(a.double() if a is not None else None for a in args[:6]))
     assert all(rel_err(y, ref) <= 1e-5 for y in ys)
 
 
@@ -771,7 +771,7 @@ def test_default_dispatch_runs_dense_where_kernels_lose():
     case = make_ffn(m, 24, 64, [0.05], torch.float32, DEVICE, seed=m)
     args = (case["gate_weight"], case["up_weight"], case["down_weight"], None, None, None, 0.0, False)
     got = dispatch.gated_ffn(case["x"], *args, policy.DEFAULT)
-    assert torch.equal(got, reference.gated_ffn(case["x"], *args))
+    assert torch.equal(got, reference.gated_ffn_reference(case["x"], *args))
 
 
 @pytest.mark.parametrize("m", [1, 80], ids=["decode", "prefill"])
@@ -782,7 +782,9 @@ def test_nn_linear_layout_runs_dense(m, sparse_paths, monkeypatch):
     monkeypatch.setattr(dispatch, "decode_ffn", None)  # any kernel call would fail
     monkeypatch.setattr(dispatch, "launch_up_down", None)
     args = (case["gate_weight"], case["up_weight"], down, None, None, None, 0.0, False)
-    assert torch.equal(dispatch.gated_ffn(case["x"], *args, sparse_paths), reference.gated_ffn(case["x"], *args))
+    assert torch.equal(
+        dispatch.gated_ffn(case["x"], *args, sparse_paths), reference.gated_ffn_reference(case["x"], *args)
+    )
 
 
 @pytest.mark.parametrize("density,path", [(0.005, "decode"), (0.03, "dense")])

@@ -27,7 +27,7 @@ def test_gated_op_matches_reference_with_and_without_grad(variant):
     fast = twell.ops.gated_ffn(*_gated_args(case), **kwargs)  # nothing requires grad: in-place dense path
     x = case["x"].clone().requires_grad_()
     args = (case["gate_bias"], case["up_bias"], case["down_bias"], kwargs["threshold"], kwargs["drelu"])
-    slow = reference.gated_ffn(x, *_gated_args(case)[1:], *args)  # recorded by autograd: out of place
+    slow = reference.gated_ffn_reference(x, *_gated_args(case)[1:], *args)  # recorded by autograd: out of place
     assert slow.grad_fn is not None
     assert torch.equal(fast, slow.detach())
     assert rel_err(fast, gated_ref(case, kwargs["threshold"], kwargs["drelu"])) <= 1e-5
@@ -134,24 +134,24 @@ def test_reference_activation_keeps_what_the_format_keeps(threshold):
 
 
 REFERENCE_VARIANTS = {
-    "gated": (reference.gated_ffn, {}),
-    "gated-fatrelu": (reference.gated_ffn, {"threshold": 0.3}),
-    "drelu": (reference.gated_ffn, {"drelu": True}),
-    "plain": (reference.ffn, {}),
-    "plain-fatrelu": (reference.ffn, {"threshold": 0.3}),
-    "relu2": (reference.ffn, {"squared": True}),
+    "gated": (reference.gated_ffn_reference, {}),
+    "gated-fatrelu": (reference.gated_ffn_reference, {"threshold": 0.3}),
+    "drelu": (reference.gated_ffn_reference, {"drelu": True}),
+    "plain": (reference.ffn_reference, {}),
+    "plain-fatrelu": (reference.ffn_reference, {"threshold": 0.3}),
+    "relu2": (reference.ffn_reference, {"squared": True}),
 }
 
 
 def _reference_args(fn):
-    case = make_ffn(6, 16, 40, [0.3], torch.float64, biases=True, gated=fn is reference.gated_ffn)
+    case = make_ffn(6, 16, 40, [0.3], torch.float64, biases=True, gated=fn is reference.gated_ffn_reference)
     return {name: t for name, t in case.items() if t is not None}
 
 
 def _formula(fn, args, threshold=0.0, drelu=False, squared=False):
     """The FFN written out, independently of the reference module."""
     x = args["x"]
-    if fn is reference.ffn:
+    if fn is reference.ffn_reference:
         h = x @ args["up_weight"].T + args["up_bias"]
         h = h * (h > threshold)
         return (h * h if squared else h) @ args["down_weight"].T + args["down_bias"]

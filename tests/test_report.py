@@ -47,7 +47,7 @@ def records():
         "stats": {"prefill": {"density": 0.004, "nnz_per_row": {"mean": 2.5, "p50": 2, "p99": 6, "max": 9}}},
         "dead_neurons": 3,
         "tile_n": 128,
-        "compression": 8,
+        "slots": 16,
         "overflow_rows": 0.0,
         "time_share": {"prefill": 0.3},
         "min_speedup": 1.05,
@@ -72,7 +72,7 @@ def test_one_renderer_for_reports_and_the_command_line():
 
     wide, narrow = lines(200), lines(80)
     header = "\n".join(wide[:3])
-    assert "nnz/row" in header and "tile/C" in header and "128/8" in wide[4]
+    assert "nnz/row" in header and "tile/slots" in header and "128/16" in wide[4]
     assert "nnz/row" not in "".join(narrow) and max(map(len, narrow)) <= 80
     text = "\n".join(narrow)
     assert "0.40%" in text and "1.30x/2.10x" in text and "rewrite" in narrow[4]

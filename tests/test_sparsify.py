@@ -173,8 +173,10 @@ def test_mixtral_relu_experts_run_through_twell_ops(monkeypatch):
     assert all(isinstance(layer.mlp.experts, SparseExperts) for layer in model.model.layers)
     assert [layer.mlp.gate for layer in model.model.layers] == routers
     calls = []
-    gated_ffn = reference.gated_ffn
-    monkeypatch.setattr(reference, "gated_ffn", lambda x, *rest: calls.append(x.shape[0]) or gated_ffn(x, *rest))
+    gated_ffn = reference.gated_ffn_reference
+    monkeypatch.setattr(
+        reference, "gated_ffn_reference", lambda x, *rest: calls.append(x.shape[0]) or gated_ffn(x, *rest)
+    )
     torch.testing.assert_close(logits(model, ids), expected, atol=1e-5, rtol=1e-5)
     routed = routed_tokens(model, ids)
     assert sorted(calls) == sorted([n for layer in routed for n in layer if n] * 2)  # two logits() calls
@@ -217,7 +219,7 @@ def test_mixtral_calibration_measures_each_expert(tmp_path):
     assert [r.rewritten for r in records] == [n > 0 for n in routed]
     torch.testing.assert_close(logits(model, ids), expected, atol=1e-5, rtol=1e-5)
     # each rewritten expert runs with its own decision's layout
-    layouts = {r.path: (r.decision["tile_n"], r.decision["tile_n"] // r.decision["compression"]) for r in records}
+    layouts = {r.path: (r.decision["tile_n"], r.decision["slots"]) for r in records}
     configs = twell.layer_configs(model)
     assert set(configs) == {r.path for r in records if r.rewritten}
     assert all((c.tile_n, c.slots) == layouts[path] for path, c in configs.items())
@@ -392,7 +394,7 @@ def test_calibrated_layout_reaches_the_op(tmp_path):
     for layer in model.model.layers:
         layer.mlp.gate_proj.bias.data.fill_(-0.2)
     ids = token_ids()
-    config = {**QUICK_CALIBRATION, "min_speedup": 0.0, "max_overflow": 0.99, "tile_widths": (32,), "compressions": (4,)}
+    config = {**QUICK_CALIBRATION, "min_speedup": 0.0, "max_overflow": 0.99, "layouts": [(32, 8)]}
     twell.sparsify(model, [ids], config=config, layer_config={"prefill_min_m": 4096})
     expected = twell.LayerConfig(tile_n=32, slots=8, prefill_min_m=4096)
     configs = twell.layer_configs(model)
@@ -554,8 +556,10 @@ def test_conv1d_ffn_reaches_the_sparse_route_without_copies(monkeypatch):
 
     model = twell.sparsify(build("gpt2"))
     seen = []
-    ffn = reference.ffn
-    monkeypatch.setattr(reference, "ffn", lambda x, up, down, *rest: seen.append((up, down)) or ffn(x, up, down, *rest))
+    ffn = reference.ffn_reference
+    monkeypatch.setattr(
+        reference, "ffn_reference", lambda x, up, down, *rest: seen.append((up, down)) or ffn(x, up, down, *rest)
+    )
     logits(model, token_ids())
     assert len(seen) == LAYERS
     for (up, down), block in zip(seen, model.transformer.h, strict=True):
@@ -570,7 +574,7 @@ def test_warmup_runs_conv1d_split_and_expert_ffns(family, monkeypatch):
 
     model = twell.sparsify(build(family))
     calls = []
-    for name in ("ffn", "gated_ffn"):
+    for name in ("ffn_reference", "gated_ffn_reference"):
         original = getattr(reference, name)
         monkeypatch.setattr(reference, name, lambda x, *rest, f=original: calls.append(tuple(x.shape)) or f(x, *rest))
     twell.warmup(model, token_counts=(3,))

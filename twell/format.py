@@ -1,11 +1,13 @@
-"""The TwELL / hybrid layout: the executable spec every kernel is tested against.
+"""The TwELL layout with its overflow rows: the executable spec every kernel is tested against.
 
 A hidden matrix h [M, N] is cut into column tiles of ``tile_n`` columns (the last one may be partial).
 Inside each (row, tile) the entries that survive the threshold are packed, in column order, to the
-front of ``slots = tile_n // compression`` slots, each one word holding the value and the tile-local
-column index (the reference code's layout), and the true count is kept per (row, tile). A row whose
-count exceeds ``slots`` in any tile overflows: the hybrid form routes it *whole* into a dense backup
-matrix, with its row id, so no value is dropped.
+front of the tile's ``slots`` slots, each one word holding the value and the tile-local column index
+(the reference code's layout), and the true count is kept per (row, tile). A layout is the pair
+(tile_n, slots); the paper's compression factor C is tile_n / slots (the defaults, 128 and 16, are
+C = 8, as the reference code, and the kernels' twell.kernels.policy.TILE_N / SLOTS). A row whose count
+exceeds ``slots`` in any tile is an overflow row: it goes *whole* into a dense backup matrix, with its
+row id, so no value is dropped (the paper's "hybrid" format).
 
 Layout (chosen for the kernels, see twell/kernels):
     words    [M, n_tiles, slots]  word_dtype(dtype of h): the value's bits in the high half, the column
@@ -30,22 +32,21 @@ from dataclasses import dataclass
 
 import torch
 
-DEFAULT_TILE_N = 256
-DEFAULT_COMPRESSION = 8
+DEFAULT_TILE_N = 128
+DEFAULT_SLOTS = 16
 MAX_TILE_N = 1 << 16  # tile-local columns fill a word's low 16 bits
 COLUMN_MASK = 0xFFFF
 
 
-def check_layout(tile_n: int, compression: int) -> int:
-    """Validate a (tile_n, compression) pair and return the number of slots per tile."""
-    for name, value in (("tile_n", tile_n), ("compression", compression)):
+def check_layout(tile_n: int, slots: int) -> None:
+    """Validate a (tile_n, slots) layout: positive ints, slots <= tile_n <= MAX_TILE_N."""
+    for name, value in (("tile_n", tile_n), ("slots", slots)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if tile_n > MAX_TILE_N:
         raise ValueError(f"tile_n must be <= {MAX_TILE_N} (16-bit tile-local columns), got {tile_n}")
-    if tile_n % compression:
-        raise ValueError(f"tile_n must be divisible by compression, got tile_n={tile_n}, compression={compression}")
-    return tile_n // compression
+    if slots > tile_n:
+        raise ValueError(f"slots must be <= tile_n, got slots={slots}, tile_n={tile_n}")
 
 
 def kept_mask(h: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -76,7 +77,7 @@ def decode(words: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch
 
 @dataclass
 class TwELL:
-    """Hybrid TwELL matrix. See the module docstring for the layout."""
+    """TwELL matrix with its overflow rows' dense backup. See the module docstring for the layout."""
 
     words: torch.Tensor
     counts: torch.Tensor
@@ -115,10 +116,6 @@ class TwELL:
         return self.counts.shape[-1]
 
     @property
-    def compression(self) -> int:
-        return self.tile_n // self.slots
-
-    @property
     def nbytes(self) -> int:
         """Bytes of all arrays together (what storing this activation costs)."""
         arrays = (self.words, self.counts, self.overflow_rows, self.dense)
@@ -150,17 +147,18 @@ def pack(
     h: torch.Tensor,
     *,
     tile_n: int = DEFAULT_TILE_N,
-    compression: int = DEFAULT_COMPRESSION,
+    slots: int = DEFAULT_SLOTS,
     threshold: float = 0.0,
 ) -> TwELL:
-    """Pack h [M, N] into hybrid TwELL, keeping entries > threshold (threshold 0 is ReLU)."""
+    """Pack h [M, N] into TwELL with `slots` slots per tile of `tile_n` columns (rows that overflow
+    them: into the dense backup), keeping entries > threshold (threshold 0 is ReLU)."""
     if not isinstance(h, torch.Tensor):
         raise TypeError(f"h must be a torch.Tensor, got {type(h).__name__}")
     if h.dim() != 2:
         raise ValueError(f"h must have shape [M, N] (2 dims), got {h.dim()} dims: {tuple(h.shape)}")
     if h.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"h must be a floating-point tensor (fp32, fp16, bf16), got {h.dtype}")
-    slots = check_layout(tile_n, compression)
+    check_layout(tile_n, slots)
     if not math.isfinite(threshold):
         raise ValueError(f"threshold must be a finite float, got {threshold}")
     m, n = h.shape
@@ -209,5 +207,5 @@ __all__ = [
     "check_layout",
     "kept_mask",
     "DEFAULT_TILE_N",
-    "DEFAULT_COMPRESSION",
+    "DEFAULT_SLOTS",
 ]

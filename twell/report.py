@@ -103,7 +103,7 @@ COLUMNS = [
     Column("density\npre/decode", justify="right"),
     Column("nnz/row\nmean p50 p99 max", level=2, justify="right"),
     Column("dead", level=2, justify="right"),
-    Column("tile/C", level=2, justify="right"),
+    Column("tile/slots", level=2, justify="right"),
     Column("over-\nflow", level=2, justify="right"),
     Column("time\nshare", level=1, justify="right"),
     Column("speedup\npre/decode", justify="right"),
@@ -154,7 +154,7 @@ def record_row(record: Record, notes: Notes) -> list[str]:
         "/".join(_pct(stats.get(p, {}).get("density")) for p in PHASES),
         "—" if nnz is None else f"{nnz['mean']:.1f} {nnz['p50']} {nnz['p99']} {nnz['max']}",
         dead,
-        "—" if tile_n is None else f"{tile_n}/{decision['compression']}",
+        "—" if tile_n is None else f"{tile_n}/{decision['slots']}",
         _pct(decision.get("overflow_rows"), 1),
         _pct((decision.get("time_share") or {}).get("prefill"), 0),
         phase_speedups(decision),
@@ -318,14 +318,36 @@ class Report:
         yield from render_records(self.records, self.title, options.max_width, console)
 
     def __str__(self) -> str:
-        from rich.console import Console
-
-        buffer = io.StringIO()
-        Console(file=buffer, width=80, force_terminal=False, color_system=None).print(self)
-        return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines())
+        return plain_text(self, width=80)
 
     def __repr__(self) -> str:
         return f"Report({self.summary()})"
+
+
+def plain_text(renderable, width: int) -> str:
+    """What a rich renderable prints on a plain console `width` columns wide, trailing spaces trimmed."""
+    from rich.console import Console
+
+    buffer = io.StringIO()
+    Console(file=buffer, width=width, force_terminal=False, color_system=None).print(renderable)
+    return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines())
+
+
+def candidate_record(candidate, rewritten: bool, reason: str, decision: dict | None = None) -> Record:
+    """The record of a candidate FFN (twell.passes.Candidate): matched, its kind, activation and shape."""
+    return Record(
+        path=candidate.path,
+        kind=candidate.kind,
+        matched=True,
+        activation=candidate.activation,
+        rewritable=candidate.rewritable,
+        rewritten=rewritten,
+        reason=reason,
+        hidden_size=candidate.hidden_size,
+        model_size=candidate.model_size,
+        threshold=candidate.threshold,
+        decision=decision,
+    )
 
 
 def build_records(candidates, unmatched, decisions: dict | None, rewritten: set[str]) -> list[Record]:
@@ -340,19 +362,7 @@ def build_records(candidates, unmatched, decisions: dict | None, rewritten: set[
         if not reason and decision is not None and not decision.rewrite:
             reason = decision.reason
         records.append(
-            Record(
-                path=c.path,
-                kind=c.kind,
-                matched=True,
-                activation=c.activation,
-                rewritable=c.rewritable,
-                rewritten=c.path in rewritten,
-                reason=reason,
-                hidden_size=c.hidden_size,
-                model_size=c.model_size,
-                threshold=c.threshold,
-                decision=decision.to_dict() if decision is not None else None,
-            )
+            candidate_record(c, c.path in rewritten, reason, decision.to_dict() if decision is not None else None)
         )
     for u in unmatched:
         records.append(Record(u.path, "", False, "", False, False, u.reason))
@@ -366,10 +376,12 @@ __all__ = [
     "Record",
     "Report",
     "build_records",
+    "candidate_record",
     "decision_cell",
     "fitted_table",
     "note_for",
     "phase_speedups",
+    "plain_text",
     "record_row",
     "render_records",
     "summary_lines",

@@ -24,7 +24,6 @@ remove the tracker before.
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 
 import torch
@@ -240,11 +239,9 @@ class RelufyReport:
         yield f"config: {self.config}"
 
     def __str__(self) -> str:
-        from rich.console import Console
+        from twell.report import plain_text
 
-        buffer = io.StringIO()
-        Console(file=buffer, width=100, force_terminal=False, color_system=None).print(self)
-        return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines())
+        return plain_text(self, width=100)
 
     def __repr__(self) -> str:
         return f"RelufyReport({sum(c.switched for c in self.changes)} of {len(self.changes)} switched)"
@@ -254,7 +251,7 @@ def _activation_child(candidate) -> tuple[nn.Module | None, str, str]:
     """(the module holding the activation module the candidate's FFN calls, that module's path below
     the candidate's owner, "") or (None, "", reason) if there is none to switch."""
     from twell.passes import experts
-    from twell.passes.candidates import TraceFailure, _stack_root, trace_module
+    from twell.passes.candidates import TraceFailure, stack_root, trace_module
     from twell.passes.match import Dialect, find_matches
 
     if experts.is_experts(candidate.gate_module):  # experts stored as 3-D parameters: one act_fn for all
@@ -276,13 +273,13 @@ def _activation_child(candidate) -> tuple[nn.Module | None, str, str]:
             continue
         if match.gate.rows != candidate.gate_slice:
             continue
-        owners = {_stack_root(node) for node in match.activation.nodes}
+        owners = {stack_root(node) for node in match.activation.nodes}
         if len(owners) != 1 or None in owners:
             return None, "", "the activation is written in the forward, not held by an activation module"
         (name,) = owners
         if "." in name:
             return None, "", f"the activation is computed inside {name.split('.')[0]}, not by a module of its own"
-        calls = [n for n in graph.nodes if _stack_root(n) == name and n not in match.activation.nodes]
+        calls = [n for n in graph.nodes if stack_root(n) == name and n not in match.activation.nodes]
         if calls:
             return None, "", f"activation module {name} is used for more than this activation"
         return owner, name, ""

@@ -13,7 +13,7 @@ nonzeros per row, per (row, tile) for each candidate tile width, per neuron. Pre
 decode steps after each batch) are kept apart. Separately, the model and each FFN module (on the inputs
 it received) are timed on the first batch, for the FFN share of model time.
 
-Decision, per layer: the TwELL layout (tile width, compression) with the fewest slots whose overflow
+Decision, per layer: the TwELL layout (tile width, slots) with the fewest slots per column whose overflow
 rows stay under ``max_overflow``; then, per phase, the cost model's predicted FFN speedup at the
 phase's measured density and tokens per call, for the layer as it would run: its LayerConfig
 (Decision.layer_config: that layout, the default route limits, and sparsify's layer_config changes),

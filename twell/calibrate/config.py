@@ -19,8 +19,9 @@ PHASES = ("prefill", "decode")
 class CalibrationConfig:
     """Options of calibrate(); pass an instance, a dict of the same fields, or None for the defaults.
 
-    tile_widths, compressions: TwELL layouts considered (each pair must satisfy format.check_layout and
-        be one the kernels run: power-of-two tile widths from 16 to 256, twell.kernels.policy.check_tile).
+    layouts: the TwELL layouts considered, (tile_n, slots) pairs, each one the kernels run (powers of
+        two, tile widths from 16 to 256, slots <= tile_n: twell.kernels.policy.check_tile). The default:
+        tile widths 64, 128 and 256 with a half, a quarter and an eighth of their columns as slots.
     max_overflow: largest tolerated fraction of rows that overflow a tile's slots (they run dense).
     min_speedup: rewrite a layer only if its predicted FFN speedup reaches this.
     decode_steps: greedy cached decode steps after each batch (Hugging Face-style models only), so that
@@ -37,8 +38,9 @@ class CalibrationConfig:
     progress: show a progress bar over batches on stderr, when stderr is a terminal.
     """
 
-    tile_widths: tuple[int, ...] = (64, 128, 256)
-    compressions: tuple[int, ...] = (2, 4, 8)
+    layouts: tuple[tuple[int, int], ...] = (
+        (64, 32), (64, 16), (64, 8), (128, 64), (128, 32), (128, 16), (256, 128), (256, 64), (256, 32),
+    )  # fmt: skip
     max_overflow: float = 0.01
     min_speedup: float = 1.05
     decode_steps: int = 4
@@ -62,11 +64,7 @@ class CalibrationConfig:
             cfg = cls(**config)
         else:
             raise TypeError(f"config must be a CalibrationConfig, a dict or None, got {type(config).__name__}")
-        for name in ("tile_widths", "compressions"):
-            values = getattr(cfg, name)
-            if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
-                raise ValueError(f"{name} must be a sequence of ints, got {values!r}")
-        cfg.layouts()
+        cfg = dataclasses.replace(cfg, layouts=_layout_pairs(cfg.layouts))
         if isinstance(cfg.min_speedup, bool) or not isinstance(cfg.min_speedup, (int, float)):
             raise ValueError(f"min_speedup must be a number, got {cfg.min_speedup!r}")
         if not math.isfinite(cfg.min_speedup) or cfg.min_speedup < 0:  # 0: rewrite every layer that fits
@@ -80,15 +78,30 @@ class CalibrationConfig:
             raise ValueError(f"benchmark_tokens must be a positive int or None, got {cfg.benchmark_tokens!r}")
         return cfg
 
-    def layouts(self) -> list[tuple[int, int]]:
-        """Valid (tile_n, compression) pairs, in order of preference: most compression first (fewest
-        slots to scan), then the tile width nearest the kernels' default (the measured layout: a chosen
-        layout is the one the layer's kernels run)."""
-        pairs = []
-        for tile_n in self.tile_widths:
-            for compression in self.compressions:
-                policy.check_tile(tile_n, check_layout(tile_n, compression))
-                pairs.append((tile_n, compression))
-        if not pairs:
-            raise ValueError("tile_widths and compressions must not be empty")
-        return sorted(pairs, key=lambda p: (-p[1], abs(math.log2(p[0] / policy.TILE_N)), -p[0]))
+    @property
+    def tile_widths(self) -> list[int]:
+        """The layouts' tile widths, ascending (calibration counts kept entries per tile of each)."""
+        return sorted({tile_n for tile_n, _ in self.layouts})
+
+    def preferred_layouts(self) -> list[tuple[int, int]]:
+        """The layouts in order of preference: fewest slots per column first (fewest slots to scan), then
+        the tile width nearest the kernels' default (the measured layout: a chosen layout is the one the
+        layer's kernels run)."""
+        return sorted(self.layouts, key=lambda p: (p[1] / p[0], abs(math.log2(p[0] / policy.TILE_N)), -p[0]))
+
+
+def _layout_pairs(layouts) -> tuple[tuple[int, int], ...]:
+    """layouts as a tuple of (tile_n, slots) int pairs the format and the kernels take; ValueError naming
+    the bad one."""
+    if isinstance(layouts, (str, bytes)) or not isinstance(layouts, Iterable):
+        raise ValueError(f"layouts must be a sequence of (tile_n, slots) pairs, got {layouts!r}")
+    pairs = []
+    for pair in layouts:
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ValueError(f"layouts must be (tile_n, slots) pairs, got {pair!r}")
+        check_layout(*pair)
+        policy.check_tile(*pair)
+        pairs.append(tuple(pair))
+    if not pairs:
+        raise ValueError("layouts must not be empty")
+    return tuple(pairs)

@@ -19,7 +19,7 @@ from twell.kernels.policy import LayerConfig
 class Decision:
     """What calibration decided for one FFN, and the measurements behind it.
 
-    rewrite / reason: the decision and why. tile_n / compression: the TwELL layout (None when not
+    rewrite / reason: the decision and why. tile_n / slots: the TwELL layout (None when not
     rewritten for lack of a layout). density: mean kept fraction over all calls. stats: per phase
     ("prefill", "decode") the counts of PhaseCounter.summary. predicted_speedup: FFN time dense / twell,
     per phase. time_share: fraction of model time spent in this FFN, per phase (dense; for an FFN
@@ -37,7 +37,7 @@ class Decision:
     model_size: int = 0
     threshold: float = 0.0
     tile_n: int | None = None
-    compression: int | None = None
+    slots: int | None = None
     density: float | None = None
     dead_neurons: int | None = None
     overflow_rows: float | None = None
@@ -60,7 +60,7 @@ class Decision:
             decode_max_m=policy.calibrated_decode_max_m(density), batched_max_m=policy.calibrated_batched_max_m(density)
         )
         if self.tile_n is not None:
-            config = config.replace(tile_n=self.tile_n, slots=self.tile_n // self.compression)
+            config = config.replace(tile_n=self.tile_n, slots=self.slots)
         return config.replace(**{**self.route_changes(), **(changes or {})})
 
     def route_changes(self) -> dict:
@@ -74,19 +74,40 @@ class Decision:
 
     @classmethod
     def from_dict(cls, data: Mapping) -> Decision:
+        """The decision of a dict from to_dict; also of a plan written before the layout was named by its
+        slots, with "compression" (tile_n / slots) instead of "slots"."""
         known = {f.name for f in dataclasses.fields(cls)}
         missing = {"path", "rewrite", "reason"} - set(data)
         if missing:
             raise ValueError(f"decision is missing {sorted(missing)}")
         decision = cls(**{k: v for k, v in data.items() if k in known})
+        if "compression" in data and "slots" not in data:
+            decision.slots = _slots_of_compression(decision.path, decision.tile_n, data["compression"])
+            for stats in decision.stats.values():  # overflow fractions by tile width, then compression
+                overflow = stats.get("overflow_rows", {})
+                stats["overflow_rows"] = {
+                    t: {str(int(t) // int(c)): f for c, f in by_c.items()} for t, by_c in overflow.items()
+                }
         if not isinstance(decision.dense_phases, list) or not set(decision.dense_phases) <= set(PHASES):
             raise ValueError(f"decision for {decision.path}: dense_phases must be a list of {PHASES}")
-        if decision.tile_n is not None or decision.compression is not None:
+        if decision.tile_n is not None or decision.slots is not None:
             try:
-                check_layout(decision.tile_n, decision.compression)
+                check_layout(decision.tile_n, decision.slots)
             except ValueError as e:
                 raise ValueError(f"decision for {decision.path}: invalid TwELL layout: {e}") from None
         return decision
+
+
+def _slots_of_compression(path: str, tile_n, compression) -> int | None:
+    """The slots of an old plan's (tile_n, compression) layout; ValueError where tile_n is not a multiple."""
+    if compression is None:
+        return None
+    if not isinstance(tile_n, int) or not isinstance(compression, int) or compression < 1 or tile_n % compression:
+        raise ValueError(
+            f"decision for {path}: invalid TwELL layout: tile_n must be a multiple of compression, got "
+            f"tile_n={tile_n}, compression={compression!r}"
+        )
+    return tile_n // compression
 
 
 def layer_changes(changes: Mapping | None, calibrated: bool) -> dict:
@@ -122,9 +143,9 @@ def decide(
         cost_model=cost.name,
     )
     # A tile wider than the layer only adds empty slots: keep tile widths up to N (the smallest if none).
-    all_layouts = cfg.layouts()
+    all_layouts = cfg.preferred_layouts()
     narrowest = min(t for t, _ in all_layouts)
-    layouts = [(t, c) for t, c in all_layouts if t <= max(decision.hidden_size, narrowest)]
+    layouts = [(t, s) for t, s in all_layouts if t <= max(decision.hidden_size, narrowest)]
     if not recorder.phases:
         decision.reason = "never called during calibration"
         return decision
@@ -134,16 +155,16 @@ def decide(
     decision.density = kept / max(rows, 1)
     decision.dead_neurons = recorder.dead_neurons()
 
-    fitting = [(t, c) for t, c in layouts if recorder.overflow_fraction(t, c) <= cfg.max_overflow]
+    fitting = [(t, s) for t, s in layouts if recorder.overflow_fraction(t, s) <= cfg.max_overflow]
     if not fitting:
-        t, c = min(layouts, key=lambda p: recorder.overflow_fraction(*p))
-        decision.overflow_rows = recorder.overflow_fraction(t, c)
+        t, s = min(layouts, key=lambda p: recorder.overflow_fraction(*p))
+        decision.overflow_rows = recorder.overflow_fraction(t, s)
         decision.reason = (
-            f"too dense for TwELL: {decision.overflow_rows:.1%} of rows overflow even at tile {t} / compression "
-            f"{c} (limit {cfg.max_overflow:.1%})"
+            f"too dense for TwELL: {decision.overflow_rows:.1%} of rows overflow even at tile {t} with {s} "
+            f"slots (limit {cfg.max_overflow:.1%})"
         )
         return decision
-    decision.tile_n, decision.compression = fitting[0]
+    decision.tile_n, decision.slots = fitting[0]
     decision.overflow_rows = recorder.overflow_fraction(*fitting[0])
     config = decision.layer_config(changes)  # what the layer will run with
     for phase, counter in recorder.phases.items():
@@ -161,8 +182,8 @@ def decide(
         )
         if ratio < 1.0:  # the hot neurons' dense products cost about their share of the dense FFN
             ratio = min(1.0, ratio + hot_share)
-        # Overflow rows run dense inside the hybrid format.
-        overflow = counter.overflow_fraction(decision.tile_n, decision.compression)
+        # Overflow rows run dense (the format's dense backup).
+        overflow = counter.overflow_fraction(decision.tile_n, decision.slots)
         decision.predicted_speedup[phase] = 1.0 / ((1.0 - overflow) * ratio + overflow)
     # Rewrite where any phase pays; a phase twell would slow down then runs dense (its route turned
     # off), so no phase of a rewritten FFN is predicted slower than dense.

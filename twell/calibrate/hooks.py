@@ -60,10 +60,9 @@ class PhaseCounter:
     def rows(self) -> int:
         return int(self.nnz_hist.sum())
 
-    def overflow_fraction(self, tile_n: int, compression: int) -> float:
-        """Fraction of rows with more kept entries than slots (tile_n // compression) in some tile."""
+    def overflow_fraction(self, tile_n: int, slots: int) -> float:
+        """Fraction of rows with more kept entries than `slots` in some tile of `tile_n` columns."""
         hist = self.tile_max_hist[tile_n]
-        slots = tile_n // compression
         return float(hist[slots + 1 :].sum()) / max(self.rows, 1)
 
     def summary(self, layouts: list[tuple[int, int]]) -> dict:
@@ -71,8 +70,8 @@ class PhaseCounter:
         values = torch.arange(self.n + 1, device=self.nnz_hist.device)
         nnz_total = int((self.nnz_hist * values).sum())
         overflow: dict[str, dict[str, float]] = {}
-        for tile_n, compression in sorted(layouts):
-            overflow.setdefault(str(tile_n), {})[str(compression)] = self.overflow_fraction(tile_n, compression)
+        for tile_n, slots in sorted(layouts):
+            overflow.setdefault(str(tile_n), {})[str(slots)] = self.overflow_fraction(tile_n, slots)
         return {
             "calls": self.calls,
             "rows": rows,
@@ -135,7 +134,7 @@ class LayerRecorder:
         counts = sum(c.neuron_counts for c in self.phases.values())
         return int((counts == 0).sum())
 
-    def overflow_fraction(self, tile_n: int, compression: int) -> float:
+    def overflow_fraction(self, tile_n: int, slots: int) -> float:
         rows = sum(c.rows for c in self.phases.values())
-        over = sum(c.overflow_fraction(tile_n, compression) * c.rows for c in self.phases.values())
+        over = sum(c.overflow_fraction(tile_n, slots) * c.rows for c in self.phases.values())
         return over / max(rows, 1)

@@ -1,4 +1,4 @@
-"""Sparse training of the twell FFNs: a forward that keeps a compact hybrid record of the hidden layer,
+"""Sparse training of the twell FFNs: a forward that keeps a compact record of the hidden layer,
 and the backward computed from that record (the paper's training path; only the gate GEMM is dense).
 
 Record of one call (M token rows, W = width slots per row, policy.train_width: about N/32), written by

@@ -4,7 +4,7 @@ cuBLAS GEMMs as dense PyTorch runs them, with the activation and the product of 
 pass over the [M, N] hidden state (_act_mul_kernel, in place in the gate GEMM's output): eager PyTorch
 spends two passes there (relu_, then mul_: five [M, N] reads and writes against three) and an extra
 launch, which kept the dense route at 0.96x of compiled dense, where Inductor fuses the two. Values
-are the same bits as reference.gated_ffn / reference.ffn: every op rounds once, as torch's do.
+are the same bits as reference.gated_ffn_reference / reference.ffn_reference: every op rounds once, as torch's do.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def act_mul_(g: torch.Tensor, u: torch.Tensor | None, threshold: float, *, drelu
     return g
 
 
-def gated_ffn(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu):
+def gated_ffn_dense(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu):
     """down(act(gate(x)) * up(x)) of x [M, K], nn.Linear weight layouts (down_weight may be a view of
     the rows sparsify stores); no autograd."""
     g = F.linear(x, gate_weight, gate_bias)
@@ -65,7 +65,7 @@ def gated_ffn(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_b
     return F.linear(g, down_weight, down_bias)
 
 
-def ffn(x, up_weight, down_weight, up_bias, down_bias, threshold, squared):
+def ffn_dense(x, up_weight, down_weight, up_bias, down_bias, threshold, squared):
     """down(act(up(x))) (act² with squared) of x [M, K]; no autograd."""
     h = act_mul_(F.linear(x, up_weight, up_bias), None, threshold, drelu=False, square=squared)
     return F.linear(h, down_weight, down_bias)

@@ -13,7 +13,7 @@ and TwELL layout; policy.route decides.
   exact at any sparsity.
 - Otherwise dense (also for K > MAX_K, and for a down weight not stored as the kernels read it):
   twell.kernels.dense, cuBLAS with the activation and product in one pass.
-- Hybrid by neuron (prefill, the layer's hot_rate): the layer's hot neurons, those firing in more
+- Hot neurons (prefill, the layer's hot_rate): the layer's hot neurons, those firing in more
   than hot_rate of its tokens, are computed by dense products over just those neurons: the packers
   leave them out of TwELL and write their gate pre-activations to an [M, H] buffer instead (the
   overflow recompute leaves them out too); a cuBLAS GEMM over their gathered up rows, the activation,
@@ -272,7 +272,7 @@ def _hot_hidden_(g, x, index, up_weight, up_bias, threshold, drelu, square) -> t
 
 def gated_ffn(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu, config):
     def dense(x2):
-        return dense_route.gated_ffn(
+        return dense_route.gated_ffn_dense(
             x2, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu
         )
 
@@ -283,6 +283,6 @@ def gated_ffn(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_b
 
 def ffn(x, up_weight, down_weight, up_bias, down_bias, threshold, squared, config):
     def dense(x2):
-        return dense_route.ffn(x2, up_weight, down_weight, up_bias, down_bias, threshold, squared)
+        return dense_route.ffn_dense(x2, up_weight, down_weight, up_bias, down_bias, threshold, squared)
 
     return _run(x, up_weight, up_bias, None, None, down_weight, down_bias, threshold, False, squared, dense, config)

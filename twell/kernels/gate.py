@@ -5,10 +5,10 @@ in fp32, adds the bias, and packs each row's kept entries (not <= threshold) to 
 tile's SLOTS slots with a row-wise prefix sum, one word a slot (twell.kernels.words: value and column
 in the tile); the true count goes to counts[m, tile]. Slots past the count are left unwritten (the
 consumers mask by count). The dense gate never reaches global memory. A count above SLOTS marks the
-row for the hybrid dense path (the launchers never drop it: see twell.kernels.dispatch).
+row as an overflow row (the launchers never drop it: see twell.kernels.dispatch).
 
 hot (both launchers): (hot_pos, hot_values) for a caller that computes some neurons by dense products
-(the hybrid by neuron: twell.kernels.dispatch's hot neurons). hot_pos: int32 [N], neuron n's column in
+(twell.kernels.dispatch's hot neurons). hot_pos: int32 [N], neuron n's column in
 hot_values [M, H] or -1; those neurons are never packed (their columns count as inactive), and their
 pre-activations (bias added, rounded to the output dtype, before any activation) go to hot_values.
 Positions are not checked on the host (that would wait for the device); one outside [0, H) makes its

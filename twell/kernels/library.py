@@ -148,7 +148,9 @@ def gated_ffn(
         reuse_rows,
         reuse_min,
     )
-    return reference.gated_ffn(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu)
+    return reference.gated_ffn_reference(
+        x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu
+    )
 
 
 @gated_ffn.register_fake
@@ -204,7 +206,7 @@ def ffn(
         reuse_rows,
         reuse_min,
     )
-    return reference.ffn(x, up_weight, down_weight, up_bias, down_bias, threshold, squared)
+    return reference.ffn_reference(x, up_weight, down_weight, up_bias, down_bias, threshold, squared)
 
 
 @ffn.register_fake
@@ -247,9 +249,9 @@ def _dense_backward(reference_fn, n_tensors: int, n_scalars: int):
     return setup_context, backward
 
 
-_setup, _backward = _dense_backward(reference.gated_ffn, 7, 2)
+_setup, _backward = _dense_backward(reference.gated_ffn_reference, 7, 2)
 gated_ffn.register_autograd(_backward, setup_context=_setup)
-_setup, _backward = _dense_backward(reference.ffn, 5, 2)
+_setup, _backward = _dense_backward(reference.ffn_reference, 5, 2)
 ffn.register_autograd(_backward, setup_context=_setup)
 
 

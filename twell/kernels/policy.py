@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 # Defaults of LayerConfig's fields (see there).
 TILE_N = 128
-SLOTS = 16  # compression 8, as the reference code
+SLOTS = 16  # tile_n / slots = 8: the reference code's compression factor
 DECODE_MAX_M = 8
 # 9-16 tokens: decode where the layer is known sparse (1.19-1.37x at <= 1%; 1.06-1.17x at 2%, 0.85x at 5%)
 DECODE_SPARSE_MAX_M = 16
@@ -41,7 +41,7 @@ BATCHED_MAX_M = 0
 FUSED_GATE = False
 # Mean density above which a layer's prefill runs dense: 1.28x at 0.5%, 0.99-1.00x at 1% (NOTES.md v5/v6).
 DENSE_ABOVE = 0.008
-# Hybrid by neuron on the prefill path: neurons firing in more than this share of a layer's prefill
+# Hot neurons on the prefill path: neurons firing in more than this share of a layer's prefill
 # tokens (measured on the device from a call's first HOT_SAMPLE rows) are computed by dense products
 # over just those neurons (the packer hands over their gate columns; cuBLAS: their up columns, then
 # their share of the down projection), the rest sparse. A sparse (token, neuron) pair gathers 8 KB of
@@ -102,8 +102,8 @@ def check_tile(tile_n: int, slots: int) -> None:
 class LayerConfig:
     """How one rewritten FFN's calls run; defaults: the measured values of this module.
 
-    tile_n, slots: TwELL layout of the prefill path (calibration picks it per layer: its tile_n and
-        tile_n // compression); powers of two, 16 <= tile_n <= 256, slots <= tile_n.
+    tile_n, slots: TwELL layout of the prefill path (calibration picks it per layer: its decision's
+        tile_n and slots); powers of two, 16 <= tile_n <= 256, slots <= tile_n.
     decode_max_m: calls of at most this many tokens take the decode kernels, and calls of up to
         decode_sparse_max_m tokens do on a layer whose prefill calls measured it at most
         DECODE_SPARSE_DENSITY dense.

@@ -48,18 +48,12 @@ def hidden(
     return h * (torch.relu(up) if drelu else up)
 
 
-def gated_ffn(
-    x: torch.Tensor,
-    gate_weight: torch.Tensor,
-    up_weight: torch.Tensor,
-    down_weight: torch.Tensor,
-    gate_bias: torch.Tensor | None = None,
-    up_bias: torch.Tensor | None = None,
-    down_bias: torch.Tensor | None = None,
-    threshold: float = 0.0,
-    drelu: bool = False,
+def gated_ffn_reference(
+    x, gate_weight, up_weight, down_weight, gate_bias=None, up_bias=None, down_bias=None, threshold=0.0, drelu=False
 ) -> torch.Tensor:
-    """y = down(act(gate(x)) * up(x)); with drelu, ReLU on up(x) too. nn.Linear weight layouts."""
+    """y [..., K] = down(act(gate(x)) * up(x)) of x [..., K]; with drelu, ReLU on up(x) too. nn.Linear
+    weight layouts (gate_weight, up_weight [N, K], down_weight [K, N]); biases optional. The argument
+    order of every gated FFN function in twell (dense.gated_ffn_dense, the op, twell.ops.gated_ffn)."""
     if _records_grad(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias):
         h = hidden(x, gate_weight, up_weight, gate_bias, up_bias, threshold, drelu)
         return F.linear(h, down_weight, down_bias)
@@ -73,16 +67,11 @@ def gated_ffn(
     return F.linear(h, down_weight, down_bias)
 
 
-def ffn(
-    x: torch.Tensor,
-    up_weight: torch.Tensor,
-    down_weight: torch.Tensor,
-    up_bias: torch.Tensor | None = None,
-    down_bias: torch.Tensor | None = None,
-    threshold: float = 0.0,
-    squared: bool = False,
+def ffn_reference(
+    x, up_weight, down_weight, up_bias=None, down_bias=None, threshold=0.0, squared=False
 ) -> torch.Tensor:
-    """y = down(act(up(x))); with squared, act is relu² (Primer / Nemotron)."""
+    """y [..., K] = down(act(up(x))) of x [..., K] (up_weight [N, K], down_weight [K, N]); with squared,
+    act is relu² (Primer / Nemotron)."""
     if _records_grad(x, up_weight, down_weight, up_bias, down_bias):
         h = hidden(x, up_weight, None, up_bias, None, threshold, squared=squared)
         return F.linear(h, down_weight, down_bias)

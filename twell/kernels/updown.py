@@ -11,7 +11,7 @@ software-pipelined. The hidden state never reaches global memory. Rows are taken
 A program walks its row's entries one after another (~1.4 us each on an H200), so one long row would
 bound the whole launch. The main kernel therefore leaves two kinds of rows, appended to a list on the
 device, to _heavy_kernel: rows with more than WIDTH entries and rows with a tile whose count exceeds
-its slots (the hybrid format's overflow: the packed entries are incomplete, so that tile's gate values
+its slots (an overflow row of the TwELL format: the packed entries are incomplete, so that tile's gate values
 are recomputed from W_g, a GEMV over TILE_N rows). _heavy_kernel, persistent, splits each listed row
 into SPLITS parts (entry ranges and overflowing tiles), each part an fp32 partial of y_m; the last
 part to finish sums the partials in part order (deterministic). Rows past the partials' capacity are

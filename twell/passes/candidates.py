@@ -26,9 +26,9 @@ from twell.passes import experts
 from twell.passes.match import (
     Dialect,
     FFNMatch,
-    _call_problems,
     activation,
     activation_problems,
+    call_problems,
     find_matches,
     skip_identities,
 )
@@ -217,11 +217,11 @@ def _inline_children(graph: fx.Graph, match: FFNMatch) -> tuple[tuple[str, ...],
     for act in (match.activation, match.up_activation):
         if act is None:
             continue
-        owners = {_stack_root(node) for node in act.nodes}
+        owners = {stack_root(node) for node in act.nodes}
         if len(owners) != 1 or None in owners or "." in next(iter(owners)):
             return (), "the activation is written inline in the forward, not an activation module that can be swapped"
         (owner,) = owners
-        others = [n for n in graph.nodes if n not in act.nodes and _stack_root(n) == owner]
+        others = [n for n in graph.nodes if n not in act.nodes and stack_root(n) == owner]
         if others or calls.get(owner, 0) > 1:
             return (), f"activation module {owner} is used more than once"
         activation_children.append(owner)
@@ -231,7 +231,7 @@ def _inline_children(graph: fx.Graph, match: FFNMatch) -> tuple[tuple[str, ...],
     return tuple(activation_children), ""
 
 
-def _stack_root(node: fx.Node) -> str | None:
+def stack_root(node: fx.Node) -> str | None:
     """The direct child whose forward produced `node` (traced through, or called as a leaf), if any."""
     stack = node.meta.get("nn_module_stack") or {}
     if stack:
@@ -423,16 +423,16 @@ def _split_candidate(path: str, module: nn.Module, graph: fx.Graph, pair) -> Can
     problems += activation_problems(match)
     if dropouts:
         problems.append(f"dropout after the activation in {first} would act on the FFN's input in training mode")
-    owners = {_stack_root(node) for node in act.nodes}
+    owners = {stack_root(node) for node in act.nodes}
     if len(owners) != 1 or None in owners or "." in next(iter(owners)):
         problems.append(
             f"the activation is written inline in {first}'s forward, not an activation module that can be swapped"
         )
     for node in act.nodes:
         if dialect_a.module(node) is not None:
-            problems += _call_problems(dialect_a.module(node), f"activation {first}.{node.target}")
+            problems += call_problems(dialect_a.module(node), f"activation {first}.{node.target}")
     problems += dialect_a.weight_problems(up, "up") + dialect_b.weight_problems(down, "down")
-    problems += _call_problems(a, first) + _call_problems(b, second)
+    problems += call_problems(a, first) + call_problems(b, second)
     if any(tensor_parallel_linear(m) for m in (up.module, down.module)):
         problems.append("tensor-parallel linears of an FFN split across two modules (twell runs FFN modules)")
     weights = {(w.dtype, w.device) for w in (up.module.weight, down.module.weight)}

@@ -42,7 +42,7 @@ def decision_for(weight) -> tuple[str, object] | None:
 def decisions_digest() -> bytes:
     """The decisions of every live sparsified model (with the layouts the rewrites get), as bytes that
     change when any of them does."""
-    lines = (f"{path} {d.rewrite} {d.reason} {d.tile_n} {d.compression}" for path, d in _decisions.values())
+    lines = (f"{path} {d.rewrite} {d.reason} {d.tile_n} {d.slots}" for path, d in _decisions.values())
     return "\n".join(sorted(lines)).encode()
 
 
@@ -67,7 +67,7 @@ def compiled_records(model: torch.nn.Module) -> list:
     FFNs, so without these a Mixtral's report would be empty."""
     from twell.passes import experts
     from twell.passes.candidates import find_ffns
-    from twell.report import Record
+    from twell.report import candidate_record
 
     candidates = find_ffns(model)
     paths = {}
@@ -80,20 +80,7 @@ def compiled_records(model: torch.nn.Module) -> list:
     for c in candidates:
         if experts.is_experts(c.gate_module):
             reason = EXPERTS_NOT_COMPILED if c.rewritable else c.reason
-            records.append(
-                Record(
-                    path=c.path,
-                    kind=c.kind,
-                    matched=True,
-                    activation=c.activation,
-                    rewritable=c.rewritable,
-                    rewritten=False,
-                    reason=reason,
-                    hidden_size=c.hidden_size,
-                    model_size=c.model_size,
-                    threshold=c.threshold,
-                )
-            )
+            records.append(candidate_record(c, False, reason))
     return records
 
 

@@ -28,7 +28,7 @@ from torch import nn
 from twell import ops
 from twell.kernels.policy import LayerConfig
 from twell.passes.match import SUPPORTED_DTYPES
-from twell.passes.modules import _FORWARD_HOOKS, _StandIn, store_down_rows
+from twell.passes.modules import FORWARD_HOOKS, StandIn, store_down_rows
 
 # The attributes transformers' use_experts_implementation sets on an experts module.
 _MARKS = ("has_gate", "is_concatenated", "is_transposed", "has_bias", "has_post_expert_norm")
@@ -146,7 +146,7 @@ def gate_preactivation(module: nn.Module, spec: ExpertsSpec, expert: int, args: 
     return F.linear(hidden_states[tokens], gate, gate_bias)
 
 
-class SparseExperts(_StandIn):
+class SparseExperts(StandIn):
     """Replaces an experts module: the rewritten experts run through twell.ops over their routed
     tokens, the others in plain torch ops with the original activation module, as transformers' eager
     loop computes them. The router and the MoE block are untouched; forward hooks are the original's.
@@ -157,7 +157,7 @@ class SparseExperts(_StandIn):
         self.spec = spec
         self.layer_configs: dict[int, LayerConfig] = {}
         self.num_experts = sizes(original, spec)[0]
-        for hooks in _FORWARD_HOOKS:
+        for hooks in FORWARD_HOOKS:
             setattr(self, hooks, getattr(original, hooks))
 
     @property
@@ -171,7 +171,7 @@ class SparseExperts(_StandIn):
             found is None
             or found[0].dtype != down.dtype
             or torch.is_autocast_enabled(found[0].device.type)
-            or any(getattr(self.act_fn, hooks) for hooks in _FORWARD_HOOKS)
+            or any(getattr(self.act_fn, hooks) for hooks in FORWARD_HOOKS)
         ):
             return self.sync_original().forward(*args, **kwargs)
         hidden_states, top_k_index, top_k_weights = found

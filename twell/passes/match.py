@@ -259,7 +259,7 @@ class Dialect:
             module = linear.module
             if not native_forward(module):
                 return [f"{role} linear is a {type(module).__name__} with its own forward, not a plain nn.Linear"]
-            problems = _call_problems(module, f"{role} linear")
+            problems = call_problems(module, f"{role} linear")
             if problems:
                 return problems
             for kind in ("weight", "bias"):
@@ -289,7 +289,7 @@ class Dialect:
         return []
 
 
-def _call_problems(module: nn.Module, what: str) -> list[str]:
+def call_problems(module: nn.Module, what: str) -> list[str]:
     """A module whose call runs more than its class's forward, which the rewritten FFN would skip."""
     if "forward" in module.__dict__:
         return [f"{what}'s forward is replaced on the instance (e.g. by offloading hooks)"]
@@ -646,7 +646,7 @@ def check(matches: list[FFNMatch], graph: fx.Graph, dialect: Dialect) -> list[FF
             for node in act.nodes if act is not None else ():
                 module = dialect.module(node)
                 if module is not None:
-                    match.problems.extend(_call_problems(module, f"activation {node.target}"))
+                    match.problems.extend(call_problems(module, f"activation {node.target}"))
         roles = [("gate", match.gate.linear), ("down", match.down)]
         if match.up is not None and match.up.linear is not match.gate.linear:
             roles.insert(1, ("up", match.up.linear))
@@ -697,6 +697,7 @@ __all__ = [
     "Linear",
     "Projection",
     "activation",
+    "call_problems",
     "find_matches",
     "match_at",
     "op_name",

@@ -123,31 +123,11 @@ def hidden_activation(spec: FFNSpec, weights: FFNWeights, x: torch.Tensor) -> to
 
 def call_op(spec: FFNSpec, weights: FFNWeights, x: torch.Tensor, config: LayerConfig, return_l1=False):
     """twell.ops.(gated_)ffn of `spec` on x [..., K] with `weights` and the layer's `config`."""
+    shared = {"down_bias": weights.down_bias, "threshold": spec.threshold, "return_l1": return_l1, "config": config}
     if spec.kind == "plain":
-        return ops.ffn(
-            x,
-            weights.gate,
-            weights.down,
-            up_bias=weights.gate_bias,
-            down_bias=weights.down_bias,
-            threshold=spec.threshold,
-            squared=spec.squared,
-            return_l1=return_l1,
-            config=config,
-        )
-    return ops.gated_ffn(
-        x,
-        weights.gate,
-        weights.up,
-        weights.down,
-        gate_bias=weights.gate_bias,
-        up_bias=weights.up_bias,
-        down_bias=weights.down_bias,
-        threshold=spec.threshold,
-        drelu=spec.drelu,
-        return_l1=return_l1,
-        config=config,
-    )
+        return ops.ffn(x, weights.gate, weights.down, up_bias=weights.gate_bias, squared=spec.squared, **shared)
+    biases = {"gate_bias": weights.gate_bias, "up_bias": weights.up_bias}
+    return ops.gated_ffn(x, weights.gate, weights.up, weights.down, **biases, drelu=spec.drelu, **shared)
 
 
 def run_ffn(
@@ -164,7 +144,8 @@ def run_ffn(
     return call_op(spec, ffn_weights(spec, gate, up, down), x, config, return_l1)
 
 
-_FORWARD_HOOKS = (
+# nn.Module's attributes that hold forward hooks: a module with any runs more than its forward
+FORWARD_HOOKS = (
     "_forward_hooks",
     "_forward_hooks_with_kwargs",
     "_forward_hooks_always_called",
@@ -182,7 +163,7 @@ def dense_ffn(spec: FFNSpec, gate: nn.Module, up: nn.Module | None, down: nn.Mod
 
 def _plain_linear(m: nn.Module) -> bool:
     """A projection whose call is exactly its linear map: no subclass forward, instance forward or hooks."""
-    return native_forward(m) and "forward" not in m.__dict__ and not any(getattr(m, hooks) for hooks in _FORWARD_HOOKS)
+    return native_forward(m) and "forward" not in m.__dict__ and not any(getattr(m, hooks) for hooks in FORWARD_HOOKS)
 
 
 def _op_dtype(x: torch.Tensor, linear: nn.Module) -> bool:
@@ -190,7 +171,7 @@ def _op_dtype(x: torch.Tensor, linear: nn.Module) -> bool:
     return x.dtype == linear.weight.dtype and not torch.is_autocast_enabled(x.device.type)
 
 
-class _StandIn(nn.Module):
+class StandIn(nn.Module):
     """Holds the original's parameters, buffers and children (same objects, same names)."""
 
     def __init__(self, original: nn.Module, *, children: bool):
@@ -217,7 +198,7 @@ class _StandIn(nn.Module):
         return original
 
 
-class SparseFFN(_StandIn):
+class SparseFFN(StandIn):
     """Replaces a module whose forward is exactly an FFN; y = twell.ops.(gated_)ffn(x), x [..., K].
 
     The original's forward hooks stay attached (the hook dicts are shared): they see the same inputs
@@ -233,7 +214,7 @@ class SparseFFN(_StandIn):
         super().__init__(original, children=True)
         self.spec = spec
         self.layer_config = config
-        for hooks in _FORWARD_HOOKS:
+        for hooks in FORWARD_HOOKS:
             setattr(self, hooks, getattr(original, hooks))
 
     def forward(self, *args, **kwargs):
@@ -275,7 +256,7 @@ class SparseFFN(_StandIn):
         return f"twell {self.spec.kind}, threshold={self.spec.threshold}, drelu={self.spec.drelu}"
 
 
-class _InlineMember(_StandIn):
+class _InlineMember(StandIn):
     """One of the modules standing in for an inline FFN's children. It shares its forward hooks with the
     module it replaces (hooks registered on either object land in the same dicts), and while any module
     of its group (the FFN's members, and the halves of a split FFN) has hooks, every member computes what
@@ -283,14 +264,14 @@ class _InlineMember(_StandIn):
 
     def __init__(self, original: nn.Module, group: list[_InlineMember], *, children: bool = False):
         super().__init__(original, children=children)
-        for hooks in _FORWARD_HOOKS:
+        for hooks in FORWARD_HOOKS:
             setattr(self, hooks, getattr(original, hooks))
         # Not submodules: the layer owns each member under its own name.
         self.__dict__["group"] = group
         group.append(self)
 
     def hooked(self) -> bool:
-        return any(getattr(member, hooks) for member in self.__dict__["group"] for hooks in _FORWARD_HOOKS)
+        return any(getattr(member, hooks) for member in self.__dict__["group"] for hooks in FORWARD_HOOKS)
 
     def as_original(self, x: torch.Tensor) -> torch.Tensor:
         # Its forward, not its __call__: this module's (shared) hooks run around this call already.
