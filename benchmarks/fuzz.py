@@ -264,11 +264,11 @@ def call_op(case: dict, t: dict, x: torch.Tensor, config: policy.LayerConfig) ->
         args = (x, t["gate_weight"], t["up_weight"], t["down_weight"], t["gate_bias"], t["up_bias"], t["down_bias"])
         if x.is_cuda:
             return torch.ops.twell.gated_ffn(*args, th, kind == "drelu", *config.op_args())
-        return dispatch.gated_ffn(*args, th, kind == "drelu", config)
+        return dispatch.gated_ffn_cuda(*args, th, kind == "drelu", config)
     args = (x, t["gate_weight"], t["down_weight"], t["gate_bias"], t["down_bias"])
     if x.is_cuda:
         return torch.ops.twell.ffn(*args, th, kind == "relu2", *config.op_args())
-    return dispatch.ffn(*args, th, kind == "relu2", config)
+    return dispatch.ffn_cuda(*args, th, kind == "relu2", config)
 
 
 def sample_rows(case: dict, t: dict, device: str) -> torch.Tensor:

@@ -9,7 +9,7 @@ for the dense module, the GPU operations of one call (torch.profiler), and a cPr
 (top functions by own time). JSON to benchmarks/results/ (or $OUT).
 
 On the CPU:  PYTHONPATH=. python benchmarks/host_time.py --cpu
-The dispatcher's prefill path (twell.kernels.dispatch.gated_ffn) on small CPU tensors (the host side
+The dispatcher's prefill path (twell.kernels.dispatch.gated_ffn_cuda) on small CPU tensors (the host side
 of a CUDA call does not depend on the sizes; tiny CPU ops cost about what a CUDA op's dispatch and
 launch cost the host), every Triton launch replaced by a stub that records it and returns (the
 autotuner runs, tuning without timing): the Python-side host time of the wrappers without the
@@ -187,7 +187,7 @@ def cpu_point(hot: int, m: int = 64, k: int = 64, n: int = 256) -> dict:
             pos = torch.full((n,), -1, dtype=torch.int32)
             pos[:hot] = torch.arange(hot, dtype=torch.int32)
             state.hot = dispatch._Hot(torch.arange(hot), pos)
-        call = lambda: dispatch.gated_ffn(*args)  # noqa: E731
+        call = lambda: dispatch.gated_ffn_cuda(*args)  # noqa: E731
         call()  # the first call of a key tunes (here: takes the first config)
 
         def probing():

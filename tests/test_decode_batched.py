@@ -260,7 +260,7 @@ def test_dispatch_sends_batched_calls_to_the_batched_kernels(m, path, monkeypatc
         monkeypatch.setattr(dispatch, name, lambda *a, _n=name, _f=fn, **k: calls.append(_n) or _f(*a, **k))
     case = make_ffn(m, 24, 96, MIXED, torch.float32, DEVICE, seed=m, biases=True)
     args = [case[k] for k in ("gate_weight", "up_weight", "down_weight", "gate_bias", "up_bias", "down_bias")]
-    y = dispatch.gated_ffn(case["x"], *args, 0.0, False, LayerConfig(batched_max_m=64, prefill_min_m=None))
+    y = dispatch.gated_ffn_cuda(case["x"], *args, 0.0, False, LayerConfig(batched_max_m=64, prefill_min_m=None))
     assert calls == {"decode": ["decode_ffn"], "batched": ["batched_decode_ffn"], "dense": []}[path]
     assert rel_err(y, gated_ref(case)) <= 1e-5
 

@@ -61,7 +61,7 @@ def test_the_prefill_path_checks_its_inputs_once(fused, monkeypatch):
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, lambda *a, _n=name, **k: checked.append(_n))
     dispatch.forget_layers()
-    y = dispatch.gated_ffn(case["x"], *args, 0.0, False, config)
+    y = dispatch.gated_ffn_cuda(case["x"], *args, 0.0, False, config)
     assert checked == []
     assert rel_err(y, gated_ref(case)) <= 1e-5
     words, counts = gate.pack_dense(case["x"] @ args[0].T, 0.0, 32, 8)

@@ -105,7 +105,7 @@ def test_dispatch_reads_strided_biases(sparse_paths):
     strided = {k: torch.stack([b, b], 1)[:, 0] for k, b in case.items() if k.endswith("bias")}
     assert not any(b.is_contiguous() for b in strided.values())
     for m in (1, 100):  # decode and prefill
-        y = dispatch.gated_ffn(
+        y = dispatch.gated_ffn_cuda(
             case["x"][:m],
             case["gate_weight"],
             case["up_weight"],
@@ -609,7 +609,7 @@ def test_prefill_through_each_gate_route(fused, tile_n, slots, sparse_paths, mon
     monkeypatch.setattr(dispatch, "launch_up_down", lambda *a, **k: calls.append(k["tile_n"]) or updown(*a, **k))
     case = make_ffn(100, 40, 96, MIXED, torch.float32, DEVICE, seed=9, biases=True)
     args = [case[k] for k in ("gate_weight", "up_weight", "down_weight", "gate_bias", "up_bias", "down_bias")]
-    y = dispatch.gated_ffn(case["x"], *args, 0.0, False, config)
+    y = dispatch.gated_ffn_cuda(case["x"], *args, 0.0, False, config)
     # on a GPU fp32 operands fit no fused-gate config: they take cuBLAS + the pack pass
     fused = fused and gate.fused_gate_supported(case["x"], case["gate_weight"], tile_n)
     assert calls == [("launch_gate_twell" if fused else "launch_pack_dense", tile_n, slots), tile_n]
@@ -639,7 +639,7 @@ def test_dispatch_is_exact_on_every_path(m, dtype, variant, sparse_paths):
     x = case["x"].reshape(1, m, k)
     dispatch.forget_layers()
     if gated:
-        y = dispatch.gated_ffn(
+        y = dispatch.gated_ffn_cuda(
             x,
             case["gate_weight"],
             case["up_weight"],
@@ -654,7 +654,7 @@ def test_dispatch_is_exact_on_every_path(m, dtype, variant, sparse_paths):
         ref = gated_ref(case, threshold, variant == "drelu")
     else:
         biases = (case["up_bias"], case["down_bias"])
-        y = dispatch.ffn(
+        y = dispatch.ffn_cuda(
             x, case["up_weight"], case["down_weight"], *biases, threshold, variant == "relu2", sparse_paths
         )
         ref = plain_ref(case, threshold, variant == "relu2")
@@ -683,11 +683,11 @@ def test_hot_neurons_run_dense_and_stay_exact(variant, dtype, fused, sparse_path
     threshold = 0.02 if variant == "fatrelu-bias" else 0.0
     if gated:
         args = [case[c] for c in ("gate_weight", "up_weight", "down_weight", "gate_bias", "up_bias", "down_bias")]
-        call = lambda: dispatch.gated_ffn(case["x"], *args, threshold, variant == "drelu", config)  # noqa: E731
+        call = lambda: dispatch.gated_ffn_cuda(case["x"], *args, threshold, variant == "drelu", config)  # noqa: E731
         ref = gated_ref(case, threshold, variant == "drelu")
     else:
         args = [case[c] for c in ("up_weight", "down_weight", "up_bias", "down_bias")]
-        call = lambda: dispatch.ffn(case["x"], *args, threshold, variant == "relu2", config)  # noqa: E731
+        call = lambda: dispatch.ffn_cuda(case["x"], *args, threshold, variant == "relu2", config)  # noqa: E731
         ref = plain_ref(case, threshold, variant == "relu2")
     maps = []
     updown = dispatch.launch_up_down
@@ -734,10 +734,10 @@ def test_dense_layers_fall_back_to_dense(dense_above, falls_back, sparse_paths):
     config = sparse_paths.replace(dense_above=dense_above, hot_rate=None)
     case = make_ffn(80, 24, 64, [0.03], torch.float32, DEVICE, seed=3)
     args = (case["gate_weight"], case["up_weight"], case["down_weight"], None, None, None, 0.0, False, config)
-    first = dispatch.gated_ffn(case["x"], *args)
+    first = dispatch.gated_ffn_cuda(case["x"], *args)
     state = dispatch.layer_state(case["gate_weight"], 80)
     assert state.pending is not None and state.dense_calls_left == 0
-    second = dispatch.gated_ffn(case["x"], *args)  # reads the first call's density (3%)
+    second = dispatch.gated_ffn_cuda(case["x"], *args)  # reads the first call's density (3%)
     assert state.density > 0.02
     assert state.dense_calls_left == (policy.DENSE_RETRY - 1 if falls_back else 0)
     assert (state.pending is None) == falls_back  # a sparse call queues the next probe
@@ -755,7 +755,7 @@ def test_a_layer_dense_in_few_neurons_stays_sparse(sparse_paths, monkeypatch):
     maps = []
     updown = dispatch.launch_up_down
     monkeypatch.setattr(dispatch, "launch_up_down", lambda *a, **kw: maps.append(kw["hot_pos"]) or updown(*a, **kw))
-    ys = [dispatch.gated_ffn(case["x"], *args, sparse_paths) for _ in range(3)]
+    ys = [dispatch.gated_ffn_cuda(case["x"], *args, sparse_paths) for _ in range(3)]
     state = dispatch.layer_state(case["gate_weight"], 80)
     assert state.hot.index.tolist() == list(range(16)) and state.density == 0.25
     assert len(maps) == 3 and maps[1] is maps[2] is state.hot.pos and state.dense_calls_left == 0
@@ -770,7 +770,7 @@ def test_default_dispatch_runs_dense_where_kernels_lose():
     assert m < policy.PREFILL_MIN_M
     case = make_ffn(m, 24, 64, [0.05], torch.float32, DEVICE, seed=m)
     args = (case["gate_weight"], case["up_weight"], case["down_weight"], None, None, None, 0.0, False)
-    got = dispatch.gated_ffn(case["x"], *args, policy.DEFAULT)
+    got = dispatch.gated_ffn_cuda(case["x"], *args, policy.DEFAULT)
     assert torch.equal(got, reference.gated_ffn_reference(case["x"], *args))
 
 
@@ -783,7 +783,7 @@ def test_nn_linear_layout_runs_dense(m, sparse_paths, monkeypatch):
     monkeypatch.setattr(dispatch, "launch_up_down", None)
     args = (case["gate_weight"], case["up_weight"], down, None, None, None, 0.0, False)
     assert torch.equal(
-        dispatch.gated_ffn(case["x"], *args, sparse_paths), reference.gated_ffn_reference(case["x"], *args)
+        dispatch.gated_ffn_cuda(case["x"], *args, sparse_paths), reference.gated_ffn_reference(case["x"], *args)
     )
 
 
@@ -798,9 +798,9 @@ def test_decode_serves_more_tokens_where_prefill_measured_the_layer_sparse(densi
     args = (case["gate_weight"], case["up_weight"], case["down_weight"], None, None, None, 0.0, False, config)
     m = config.decode_sparse_max_m
     few = case["x"][:m]
-    dispatch.gated_ffn(few, *args)  # nothing measured yet: dense
-    dispatch.gated_ffn(case["x"], *args)  # prefill: queues the probe
-    y = dispatch.gated_ffn(few, *args)
+    dispatch.gated_ffn_cuda(few, *args)  # nothing measured yet: dense
+    dispatch.gated_ffn_cuda(case["x"], *args)  # prefill: queues the probe
+    y = dispatch.gated_ffn_cuda(few, *args)
     assert calls == (["decode"] if path == "decode" else [])
     assert rel_err(y, gated_ref(case)[:m]) <= 1e-5
 
@@ -810,7 +810,7 @@ def test_a_probe_in_flight_is_not_replaced(sparse_paths):
     ahead of the GPU, the newest probe would never have landed when the next call looks)."""
     case = make_ffn(80, 24, 64, [0.03], torch.float32, DEVICE, seed=3)
     args = (case["gate_weight"], case["up_weight"], case["down_weight"], None, None, None, 0.0, False, sparse_paths)
-    dispatch.gated_ffn(case["x"], *args)
+    dispatch.gated_ffn_cuda(case["x"], *args)
     state = dispatch.layer_state(case["gate_weight"], 80)
 
     class NotLanded:
@@ -818,7 +818,7 @@ def test_a_probe_in_flight_is_not_replaced(sparse_paths):
             return False
 
     first = state.pending = (NotLanded(), *state.pending[1:])
-    dispatch.gated_ffn(case["x"], *args)
+    dispatch.gated_ffn_cuda(case["x"], *args)
     assert state.pending is first and state.dense_calls_left == 0
 
 

@@ -235,11 +235,11 @@ def test_prefill_with_reuse_is_exact(variant, dtype, rows, reuse_min, monkeypatc
     monkeypatch.setattr(reuse, "reuse_products_", lambda y, x, b, *a, **k: seen.append(b) or products(y, x, b, *a, **k))
     if gated:
         args = [case[c] for c in ("gate_weight", "up_weight", "down_weight", "gate_bias", "up_bias", "down_bias")]
-        y = dispatch.gated_ffn(case["x"], *args, threshold, variant == "drelu", config)
+        y = dispatch.gated_ffn_cuda(case["x"], *args, threshold, variant == "drelu", config)
         ref = gated_ref(case, threshold, variant == "drelu")
     else:
         args = [case[c] for c in ("up_weight", "down_weight", "up_bias", "down_bias")]
-        y = dispatch.ffn(case["x"], *args, threshold, variant == "relu2", config)
+        y = dispatch.ffn_cuda(case["x"], *args, threshold, variant == "relu2", config)
         ref = plain_ref(case, threshold, variant == "relu2")
     (blocks,) = seen
     assert blocks.rows == rows and int(blocks.lengths.sum()) > 0
@@ -260,8 +260,8 @@ def test_prefill_with_hot_neurons_and_reuse_is_exact(monkeypatch):
     config = _sparse_paths(reuse_rows=16, reuse_min=2, dense_above=1.0).replace(hot_rate=0.05)
     args = [case[c] for c in ("gate_weight", "up_weight", "down_weight", "gate_bias", "up_bias", "down_bias")]
     ref = gated_ref(case, 0.02)
-    first = dispatch.gated_ffn(case["x"], *args, 0.02, False, config)  # measures the hot neurons
-    second = dispatch.gated_ffn(case["x"], *args, 0.02, False, config)
+    first = dispatch.gated_ffn_cuda(case["x"], *args, 0.02, False, config)  # measures the hot neurons
+    second = dispatch.gated_ffn_cuda(case["x"], *args, 0.02, False, config)
     state = dispatch.layer_state(args[0], m)
     assert state.hot is not None and len(state.hot.index) > 0
     assert rel_err(first, ref) <= 1e-5 and rel_err(second, ref) <= 1e-5
@@ -296,7 +296,7 @@ def test_reuse_on_the_gpu_in_bf16(rows):
     case = make_ffn(m, k, n, [0.01, 0.02], torch.bfloat16, "cuda", seed=rows, biases=True)
     config = _sparse_paths(reuse_rows=rows, reuse_min=2, dense_above=1.0)
     args = [case[c] for c in ("gate_weight", "up_weight", "down_weight", "gate_bias", "up_bias", "down_bias")]
-    y = dispatch.gated_ffn(case["x"], *args, 0.0, False, config)
+    y = dispatch.gated_ffn_cuda(case["x"], *args, 0.0, False, config)
     assert rel_err(y, gated_ref(case)) <= 1e-2
 
 

@@ -270,7 +270,7 @@ def _hot_hidden_(g, x, index, up_weight, up_bias, threshold, drelu, square) -> t
     return dense_route.act_mul_(g, u, threshold, drelu=drelu, square=False)
 
 
-def gated_ffn(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu, config):
+def gated_ffn_cuda(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu, config):
     def dense(x2):
         return dense_route.gated_ffn_dense(
             x2, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu
@@ -281,7 +281,7 @@ def gated_ffn(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_b
     )
 
 
-def ffn(x, up_weight, down_weight, up_bias, down_bias, threshold, squared, config):
+def ffn_cuda(x, up_weight, down_weight, up_bias, down_bias, threshold, squared, config):
     def dense(x2):
         return dense_route.ffn_dense(x2, up_weight, down_weight, up_bias, down_bias, threshold, squared)
 

@@ -166,7 +166,7 @@ def _(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, thr
 
     check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold)
     config = route_config(*route)
-    return dispatch.gated_ffn(
+    return dispatch.gated_ffn_cuda(
         x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu, config
     )
 
@@ -221,7 +221,7 @@ def _(x, up_weight, down_weight, up_bias, down_bias, threshold, squared, *route)
     from twell.kernels import dispatch
 
     check_plain(x, up_weight, down_weight, up_bias, down_bias, threshold)
-    return dispatch.ffn(x, up_weight, down_weight, up_bias, down_bias, threshold, squared, route_config(*route))
+    return dispatch.ffn_cuda(x, up_weight, down_weight, up_bias, down_bias, threshold, squared, route_config(*route))
 
 
 def _dense_backward(reference_fn, n_tensors: int, n_scalars: int):
