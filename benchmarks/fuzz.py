@@ -317,8 +317,13 @@ def reference_check(case: dict, t: dict, rows: torch.Tensor) -> dict:
     column = d["down_weight"].norm(dim=0)
     allowance = (torch.where(near, value, 0.0) * column).sum(1)
     active = (pre > th).double().mean().item()
-    return {"ref": ref, "allowance": allowance, "near": int(near.sum()), "active": active,
-            "magnitude": magnitude(case, d, xs, pre).norm(dim=1)}
+    return {
+        "ref": ref,
+        "allowance": allowance,
+        "near": int(near.sum()),
+        "active": active,
+        "magnitude": magnitude(case, d, xs, pre).norm(dim=1),
+    }
 
 
 def magnitude(case: dict, d: dict, xs: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import triton
 from conftest import DEVICE, rel_err
 from ffn_cases import gated_ref, make_ffn
 
-from twell.kernels import common, dispatch, gate, library, updown
+from twell.kernels import checks, common, dispatch, gate, updown
 from twell.kernels.policy import LayerConfig
 
 # every check the launchers' modules call on their inputs
@@ -22,8 +22,8 @@ def _counted(words, counts):
 
 
 def test_dtypes_and_threshold_rule_are_defined_once():
-    assert common.FLOAT_DTYPES is library.FLOAT_DTYPES
-    assert common.check_threshold is library.check_threshold
+    assert common.FLOAT_DTYPES is checks.FLOAT_DTYPES
+    assert common.check_threshold is checks.check_threshold
 
 
 @pytest.mark.parametrize("threshold", [float("inf"), float("nan"), True, "0.1", None], ids=repr)
@@ -33,8 +33,8 @@ def test_one_threshold_rule_at_every_entry_point(threshold):
     x, wg, wu, wd = case["x"], case["gate_weight"], case["up_weight"], case["down_weight"]
     words, counts = gate.pack_dense(x @ wg.T, 0.0, 32, 8)
     calls = [
-        lambda: library.check_gated(x, wg, wu, wd, None, None, None, threshold),
-        lambda: library.check_plain(x, wu, wd, None, None, threshold),
+        lambda: checks.check_gated(x, wg, wu, wd, None, None, None, threshold),
+        lambda: checks.check_plain(x, wu, wd, None, None, threshold),
         lambda: gate.pack_dense(x @ wg.T, threshold, 32, 8),
         lambda: gate.gate_twell(x, wg, None, threshold, 32, 8),
         lambda: updown.twell_up_down(
@@ -45,7 +45,7 @@ def test_one_threshold_rule_at_every_entry_point(threshold):
         with pytest.raises(ValueError, match="threshold must be a finite float"):
             call()
     for good in (0, -1, 0.25):
-        library.check_threshold(good)
+        checks.check_threshold(good)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["cublas-gate", "fused-gate"])

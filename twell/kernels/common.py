@@ -11,7 +11,7 @@ import triton.language as tl
 
 # the launchers' checks, defined once: the layout by policy (it owns the limits), dtypes and threshold
 # by the op boundary (twell.kernels.library)
-from twell.kernels.library import FLOAT_DTYPES, check_threshold  # noqa: F401
+from twell.kernels.checks import FLOAT_DTYPES, check_threshold  # noqa: F401
 from twell.kernels.policy import check_tile  # noqa: F401
 
 

@@ -528,7 +528,8 @@ def launch_pack_dense(h, threshold, tile_n, slots, square=False, hot=None, confi
         blocks.reuse_min if blocks is not None else 0, blocks.per_tile if blocks is not None else 0, h.stride(0),
         h.stride(1),
     )  # fmt: skip
-    flags = {"HAS_HOT": hot is not None, "REUSE": blocks is not None, "SQUARE": square, "TILE_N": tile_n, "SLOTS": slots}
+    flags = {"HAS_HOT": hot is not None, "REUSE": blocks is not None, "SQUARE": square}
+    flags.update(TILE_N=tile_n, SLOTS=slots)
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]), n_tiles)
