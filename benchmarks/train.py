@@ -352,6 +352,8 @@ def model_main(args, constants: dict) -> None:
     # model a sequence's tokens share components (attention averages them) that 16 sequences sample
     # too thinly for the thresholds to hold on new ones
     ids = calib
+    if args.fresh_ids:  # a variant: other sequences than the biases were set on (1.7% dense, skewed)
+        ids = torch.randint(0, shape["vocab_size"], (args.batch, args.seq), generator=g).cuda()
     tokens = args.batch * args.seq
     meter = Meter(cuda=True)
     result = {
@@ -363,6 +365,8 @@ def model_main(args, constants: dict) -> None:
         "parameters_b": sum(p.numel() for p in model.parameters()) / 1e9,
         "layers": layers,
         "train_entries": args.entries,
+        "train_dense_above": args.dense_above,
+        "fresh_ids": args.fresh_ids,
         "backward_constants": constants,
         "rows": {},
     }
@@ -372,7 +376,8 @@ def model_main(args, constants: dict) -> None:
             raise SystemExit(f"--rows takes {','.join(MODEL_ROWS)}, got {row!r}")
         if row.startswith("twell") and not hasattr(model, "_twell_sparsified"):
             # the sparse training path: opt-in
-            twell.sparsify(model, layer_config={"train_min_m": 1, "train_entries": args.entries})
+            layer_config = {"train_min_m": 1, "train_entries": args.entries, "train_dense_above": args.dense_above}
+            twell.sparsify(model, layer_config=layer_config)
             model._twell_sparsified = True
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -445,6 +450,10 @@ def main():
     parser.add_argument("--steps", type=int, default=10, help="--model: timed steps a row")
     parser.add_argument("--warmup", type=int, default=3, help="--model: untimed steps a row")
     parser.add_argument("--profile", action="store_true", help="--model: kernel table and Dynamo counters a row")
+    parser.add_argument("--fresh-ids", action="store_true", help="--model: train on other sequences than calibrated")
+    parser.add_argument(
+        "--dense-above", type=float, default=None, help="--model: twell's LayerConfig.train_dense_above (a variant)"
+    )
     args = parser.parse_args()
     if SMOKE_WITHOUT_CUDA:
         smoke_without_cuda()

@@ -57,12 +57,26 @@ TRAIN_MIN_M: int | None = None
 # measured on the GPU: 1 until it is (benchmarks/NOTES.md, v27).
 TRAIN_ENTRIES_DEFAULT = 1
 TRAIN_ENTRIES = (1, 2, 4, 8)
+# Training calls by measured density: a layer whose last measured sparse-path call was denser than this
+# (nonzero h over M x N), or had more rows past the record width than the backward's dense pass takes
+# (more than 1 in backward.BACKUP_SHARE: the rest walk all N neurons a row, ~10 ms a K=2048 row a
+# program: 25 ms a layer at 1.7% skewed, train-model-20261201-230531.json), trains its next call dense
+# (cuBLAS, the record unused; measured on the device, read once landed). None: every call sparse. Off
+# until measured on the GPU (benchmarks/NOTES.md, "Training v3").
+TRAIN_DENSE_ABOVE: float | None = None
 
 # Batched decode from calibration: (density, tokens) rows, a layer calibrated at most `density` dense
 # serving calls of up to `tokens` by the batched decode (the first row that holds). Empty, so no layer
 # does, until the crossovers are measured (gpu_check.py batched); predicted: ((0.006, 128), (0.012, 64),
 # (0.025, 32), (0.05, 16)) (benchmarks/NOTES.md, "Batched decode").
 BATCHED_CROSSOVER: tuple[tuple[float, int], ...] = ()
+
+# Sparse training from calibration: (density, tokens) rows, a layer calibrated at most `density` dense
+# taking the sparse training path for calls of at least `tokens` tokens (its train_min_m; the first row
+# that holds). Empty, so no layer does, until the crossovers are measured (benchmarks/train.py at the
+# densities; predicted from train-20261201-230349.json and v11: ((0.006, 16384),), benchmarks/NOTES.md
+# "Training v3").
+TRAIN_CROSSOVER: tuple[tuple[float, int], ...] = ()
 
 # Fixed for every layer:
 DECODE_SPARSE_DENSITY = 0.01  # "known sparse" for decode_sparse_max_m: the 1% of the measurement above
@@ -88,6 +102,12 @@ def check_tile(tile_n: int, slots: int) -> None:
         raise ValueError(f"slots must be <= tile_n, got slots={slots}, tile_n={tile_n}")
 
 
+def check_train_dense_above(value) -> None:
+    """LayerConfig.train_dense_above: None or a density in [0, 1]."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1):
+        raise ValueError(f"train_dense_above must be a number in [0, 1] or None, got {value!r}")
+
+
 @dataclass(frozen=True)
 class LayerConfig:
     """How one rewritten FFN's calls run; defaults: the measured values of this module.
@@ -110,6 +130,9 @@ class LayerConfig:
         training path (None: none does).
     train_entries: record entries the sparse training path's row kernels (forward, dx) gather a step,
         one of TRAIN_ENTRIES.
+    train_dense_above: on the sparse training path, a layer whose last measured call was denser than
+        this, or had more rows past the record width than the backward's dense pass takes, trains its
+        next call dense (None: never).
     Every other call runs dense, as do all calls with K > MAX_K.
     """
 
@@ -124,6 +147,7 @@ class LayerConfig:
     batched_max_m: int = BATCHED_MAX_M  # op_args' order: train_min_m is no op argument
     train_min_m: int | None = TRAIN_MIN_M
     train_entries: int = TRAIN_ENTRIES_DEFAULT
+    train_dense_above: float | None = TRAIN_DENSE_ABOVE
 
     def __post_init__(self):
         check_tile(self.tile_n, self.slots)
@@ -141,6 +165,7 @@ class LayerConfig:
         entries = self.train_entries
         if not isinstance(entries, int) or isinstance(entries, bool) or entries not in TRAIN_ENTRIES:
             raise ValueError(f"train_entries must be one of {TRAIN_ENTRIES}, got {entries!r}")
+        check_train_dense_above(self.train_dense_above)
         rate = self.hot_rate
         if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1):
             raise ValueError(f"hot_rate must be a number in [0, 1] or None, got {rate!r}")
@@ -225,6 +250,15 @@ def calibrated_batched_max_m(density: float | None, crossover=BATCHED_CROSSOVER)
     if density is None:
         return 0
     return next((tokens for most, tokens in crossover if density <= most), 0)
+
+
+def calibrated_train_min_m(density: float | None, crossover=TRAIN_CROSSOVER) -> int | None:
+    """The train_min_m of a layer calibrated at `density` (mean kept fraction of its calls): the tokens
+    of crossover's first (density, tokens) row with density >= `density`; None (dense training) where
+    none holds or the density was not measured."""
+    if density is None:
+        return None
+    return next((tokens for most, tokens in crossover if density <= most), None)
 
 
 def hot_count(counts, rows: int, rate: float) -> int:
