@@ -472,7 +472,7 @@ def _layer(k, n, m, density, config, seed=0):
     from benchmarks.ffn import make_inputs
 
     x, block = make_inputs(m, k, n, density, "skewed", seed=seed)
-    layer_config = {"train_min_m": config.train_min_m, "train_entries": config.train_entries}
+    layer_config = {name: getattr(config, name) for name in ("train_min_m", "train_entries", "train_dense_above")}
     block = twell.sparsify(block.train(), layer_config=layer_config)
     return x, block
 
@@ -502,9 +502,13 @@ def test_gpu_real_shape_bf16_matches_dense_autograd(k, n, entries, sparse_traini
 
 
 @pytest.mark.gpu
-def test_gpu_compiled_training_step_and_cuda_graph(sparse_training_on):
+@pytest.mark.parametrize("dense_above", [None, 0.005], ids=["sparse", "measured-dense"])
+def test_gpu_compiled_training_step_and_cuda_graph(dense_above, sparse_training_on):
+    """Eager, compiled and CUDA-graph steps agree; with train_dense_above under the layer's ~1% density,
+    the first step trains sparse and the later ones (compiled, captured) dense."""
+    backward.forget_train_layers()
     k, n, m = 512, 1408, 8192
-    x, block = _layer(k, n, m, 0.01, sparse_training_on, seed=1)
+    x, block = _layer(k, n, m, 0.01, sparse_training_on.replace(train_dense_above=dense_above), seed=1)
     params = list(block.parameters())
 
     def loss_fn(x):
@@ -515,7 +519,11 @@ def test_gpu_compiled_training_step_and_cuda_graph(sparse_training_on):
 
     xs = x.clone().requires_grad_()
     eager = step(xs, loss_fn)
+    torch.cuda.synchronize()  # the first call's measurement lands
+    state = backward.train_state(block.mlp.gate_proj.weight)
+    assert not state.forward_dense
     compiled = step(xs, torch.compile(loss_fn, fullgraph=True))
+    assert state.forward_dense == (dense_above is not None)  # the compiled call reaches the layer's state
     for a, b in zip(compiled, eager, strict=True):
         assert rel_err(a, b) <= 1e-2
     # forward + backward captured in one CUDA graph: no host synchronisation inside the step
