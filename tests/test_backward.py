@@ -239,12 +239,19 @@ def test_dense_above_trains_a_measured_dense_layer_dense(gated, dtype, monkeypat
 
 
 def test_dense_above_counts_rows_past_the_width(monkeypatch):
-    """Below dense_above, a layer whose rows past the record width outnumber what the backward's dense
-    pass takes (ceil(M / BACKUP_SHARE)) trains dense too: the rest would walk all N neurons a row."""
+    """Below dense_above, a layer with more than BACKUP_MAX_SHARE of its rows past the record width
+    trains dense too; one with fewer stays sparse, its backward's dense pass sized by the rows it
+    measured past the width (1.25x as a power of two, at least BACKUP_MIN_ROWS) instead of 1 in
+    BACKUP_SHARE, so none of them walks."""
     case = make_ffn(13, 24, 70, [0.3, 0.0], torch.float64, DEVICE, seed=8, biases=True)  # 7 rows past 16
     assert _measured_calls(monkeypatch, [case] * 3, True, 1.0) == [False, True, True]
-    monkeypatch.setattr(backward, "BACKUP_SHARE", 1)  # the dense pass takes every row: sparse is fine
+    passes, dense_backup = [], backward._dense_backup
+    monkeypatch.setattr(
+        backward, "_dense_backup", lambda top, *a, **kw: passes.append(len(top)) or dense_backup(top, *a, **kw)
+    )
+    case = make_ffn(40, 24, 70, [0.3] + [0.05] * 12, torch.float64, DEVICE, seed=9, biases=True)  # 4 rows past 16
     assert _measured_calls(monkeypatch, [case] * 3, True, 1.0) == [False, False, False]
+    assert passes == [2, 16, 16]  # ceil(40 / 32), then max(16, 5 -> 8)
 
 
 def test_without_dense_above_every_call_trains_sparse(monkeypatch):

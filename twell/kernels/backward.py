@@ -36,6 +36,7 @@ W_d is read as rows of down_weight^T ([N, K], unit stride on K), the layout spar
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass
 
@@ -73,6 +74,14 @@ DW_STAGES = 3
 BACKUP_SHARE = 32
 BACKUP_PROGRAMS = 264
 BACKUP_TILE = 2048
+# A layer measured under LayerConfig.train_dense_above (_TrainState): its dense pass takes 1.25x the
+# rows past the width its last measured call had, as a power of two, at least BACKUP_MIN_ROWS (at
+# most M), in place of ceil(M / BACKUP_SHARE): 16-32 rows at 0.5% uniform (12 rows past the width in
+# 32768, train-20261201-230349.json: ~0.2 ms of the dense pass's GEMMs saved), and enough for a denser
+# layer's rows instead of the walk. Past BACKUP_MAX_SHARE of its rows (the pass then costs about a third
+# of the dense FFN step), the layer trains dense.
+BACKUP_MIN_ROWS = 16
+BACKUP_MAX_SHARE = 0.125
 # _backup_grads_kernel's tile and warps: elementwise over the dense pass's [T, N] products, 16 elements a
 # thread a tensor (ptxas for sm_90: 64 x 128 at 4 warps spills 1.2 KB a thread)
 BACKUP_BLOCK_T = 32
@@ -91,6 +100,7 @@ class _TrainState:
     pending: tuple | None = None
     dense: bool = False
     forward_dense: bool = False
+    past_share: float | None = None  # the share of rows past the width in the last landed measurement
 
     def update(self, dense_above: float) -> None:
         """Take a landed measurement into account (never waits for one)."""
@@ -98,7 +108,14 @@ class _TrainState:
             _, host, possible, rows = self.pending
             self.pending = None
             nonzero, past_width = host.tolist()
-            self.dense = nonzero > dense_above * possible or past_width > -(-rows // BACKUP_SHARE)
+            self.past_share = past_width / max(rows, 1)
+            self.dense = nonzero > dense_above * possible or self.past_share > BACKUP_MAX_SHARE
+
+    def backup_rows(self, m: int) -> int:
+        """Rows of a call of m tokens that the backward's dense pass takes (BACKUP_MIN_ROWS)."""
+        if self.past_share is None:
+            return -(-m // BACKUP_SHARE)
+        return min(m, max(BACKUP_MIN_ROWS, triton.next_power_of_2(math.ceil(1.25 * self.past_share * m))))
 
     def measure(self, nonzero: torch.Tensor, past_width: torch.Tensor, possible: int, rows: int) -> None:
         """Queue a call's measurement to the host; one in flight (a newer one would never land while the
@@ -830,7 +847,8 @@ def train_backward(
     _check_biases(x, n, gate_bias, up_weight, up_bias, None)
     _check_record(x, ids, gate, up, counts, up_weight is not None, l1_grad)
     dbd = dy.sum(0, dtype=torch.float32).to(x.dtype) if has_down_bias else dy.new_empty(0)
-    if dense_above is not None and m > 0 and train_state(gate_weight).forward_dense:
+    state = train_state(gate_weight) if dense_above is not None else None
+    if state is not None and m > 0 and state.forward_dense:
         dense = _dense_backward(
             dy, l1_grad, x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, counts, threshold=threshold,
             drelu=drelu, square=square,
@@ -864,7 +882,7 @@ def train_backward(
             HAS_UP=has_up, DRELU=drelu, SQUARE=square, WIDTH=width, BLOCK_K=block_k, ENTRIES=row_entries,
             num_warps=_row_warps(block_k, entries=row_entries),
         )  # fmt: skip
-        top = -(-m // BACKUP_SHARE)
+        top = state.backup_rows(m) if state is not None else -(-m // BACKUP_SHARE)
         acc_g, acc_u, acc_d = _dense_backup(
             rows[:top], dx, dy, l1_grad, x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, counts,
             (acc_bg, acc_bu), width, threshold=threshold, drelu=drelu, square=square,

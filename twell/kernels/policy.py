@@ -58,10 +58,11 @@ TRAIN_MIN_M: int | None = None
 TRAIN_ENTRIES_DEFAULT = 1
 TRAIN_ENTRIES = (1, 2, 4, 8)
 # Training calls by measured density: a layer whose last measured sparse-path call was denser than this
-# (nonzero h over M x N), or had more rows past the record width than the backward's dense pass takes
-# (more than 1 in backward.BACKUP_SHARE: the rest walk all N neurons a row, ~10 ms a K=2048 row a
-# program: 25 ms a layer at 1.7% skewed, train-model-20261201-230531.json), trains its next call dense
-# (cuBLAS, the record unused; measured on the device, read once landed). None: every call sparse. Off
+# (nonzero h over M x N), or had more than backward.BACKUP_MAX_SHARE of its rows past the record width,
+# trains its next call dense (cuBLAS, the record unused; measured on the device, read once landed), and
+# its backward's dense pass takes as many rows as it measured past the width (the rows past the pass
+# walk all N neurons a row, ~10 ms a K=2048 row a program: 25 ms a layer at 1.7% skewed,
+# train-model-20261201-230531.json). None: every call sparse, the pass at 1 row in BACKUP_SHARE. Off
 # until measured on the GPU (benchmarks/NOTES.md, "Training v3").
 TRAIN_DENSE_ABOVE: float | None = None
 
@@ -131,8 +132,8 @@ class LayerConfig:
     train_entries: record entries the sparse training path's row kernels (forward, dx) gather a step,
         one of TRAIN_ENTRIES.
     train_dense_above: on the sparse training path, a layer whose last measured call was denser than
-        this, or had more rows past the record width than the backward's dense pass takes, trains its
-        next call dense (None: never).
+        this, or had more than 1/8 of its rows past the record width, trains its next call dense, and
+        its backward's dense pass is sized by the rows it measured past the width (None: never).
     Every other call runs dense, as do all calls with K > MAX_K.
     """
 
