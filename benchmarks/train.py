@@ -29,11 +29,12 @@ HBM (dW: they exceed L2), and the GEMM at the measured cuBLAS rate. JSON to benc
 (hidden 2048, intermediate 5632, 32 heads, vocabulary 49152; --layers of them, 8 by default; random
 weights built from a transformers LlamaConfig with hidden_act="relu" and gate biases, nothing
 downloaded), --batch x --seq tokens (16 x 2048), the 0.5% skewed profile of benchmarks/e2e.py set
-through the gate biases. A step: language-model loss + LAM * twell.train.l1_penalty(model), backward,
-AdamW step. Rows: dense eager, dense compiled (torch.compile(model)), twell eager and twell compiled
-(twell.sparsify(model, layer_config={"train_min_m": 1}), then compiled); the weights are restored
-before each row, with a fresh optimizer. Per row: median step ms, tokens/s, peak memory (GB, weights
-and optimizer state included) and energy per token (NVML; null without it).
+through the gate biases on the batch each step trains on. A step: language-model loss + LAM *
+twell.train.l1_penalty(model), backward, AdamW step. Rows: dense eager, dense compiled
+(torch.compile(model)), twell eager and twell compiled (twell.sparsify(model,
+layer_config={"train_min_m": 1}), then compiled); the weights are restored before each row, with a fresh
+optimizer. Per row: median step ms, tokens/s, peak memory (GB, weights and optimizer state included) and
+energy per token (NVML; null without it).
 """
 
 from __future__ import annotations
@@ -87,12 +88,13 @@ def dense_loss(x, dy, gate_weight, gate_bias, up_weight, down_weight):
     return (F.linear(hidden, down_weight) * dy).float().sum() + LAM * hidden.abs().float().mean()
 
 
-def twell_loss(x, dy, gate_weight, gate_bias, up_weight, down_weight, entries):
+def twell_loss(x, dy, gate_weight, gate_bias, up_weight, down_weight, entries, dense_above):
     """The sparsified layer's loss as one function of its weights (twell's compiled side): the sparse
     training op, its L1 term the mean |h| from the op's own sum (as twell.train's penalty takes it)."""
     n = gate_weight.shape[0]
     y, *_, l1_sum, _ = torch.ops.twell.ffn_train(
-        x, gate_weight, up_weight, down_weight, gate_bias, None, None, 0.0, False, False, policy.train_width(n), entries
+        x, gate_weight, up_weight, down_weight, gate_bias, None, None, 0.0, False, False, policy.train_width(n),
+        entries, dense_above,
     )  # fmt: skip
     return (y * dy).float().sum() + LAM * l1_sum / (x.shape[0] * n)
 
@@ -149,7 +151,7 @@ def floors(k, n, m, pairs, gemm_tflop_s) -> dict:
     }
 
 
-def bench_point(k, n, m, density, pattern, compiled, twell_compiled, gemm_tflop_s, entries) -> dict:
+def bench_point(k, n, m, density, pattern, compiled, twell_compiled, gemm_tflop_s, entries, dense_above) -> dict:
     x0, block = make_inputs(m, k, n, density, pattern, seed=m + n)
     block.train()
     # more input sets for the same layer: x does not depend on the weights (make_inputs), only its seed
@@ -185,7 +187,7 @@ def bench_point(k, n, m, density, pattern, compiled, twell_compiled, gemm_tflop_
     compiled_ms = do_bench(dense_compiled, warmup=50, rep=REP_MS, return_mode="median")
 
     # the sparse training path is opt-in: at every size
-    twell.sparsify(block, layer_config={"train_min_m": 1, "train_entries": entries})
+    twell.sparsify(block, layer_config={"train_min_m": 1, "train_entries": entries, "train_dense_above": dense_above})
     tracker = twell.train.track_l1(block)
     twell_ms, twell_peak, (twell_dx, twell_grads) = measure(user_step)
     stages = stage_times(lambda: module_step(block, x0, dys[0]))
@@ -195,7 +197,7 @@ def bench_point(k, n, m, density, pattern, compiled, twell_compiled, gemm_tflop_
     def sparse_compiled():
         x, dy = nxt()
         x = x.detach().requires_grad_()
-        return torch.autograd.grad(twell_compiled(x, dy, *sparse_params, entries), [x, *sparse_params])
+        return torch.autograd.grad(twell_compiled(x, dy, *sparse_params, entries, dense_above), [x, *sparse_params])
 
     sparse_compiled()
     twell_compiled_ms = do_bench(sparse_compiled, warmup=50, rep=REP_MS, return_mode="median")
@@ -214,6 +216,7 @@ def bench_point(k, n, m, density, pattern, compiled, twell_compiled, gemm_tflop_
         "pattern": pattern,
         "width": width,
         "train_entries": entries,
+        "train_dense_above": dense_above,
         "nnz_mean": nnz.float().mean().item(),
         "nnz_max": nnz.max().item(),
         "backup_rows": (nnz > width).sum().item(),
@@ -346,7 +349,13 @@ def model_main(args, constants: dict) -> None:
     layers = set_gate_biases(model, rates, calib)
     model.train()
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
-    ids = torch.randint(0, shape["vocab_size"], (args.batch, args.seq), generator=g).cuda()
+    # the step trains on the batch the biases were set on: on other random sequences the same biases
+    # fire 3.5x as often (1.7% against 0.49%, train-model-20261201-214218.json), since in a random-weight
+    # model a sequence's tokens share components (attention averages them) that 16 sequences sample
+    # too thinly for the thresholds to hold on new ones
+    ids = calib
+    if args.fresh_ids:  # a variant: other sequences than the biases were set on (1.7% dense, skewed)
+        ids = torch.randint(0, shape["vocab_size"], (args.batch, args.seq), generator=g).cuda()
     tokens = args.batch * args.seq
     meter = Meter(cuda=True)
     result = {
@@ -358,6 +367,8 @@ def model_main(args, constants: dict) -> None:
         "parameters_b": sum(p.numel() for p in model.parameters()) / 1e9,
         "layers": layers,
         "train_entries": args.entries,
+        "train_dense_above": args.dense_above,
+        "fresh_ids": args.fresh_ids,
         "backward_constants": constants,
         "rows": {},
     }
@@ -367,7 +378,8 @@ def model_main(args, constants: dict) -> None:
             raise SystemExit(f"--rows takes {','.join(MODEL_ROWS)}, got {row!r}")
         if row.startswith("twell") and not hasattr(model, "_twell_sparsified"):
             # the sparse training path: opt-in
-            twell.sparsify(model, layer_config={"train_min_m": 1, "train_entries": args.entries})
+            layer_config = {"train_min_m": 1, "train_entries": args.entries, "train_dense_above": args.dense_above}
+            twell.sparsify(model, layer_config=layer_config)
             model._twell_sparsified = True
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -440,6 +452,10 @@ def main():
     parser.add_argument("--steps", type=int, default=10, help="--model: timed steps a row")
     parser.add_argument("--warmup", type=int, default=3, help="--model: untimed steps a row")
     parser.add_argument("--profile", action="store_true", help="--model: kernel table and Dynamo counters a row")
+    parser.add_argument("--fresh-ids", action="store_true", help="--model: train on other sequences than calibrated")
+    parser.add_argument(
+        "--dense-above", type=float, default=None, help="twell's LayerConfig.train_dense_above (a variant)"
+    )
     args = parser.parse_args()
     if SMOKE_WITHOUT_CUDA:
         smoke_without_cuda()
@@ -477,6 +493,7 @@ def main():
                         twell_compiled,
                         result["ceilings"]["gemm_tflop_s"],
                         args.entries,
+                        args.dense_above,
                     )
                     torch.cuda.empty_cache()
                     result["points"].append(row)

@@ -42,13 +42,13 @@ def _leaves(case, dtype=None):
     }
 
 
-def _train_op(leaves, gated, threshold=0.0, drelu=False, squared=False, width=16, entries=1):
+def _train_op(leaves, gated, threshold=0.0, drelu=False, squared=False, width=16, entries=1, dense_above=None):
     if gated:
         args = (leaves["gate_weight"], leaves["up_weight"], leaves["down_weight"], leaves["gate_bias"])
         args += (leaves["up_bias"], leaves["down_bias"])
     else:
         args = (leaves["up_weight"], None, leaves["down_weight"], leaves["up_bias"], None, leaves["down_bias"])
-    return torch.ops.twell.ffn_train(leaves["x"], *args, threshold, drelu, squared, width, entries)
+    return torch.ops.twell.ffn_train(leaves["x"], *args, threshold, drelu, squared, width, entries, dense_above)
 
 
 def _check_grads(case, gated, dtype, threshold=0.0, drelu=False, squared=False, width=16, entries=1):
@@ -182,6 +182,81 @@ def test_l1_penalty_gradient(gated, biases, drelu, squared, share, entries, monk
     for name, leaf in leaves.items():
         if leaf is not None:
             assert rel_err(leaf.grad, ref_leaves[name].grad) <= 1e-4, name
+
+
+def _measured_calls(monkeypatch, cases, gated, dense_above, dtype=torch.float32):
+    """One training call of the op per case, all on the same weight tensors (one layer's state) with
+    `dense_above`: each call's loss <y, dy> + 3 sum |h| and every gradient against float64 dense
+    autograd; returns per call whether it trained dense (its record marks every row past the width),
+    after checking that exactly those calls' backward ran dense."""
+    backward.forget_train_layers()
+    dense_backward, backward_modes = backward._dense_backward, []
+
+    def spy(*args, **kwargs):
+        backward_modes[-1] = True
+        return dense_backward(*args, **kwargs)
+
+    monkeypatch.setattr(backward, "_dense_backward", spy)
+    weights = {name: t.to(dtype).clone().requires_grad_() if t is not None else None for name, t in cases[0].items()}
+    modes = []
+    for i, case in enumerate(cases):
+        for w in weights.values():
+            if w is not None:
+                w.grad = None
+        leaves = {**weights, "x": case["x"].to(dtype).clone().requires_grad_()}
+        y, _, _, _, counts, l1, nonzero = _train_op(leaves, gated, dense_above=dense_above)
+        modes.append(bool((counts == 17).all()))
+        dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(i)).to(DEVICE, dtype)
+        backward_modes.append(False)
+        ((y * dy).sum() + 3.0 * l1).backward()
+        ref = {name: t.double().detach().requires_grad_() if t is not None else None for name, t in leaves.items()}
+        wg, bg, wu, bu = ref["up_weight"], ref["up_bias"], None, None  # a plain FFN's projection plays the gate
+        if gated:
+            wg, bg, wu, bu = ref["gate_weight"], ref["gate_bias"], wg, bg
+        h = reference.hidden(ref["x"], wg, wu, bg, bu)
+        ((F.linear(h, ref["down_weight"], ref["down_bias"]) * dy.double()).sum() + 3.0 * h.abs().sum()).backward()
+        assert rel_err(y, F.linear(h, ref["down_weight"], ref["down_bias"])) <= GRAD_TOL[dtype], (i, "y")
+        assert rel_err(l1, h.abs().sum()) <= GRAD_TOL[dtype], (i, "l1")
+        assert nonzero.item() == torch.count_nonzero(h).item(), (i, "nonzero")
+        for name, leaf in leaves.items():
+            if leaf is not None:
+                assert rel_err(leaf.grad, ref[name].grad) <= GRAD_TOL[dtype], (i, name)
+    assert backward_modes == modes
+    return modes
+
+
+@pytest.mark.parametrize("gated,dtype", [(True, torch.float32), (False, torch.float32), (True, torch.float16)])
+def test_dense_above_trains_a_measured_dense_layer_dense(gated, dtype, monkeypatch):
+    """LayerConfig.train_dense_above: the first call of a layer trains sparse and is measured; a layer
+    measured denser than dense_above trains its next calls dense (cuBLAS), measured too, and back
+    sparse once a call measures sparse again; every call's gradients exact. The weights are the same
+    tensors throughout (make_ffn draws them before the rows' offsets)."""
+    dense = make_ffn(13, 24, 70, [0.3, 1.0, 0.5], torch.float64, DEVICE, seed=7, biases=True, gated=gated)
+    sparse = make_ffn(13, 24, 70, [0.0, 0.05, 0.02], torch.float64, DEVICE, seed=7, biases=True, gated=gated)
+    assert torch.equal(dense["up_weight"], sparse["up_weight"])
+    modes = _measured_calls(monkeypatch, [dense, dense, dense, sparse, sparse, sparse], gated, 0.1, dtype)
+    assert modes == [False, True, True, True, False, False]
+
+
+def test_dense_above_counts_rows_past_the_width(monkeypatch):
+    """Below dense_above, a layer with more than BACKUP_MAX_SHARE of its rows past the record width
+    trains dense too; one with fewer stays sparse, its backward's dense pass sized by the rows it
+    measured past the width (1.25x as a power of two, at least BACKUP_MIN_ROWS) instead of 1 in
+    BACKUP_SHARE, so none of them walks."""
+    case = make_ffn(13, 24, 70, [0.3, 0.0], torch.float64, DEVICE, seed=8, biases=True)  # 7 rows past 16
+    assert _measured_calls(monkeypatch, [case] * 3, True, 1.0) == [False, True, True]
+    passes, dense_backup = [], backward._dense_backup
+    monkeypatch.setattr(
+        backward, "_dense_backup", lambda top, *a, **kw: passes.append(len(top)) or dense_backup(top, *a, **kw)
+    )
+    case = make_ffn(40, 24, 70, [0.3] + [0.05] * 12, torch.float64, DEVICE, seed=9, biases=True)  # 4 rows past 16
+    assert _measured_calls(monkeypatch, [case] * 3, True, 1.0) == [False, False, False]
+    assert passes == [2, 16, 16]  # ceil(40 / 32), then max(16, 5 -> 8)
+
+
+def test_without_dense_above_every_call_trains_sparse(monkeypatch):
+    case = make_ffn(13, 24, 70, [1.0], torch.float64, DEVICE, seed=8, biases=True)
+    assert _measured_calls(monkeypatch, [case] * 3, True, None) == [False, False, False]
 
 
 def test_compile_fullgraph_and_checkpoint():
@@ -404,7 +479,7 @@ def _layer(k, n, m, density, config, seed=0):
     from benchmarks.ffn import make_inputs
 
     x, block = make_inputs(m, k, n, density, "skewed", seed=seed)
-    layer_config = {"train_min_m": config.train_min_m, "train_entries": config.train_entries}
+    layer_config = {name: getattr(config, name) for name in ("train_min_m", "train_entries", "train_dense_above")}
     block = twell.sparsify(block.train(), layer_config=layer_config)
     return x, block
 
@@ -434,9 +509,13 @@ def test_gpu_real_shape_bf16_matches_dense_autograd(k, n, entries, sparse_traini
 
 
 @pytest.mark.gpu
-def test_gpu_compiled_training_step_and_cuda_graph(sparse_training_on):
+@pytest.mark.parametrize("dense_above", [None, 0.005], ids=["sparse", "measured-dense"])
+def test_gpu_compiled_training_step_and_cuda_graph(dense_above, sparse_training_on):
+    """Eager, compiled and CUDA-graph steps agree; with train_dense_above under the layer's ~1% density,
+    the first step trains sparse and the later ones (compiled, captured) dense."""
+    backward.forget_train_layers()
     k, n, m = 512, 1408, 8192
-    x, block = _layer(k, n, m, 0.01, sparse_training_on, seed=1)
+    x, block = _layer(k, n, m, 0.01, sparse_training_on.replace(train_dense_above=dense_above), seed=1)
     params = list(block.parameters())
 
     def loss_fn(x):
@@ -447,7 +526,11 @@ def test_gpu_compiled_training_step_and_cuda_graph(sparse_training_on):
 
     xs = x.clone().requires_grad_()
     eager = step(xs, loss_fn)
+    torch.cuda.synchronize()  # the first call's measurement lands
+    state = backward.train_state(block.mlp.gate_proj.weight)
+    assert not state.forward_dense
     compiled = step(xs, torch.compile(loss_fn, fullgraph=True))
+    assert state.forward_dense == (dense_above is not None)  # the compiled call reaches the layer's state
     for a, b in zip(compiled, eager, strict=True):
         assert rel_err(a, b) <= 1e-2
     # forward + backward captured in one CUDA graph: no host synchronisation inside the step
@@ -493,3 +576,30 @@ def test_gpu_plain_ffn_and_l1_train_sparsely(squared, sparse_training_on):
     assert rel_err(l1, ref_l1) <= 1e-2
     for got, want in zip(leaves, ref_leaves, strict=True):
         assert rel_err(got.grad, want.grad) <= 2e-2
+
+
+def test_calibration_sets_train_min_m_from_a_crossover_table(monkeypatch):
+    """A layer calibrated at most a crossover row's density trains sparsely from that row's tokens; a
+    denser or unmeasured one, or any layer while the table is empty (the default), trains dense."""
+    from twell.calibrate.decisions import Decision
+
+    table = ((0.006, 16384), (0.012, 32768))
+    got = [policy.calibrated_train_min_m(d, table) for d in (0.005, 0.006, 0.01, 0.03, None)]
+    assert got == [16384, 16384, 32768, None, None]
+    assert policy.calibrated_train_min_m(0.001) is None  # no measured crossover yet: off
+    assert Decision(path="mlp", rewrite=True, reason="", density=0.005).layer_config().train_min_m is None
+    real = policy.calibrated_train_min_m
+    monkeypatch.setattr(policy, "calibrated_train_min_m", lambda d: real(d, table))
+    decision = Decision(path="mlp", rewrite=True, reason="", density=0.01, stats={"decode": {"density": 0.001}})
+    assert decision.layer_config().train_min_m == 32768  # the layer's density, not its decode calls'
+    assert decision.layer_config({"train_min_m": 1}).train_min_m == 1
+
+
+def test_train_dense_above_is_checked():
+    assert twell.LayerConfig(train_dense_above=0.01).train_dense_above == 0.01
+    for bad in (-0.1, 1.5, True, "0.01"):
+        with pytest.raises(ValueError, match="train_dense_above must be a number in \\[0, 1\\] or None"):
+            twell.LayerConfig(train_dense_above=bad)
+    case = make_ffn(4, 16, 40, [0.2], torch.float32, DEVICE, biases=True)
+    with pytest.raises(ValueError, match="train_dense_above must be a number in \\[0, 1\\] or None, got 2.0"):
+        _train_op(case, True, dense_above=2.0)

@@ -213,6 +213,47 @@ def test_penalty_works_under_torch_compile():
     torch.testing.assert_close(grad, expected_grad)
 
 
+def test_compiled_sparse_training_step_of_a_model_compiles_once(monkeypatch):
+    """A sparsified model's whole training step (LM loss + L1 penalty, backward, AdamW) compiled, on the
+    sparse training path (on CPU through Triton's interpreter: the route's CUDA check lifted): every
+    FFN's call is the training op, with no graph break, and after the second step (the tracker's
+    record dict goes from empty to filled once) no step compiles again; losses as eager. The layers
+    (~50% dense) train their first call sparse, then dense (train_dense_above): both under compile."""
+    from torch._dynamo.utils import counters
+
+    from twell.kernels import backward, library
+
+    # every call with gradients takes the sparse path (on CUDA: those of the kernels' layout)
+    monkeypatch.setattr(library, "sparse_training", lambda *args: torch.is_grad_enabled() and args[-1] is not None)
+    calls = []
+    forward = backward.train_forward
+    monkeypatch.setattr(backward, "train_forward", lambda *a, **kw: calls.append(1) or forward(*a, **kw))
+    ids = token_ids(3)
+    losses = {}
+    for compiled in (False, True):
+        model = build("llama-bias", num_hidden_layers=2).train()
+        twell.sparsify(model, layer_config={"train_min_m": 1, "train_dense_above": 0.3})
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        run = torch.compile(model, backend="aot_eager") if compiled else model
+        torch._dynamo.reset()
+        losses[compiled], compiles = [], []
+        with twell.train.track_l1(model):
+            for _ in range(3):
+                counters.clear()
+                calls.clear()
+                optimizer.zero_grad(set_to_none=True)
+                loss = run(input_ids=ids, labels=ids).loss + 0.1 * twell.train.l1_penalty(model)
+                loss.backward()
+                optimizer.step()
+                losses[compiled].append(loss.item())
+                assert not counters["graph_break"], dict(counters["graph_break"])
+                compiles.append(counters["stats"]["unique_graphs"])
+                assert len(calls) == 2  # each layer's FFN through the training op
+        if compiled:
+            assert compiles[2] == 0, compiles
+    torch.testing.assert_close(losses[True], losses[False], rtol=1e-4, atol=1e-5)
+
+
 def test_penalty_records_the_last_forward_only():
     model = build("llama")
     with twell.train.track_l1(model):

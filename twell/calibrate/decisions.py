@@ -57,7 +57,9 @@ class Decision:
         one) and its dense phases' routes turned off, then `changes` (checked by layer_changes)."""
         density = self.stats.get("decode", {}).get("density", self.density)
         config = policy.DEFAULT.replace(
-            decode_max_m=policy.calibrated_decode_max_m(density), batched_max_m=policy.calibrated_batched_max_m(density)
+            decode_max_m=policy.calibrated_decode_max_m(density),
+            batched_max_m=policy.calibrated_batched_max_m(density),
+            train_min_m=policy.calibrated_train_min_m(self.density),
         )
         if self.tile_n is not None:
             config = config.replace(tile_n=self.tile_n, slots=self.slots)

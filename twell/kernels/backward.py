@@ -36,12 +36,16 @@ W_d is read as rows of down_weight^T ([N, K], unit stride on K), the layout spar
 
 from __future__ import annotations
 
+import math
+import weakref
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from twell.kernels import policy
+from twell.kernels import policy, reference
 from twell.kernels.common import check_bias, check_input, check_operand, check_threshold, dot_precision, threshold_in
 
 # Gate columns the forward compacts at a time: each step is a prefix sum across the program's threads
@@ -70,11 +74,82 @@ DW_STAGES = 3
 BACKUP_SHARE = 32
 BACKUP_PROGRAMS = 264
 BACKUP_TILE = 2048
+# A layer measured under LayerConfig.train_dense_above (_TrainState): its dense pass takes 1.25x the
+# rows past the width its last measured call had, as a power of two, at least BACKUP_MIN_ROWS (at
+# most M), in place of ceil(M / BACKUP_SHARE): 16-32 rows at 0.5% uniform (12 rows past the width in
+# 32768, train-20261201-230349.json: ~0.2 ms of the dense pass's GEMMs saved), and enough for a denser
+# layer's rows instead of the walk. Past BACKUP_MAX_SHARE of its rows (the pass then costs about a third
+# of the dense FFN step), the layer trains dense.
+BACKUP_MIN_ROWS = 16
+BACKUP_MAX_SHARE = 0.125
 # _backup_grads_kernel's tile and warps: elementwise over the dense pass's [T, N] products, 16 elements a
 # thread a tensor (ptxas for sm_90: 64 x 128 at 4 warps spills 1.2 KB a thread)
 BACKUP_BLOCK_T = 32
 BACKUP_BLOCK_N = 128
 BACKUP_WARPS = 8
+
+
+@dataclass
+class _TrainState:
+    """A layer's training calls under LayerConfig.train_dense_above: its last measured call's (nonzero h,
+    rows past the width) on their way to the host (pending: event or None, host int64 [2], M * N, M),
+    whether its next calls train dense, and how its last forward ran (its backward follows it; either
+    backward is exact on either record, so a backward that does not follow its own forward is only
+    slower, never wrong)."""
+
+    pending: tuple | None = None
+    dense: bool = False
+    forward_dense: bool = False
+    past_share: float | None = None  # the share of rows past the width in the last landed measurement
+
+    def update(self, dense_above: float) -> None:
+        """Take a landed measurement into account (never waits for one)."""
+        if self.pending is not None and (self.pending[0] is None or self.pending[0].query()):
+            _, host, possible, rows = self.pending
+            self.pending = None
+            nonzero, past_width = host.tolist()
+            self.past_share = past_width / max(rows, 1)
+            self.dense = nonzero > dense_above * possible or self.past_share > BACKUP_MAX_SHARE
+
+    def backup_rows(self, m: int) -> int:
+        """Rows of a call of m tokens that the backward's dense pass takes (BACKUP_MIN_ROWS)."""
+        if self.past_share is None:
+            return -(-m // BACKUP_SHARE)
+        return min(m, max(BACKUP_MIN_ROWS, triton.next_power_of_2(math.ceil(1.25 * self.past_share * m))))
+
+    def measure(self, nonzero: torch.Tensor, past_width: torch.Tensor, possible: int, rows: int) -> None:
+        """Queue a call's measurement to the host; one in flight (a newer one would never land while the
+        host runs ahead)."""
+        if self.pending is not None:
+            return
+        values = torch.stack([nonzero.to(torch.int64), past_width.to(torch.int64)])
+        ready = None
+        if values.is_cuda:
+            host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+            host.copy_(values, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            values = host
+        self.pending = (ready, values, possible, rows)
+
+
+# id(gate weight behind any view) -> {(shape, offset): state}; an entry goes when its tensor is freed
+_train_layers: dict[int, dict[tuple, _TrainState]] = {}
+
+
+def train_state(gate_weight: torch.Tensor) -> _TrainState:
+    """The training state of the layer whose gate weight (a plain FFN's up weight) this is."""
+    base = gate_weight._base if gate_weight._base is not None else gate_weight
+    if id(base) not in _train_layers:
+        _train_layers[id(base)] = {}
+        weakref.finalize(base, _train_layers.pop, id(base), None)
+    key = (tuple(gate_weight.shape), gate_weight.storage_offset())
+    return _train_layers[id(base)].setdefault(key, _TrainState())
+
+
+def forget_train_layers() -> None:
+    """Drop every layer's training state (tests and benchmarks start from a clean one)."""
+    _train_layers.clear()
 
 
 @triton.jit
@@ -567,20 +642,64 @@ def train_forward(
     square: bool,
     width: int,
     entries: int = 1,
+    dense_above: float | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """(y, ids, gate, up, counts, l1, nonzero): y [M, K] of the FFN, its record (module docstring),
     sum |h| over the hidden activation h [M, N] (fp32) and the number of its nonzeros (int64).
 
     x: [M, K] with unit stride on K; gate_weight, up_weight (None: plain FFN, h = relu_t(gate) or its
     square), down_weight_t: [N, K] with unit stride on K (down_weight_t = down_weight.t()). entries:
-    record entries the row kernel gathers a step (LayerConfig.train_entries).
+    record entries the row kernel gathers a step (LayerConfig.train_entries). dense_above:
+    LayerConfig.train_dense_above; a layer training dense (_TrainState) runs _dense_forward.
     """
     check_input("x", x, unit_stride=True)
     check_threshold(threshold)
     _check_entries(entries)
+    policy.check_train_dense_above(dense_above)
     m, n = _check_weights(x, gate_weight, up_weight, down_weight_t, width)
-    k = x.shape[1]
     _check_biases(x, n, gate_bias, up_weight, up_bias, down_bias)
+    args = (x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold, drelu, square, width)
+    if dense_above is None:
+        return _sparse_forward(*args, entries)
+    # under CUDA-graph capture the layer's state is frozen: no event queries, no new measurements
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    state = train_state(gate_weight)
+    if not capturing:
+        state.update(dense_above)
+    state.forward_dense = state.dense
+    if state.dense:
+        *out, past_width = _dense_forward(*args)
+    else:
+        out = _sparse_forward(*args, entries)
+        past_width = (out[4] > width).sum()
+    if not capturing:
+        state.measure(out[-1], past_width, m * n, m)
+    return tuple(out)
+
+
+def _dense_forward(
+    x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold, drelu, square, width
+) -> tuple[torch.Tensor, ...]:
+    """train_forward's outputs for a layer training dense, and its rows past the width: y through cuBLAS,
+    a record whose every row is past the width (unused: the dense backward recomputes from x; the
+    sparse one takes such rows through its dense pass), sum |h| and the nonzeros of h."""
+    h = reference.hidden(x, gate_weight, up_weight, gate_bias, up_bias, threshold, drelu, square)
+    y = F.linear(h, down_weight_t.t(), down_bias)
+    m = x.shape[0]
+    ids = _alloc((m, width), torch.int32, x.device)
+    gate = _alloc((m, width), x.dtype, x.device)
+    up = _alloc((m, width if up_weight is not None else 0), x.dtype, x.device)
+    counts = torch.full((m,), width + 1, dtype=torch.int32, device=x.device)
+    kept = torch.count_nonzero(h, dim=1)
+    return y, ids, gate, up, counts, h.abs().sum(dtype=torch.float32), kept.sum(), (kept > width).sum()
+
+
+def _sparse_forward(
+    x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold, drelu, square, width, entries
+) -> tuple[torch.Tensor, ...]:
+    """train_forward's outputs by the record kernel."""
+    m, k = x.shape
+    n = gate_weight.shape[0]
     pre = torch.nn.functional.linear(x, gate_weight, gate_bias)  # dense: the gate GEMM (cuBLAS)
     y = _alloc((m, k), x.dtype, x.device)
     ids = _alloc((m, width), torch.int32, x.device)
@@ -629,29 +748,63 @@ def _dense_backup(
     written (the others of `top` keep the dx kernel's), dbias terms added to the fp32 accumulators
     bias_acc = (bg, bu). Returns their dW terms (g, u, d; u is g's tensor for a plain FFN) as fp32
     [N, K] accumulators: each GEMM's result cast once, in place of zeros and an add."""
-    t, n = top.numel(), gate_weight.shape[0]
     xb, dyb, top_counts = x.index_select(0, top), dy.index_select(0, top), counts.index_select(0, top)
-    pre = F.linear(xb, gate_weight, gate_bias)
-    has_up = up_weight is not None
-    up = F.linear(xb, up_weight, up_bias) if has_up else pre
-    dhp = F.linear(dyb, down_weight_t)
-    dg, h = _alloc((t, n), x.dtype, x.device), _alloc((t, n), x.dtype, x.device)
-    du = _alloc((t, n), x.dtype, x.device) if has_up else dg
-    _backup_grads_kernel[(triton.cdiv(t, BACKUP_BLOCK_T), triton.cdiv(n, BACKUP_BLOCK_N))](
-        pre, up, dhp, top_counts, l1_grad, dg, du, h, bias_acc[0], bias_acc[1], t, n,
-        threshold_in(threshold, x.dtype), HAS_UP=has_up, HAS_GATE_BIAS=gate_bias is not None,
-        HAS_UP_BIAS=up_bias is not None, DRELU=drelu, SQUARE=square, WIDTH=width, BLOCK_T=BACKUP_BLOCK_T,
-        BLOCK_N=BACKUP_BLOCK_N, num_warps=BACKUP_WARPS,
+    dg, du, h = _hidden_pass(
+        xb, dyb, top_counts, l1_grad, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, bias_acc, width,
+        threshold=threshold, drelu=drelu, square=square,
     )  # fmt: skip
     dxb = dg @ gate_weight
     acc_g = (dg.t() @ xb).float()
     acc_d = (h.t() @ dyb).float()
     acc_u = acc_g
-    if has_up:
+    if up_weight is not None:
         dxb = dxb + du @ up_weight
         acc_u = (du.t() @ xb).float()
     dx.index_copy_(0, top, torch.where((top_counts > width)[:, None], dxb, dx.index_select(0, top)))
     return acc_g, acc_u, acc_d
+
+
+def _hidden_pass(
+    x, dy, counts, l1_grad, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, bias_acc, width, *, threshold,
+    drelu, square,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(dg, du, h) [T, N] in the dtype of the T rows x, dy (du is dg for a plain FFN): their gate, up and
+    dh = dy W_d^T by cuBLAS, the hidden gradients by one elementwise kernel, zero outside the kept
+    entries of rows with counts > width (width -1: every row); their dbias terms added to bias_acc."""
+    t, n = x.shape[0], gate_weight.shape[0]
+    pre = F.linear(x, gate_weight, gate_bias)
+    has_up = up_weight is not None
+    up = F.linear(x, up_weight, up_bias) if has_up else pre
+    dhp = F.linear(dy, down_weight_t)
+    dg, h = _alloc((t, n), x.dtype, x.device), _alloc((t, n), x.dtype, x.device)
+    du = _alloc((t, n), x.dtype, x.device) if has_up else dg
+    _backup_grads_kernel[(triton.cdiv(t, BACKUP_BLOCK_T), triton.cdiv(n, BACKUP_BLOCK_N))](
+        pre, up, dhp, counts, l1_grad, dg, du, h, bias_acc[0], bias_acc[1], t, n,
+        threshold_in(threshold, x.dtype), HAS_UP=has_up, HAS_GATE_BIAS=gate_bias is not None,
+        HAS_UP_BIAS=up_bias is not None, DRELU=drelu, SQUARE=square, WIDTH=width, BLOCK_T=BACKUP_BLOCK_T,
+        BLOCK_N=BACKUP_BLOCK_N, num_warps=BACKUP_WARPS,
+    )  # fmt: skip
+    return dg, du, h
+
+
+def _dense_backward(
+    dy, l1_grad, x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, counts, *, threshold, drelu, square
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """train_backward's weight and input gradients of a layer training dense: every row through
+    _hidden_pass and cuBLAS (the record unused), as dense autograd computes them."""
+    n = gate_weight.shape[0]
+    f32 = {"dtype": torch.float32, "device": x.device}
+    bias_acc = tuple(torch.zeros(n if b is not None else 0, **f32) for b in (gate_bias, up_bias))
+    dg, du, h = _hidden_pass(
+        x, dy, counts, l1_grad, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, bias_acc, -1,
+        threshold=threshold, drelu=drelu, square=square,
+    )  # fmt: skip
+    dx = dg @ gate_weight
+    dwu = dg.new_empty(0)
+    if up_weight is not None:
+        dx += du @ up_weight
+        dwu = du.t() @ x
+    return dx, dg.t() @ x, dwu, h.t() @ dy, bias_acc[0].to(x.dtype), bias_acc[1].to(x.dtype)
 
 
 def train_backward(
@@ -673,14 +826,17 @@ def train_backward(
     drelu: bool,
     square: bool,
     entries: int = 1,
+    dense_above: float | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """(dx, d gate_weight, d up_weight, d down_weight_t, d gate_bias, d up_bias, d down_bias) from the
     record (ids, gate, up, counts) of train_forward with the same weights, biases and flags; dy, x:
     [M, K] with unit stride on K; l1_grad: the gradient of train_forward's l1 (a one-element fp32
-    tensor); entries: as for train_forward (the dx kernel's). Gradients of absent tensors are empty."""
+    tensor); entries, dense_above: as for train_forward (the dx kernel's; a layer whose last forward
+    trained dense runs _dense_backward). Gradients of absent tensors are empty."""
     check_input("x", x, unit_stride=True)
     check_threshold(threshold)
     _check_entries(entries)
+    policy.check_train_dense_above(dense_above)
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         raise ValueError("ids must be the record's [M, W] int32 tensor")
     m, n = _check_weights(x, gate_weight, up_weight, down_weight_t, ids.shape[1])
@@ -690,6 +846,14 @@ def train_backward(
     width = ids.shape[1]
     _check_biases(x, n, gate_bias, up_weight, up_bias, None)
     _check_record(x, ids, gate, up, counts, up_weight is not None, l1_grad)
+    dbd = dy.sum(0, dtype=torch.float32).to(x.dtype) if has_down_bias else dy.new_empty(0)
+    state = train_state(gate_weight) if dense_above is not None else None
+    if state is not None and m > 0 and state.forward_dense:
+        dense = _dense_backward(
+            dy, l1_grad, x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, counts, threshold=threshold,
+            drelu=drelu, square=square,
+        )  # fmt: skip
+        return (*dense, dbd)
     f32 = {"dtype": torch.float32, "device": x.device}
     dx = _alloc((m, k), x.dtype, x.device)
     has_up = up_weight is not None
@@ -718,7 +882,7 @@ def train_backward(
             HAS_UP=has_up, DRELU=drelu, SQUARE=square, WIDTH=width, BLOCK_K=block_k, ENTRIES=row_entries,
             num_warps=_row_warps(block_k, entries=row_entries),
         )  # fmt: skip
-        top = -(-m // BACKUP_SHARE)
+        top = state.backup_rows(m) if state is not None else -(-m // BACKUP_SHARE)
         acc_g, acc_u, acc_d = _dense_backup(
             rows[:top], dx, dy, l1_grad, x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, counts,
             (acc_bg, acc_bu), width, threshold=threshold, drelu=drelu, square=square,
@@ -746,5 +910,4 @@ def train_backward(
     else:  # no pairs: the gradients of the weights are zeros
         for t in (dwg, dwu, dwd, dbg, dbu):
             t.zero_()
-    dbd = dy.sum(0, dtype=torch.float32).to(x.dtype) if has_down_bias else dx.new_empty(0)
     return dx, dwg, dwu, dwd, dbg, dbu, dbd

@@ -198,28 +198,35 @@ def ffn_train(
     squared: bool,
     width: int,
     entries: int = policy.TRAIN_ENTRIES_DEFAULT,
+    dense_above: Optional[float] = policy.TRAIN_DENSE_ABOVE,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, ids, gate, up, counts, l1, nonzero): the FFN (gated with up_weight, else plain: gate_weight
     is its up projection, squared its relu²), the record backward reads (twell.kernels.backward), and
     sum |h| (fp32, differentiable: the L1 penalty's) and the count of nonzero h (int64) over its hidden
     activation h. entries: LayerConfig.train_entries (the row kernels' entries a step; the backward's
-    too). Triton kernels: CUDA, or CPU under TRITON_INTERPRET=1."""
+    too); dense_above: LayerConfig.train_dense_above (a layer measured denser trains dense). Triton
+    kernels: CUDA, or CPU under TRITON_INTERPRET=1."""
     from twell.kernels import backward
 
-    _check_train(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, width, entries)
+    _check_train(
+        x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, width, entries, dense_above
+    )  # fmt: skip
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     y, *record = backward.train_forward(
         x2, gate_weight, _unit(gate_bias), up_weight, _unit(up_bias), down_weight.t(), _unit(down_bias),
-        threshold=threshold, drelu=drelu, square=squared, width=width, entries=entries,
+        threshold=threshold, drelu=drelu, square=squared, width=width, entries=entries, dense_above=dense_above,
     )  # fmt: skip
     return (y.reshape(x.shape), *record)
 
 
 @ffn_train.register_fake
 def _(
-    x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu, squared, width, entries=1
-):
-    _check_train(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, width, entries)
+    x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu, squared, width, entries=1,
+    dense_above=None,
+):  # fmt: skip
+    _check_train(
+        x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, width, entries, dense_above
+    )  # fmt: skip
     m = x.numel() // x.shape[-1]
     ids = x.new_empty(m, width, dtype=torch.int32)
     up = x.new_empty(m, width if up_weight is not None else 0)
@@ -247,6 +254,7 @@ def ffn_train_backward(
     drelu: bool,
     squared: bool,
     entries: int = policy.TRAIN_ENTRIES_DEFAULT,
+    dense_above: Optional[float] = policy.TRAIN_DENSE_ABOVE,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, d gate_weight, d up_weight, d down_weight, d gate_bias, d up_bias, d down_bias) of ffn_train
     from its record; l1_grad: the gradient of ffn_train's l1 (one-element fp32). Gradients of absent
@@ -258,7 +266,7 @@ def ffn_train_backward(
     dy2 = dy.reshape(-1, k).contiguous()
     dx, dwg, dwu, dwd_t, dbg, dbu, dbd = backward.train_backward(
         dy2, l1_grad, x2, gate_weight, _unit(gate_bias), up_weight, _unit(up_bias), down_weight.t(), has_down_bias, ids,
-        gate, up, counts, threshold=threshold, drelu=drelu, square=squared, entries=entries,
+        gate, up, counts, threshold=threshold, drelu=drelu, square=squared, entries=entries, dense_above=dense_above,
     )  # fmt: skip
     return dx.reshape(x.shape), dwg, dwu, dwd_t.t(), dbg, dbu, dbd
 
@@ -283,7 +291,7 @@ def _unit(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def _check_train(
-    x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, width, entries
+    x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, width, entries, dense_above
 ) -> None:
     if up_weight is None:
         if up_bias is not None:
@@ -295,29 +303,28 @@ def _check_train(
         raise ValueError(f"width must be >= 1, got {width}")
     if entries not in policy.TRAIN_ENTRIES:
         raise ValueError(f"entries must be one of {policy.TRAIN_ENTRIES}, got {entries}")
+    policy.check_train_dense_above(dense_above)
 
 
 def _train_setup(ctx, inputs, output):
-    x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu, squared, _, entries = (
-        inputs
-    )
+    x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu, squared, _, *tail = inputs
     _, ids, gate, up, counts, _, nonzero = output
     ctx.mark_non_differentiable(ids, gate, up, counts, nonzero)
     ctx.save_for_backward(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, ids, gate, up, counts)
-    ctx.flags = (down_bias is not None, threshold, drelu, squared, entries)
+    ctx.flags = (down_bias is not None, threshold, drelu, squared, *tail)
 
 
 def _train_backward(ctx, dy, _ids, _gate, _up, _counts, l1_grad, _nonzero):
     x, gate_weight, up_weight, down_weight, gate_bias, up_bias, ids, gate, up, counts = ctx.saved_tensors
-    has_down_bias, threshold, drelu, squared, entries = ctx.flags
+    has_down_bias, threshold, drelu, squared, entries, dense_above = ctx.flags
     dy = torch.zeros_like(x) if dy is None else dy
     l1_grad = x.new_zeros((), dtype=torch.float32) if l1_grad is None else l1_grad.float()
     grads = torch.ops.twell.ffn_train_backward(
         dy, l1_grad, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, has_down_bias, ids, gate, up, counts,
-        threshold, drelu, squared, entries,
+        threshold, drelu, squared, entries, dense_above,
     )  # fmt: skip
     present = (True, True, up_weight is not None, True, gate_bias is not None, up_bias is not None, has_down_bias)
-    return (*(g if p else None for g, p in zip(grads, present, strict=True)), None, None, None, None, None)
+    return (*(g if p else None for g, p in zip(grads, present, strict=True)), None, None, None, None, None, None)
 
 
 ffn_train.register_autograd(_train_backward, setup_context=_train_setup)

@@ -67,12 +67,27 @@ REUSE_ROWS = 0
 REUSE_BLOCKS = (0, 16, 32, 64, 128)  # the row blocks the kernels take (0: off)
 REUSE_MIN = 3
 REUSE_MAX_SHARE = 0.25  # at most this share of N is dense in one block (its hidden buffer is [M, N / 4])
+# Training calls by measured density: a layer whose last measured sparse-path call was denser than this
+# (nonzero h over M x N), or had more than backward.BACKUP_MAX_SHARE of its rows past the record width,
+# trains its next call dense (cuBLAS, the record unused; measured on the device, read once landed), and
+# its backward's dense pass takes as many rows as it measured past the width (the rows past the pass
+# walk all N neurons a row, ~10 ms a K=2048 row a program: 25 ms a layer at 1.7% skewed,
+# train-model-20261201-230531.json). None: every call sparse, the pass at 1 row in BACKUP_SHARE. Off
+# until measured on the GPU (benchmarks/NOTES.md, "Training v3").
+TRAIN_DENSE_ABOVE: float | None = None
 
 # Batched decode from calibration: (density, tokens) rows, a layer calibrated at most `density` dense
 # serving calls of up to `tokens` by the batched decode (the first row that holds). Empty, so no layer
 # does, until the crossovers are measured (gpu_check.py batched); predicted: ((0.006, 128), (0.012, 64),
 # (0.025, 32), (0.05, 16)) (benchmarks/NOTES.md, "Batched decode").
 BATCHED_CROSSOVER: tuple[tuple[float, int], ...] = ()
+
+# Sparse training from calibration: (density, tokens) rows, a layer calibrated at most `density` dense
+# taking the sparse training path for calls of at least `tokens` tokens (its train_min_m; the first row
+# that holds). Empty, so no layer does, until the crossovers are measured (benchmarks/train.py at the
+# densities; predicted from train-20261201-230349.json and v11: ((0.006, 16384),), benchmarks/NOTES.md
+# "Training v3").
+TRAIN_CROSSOVER: tuple[tuple[float, int], ...] = ()
 
 # Fixed for every layer:
 DECODE_SPARSE_DENSITY = 0.01  # "known sparse" for decode_sparse_max_m: the 1% of the measurement above
@@ -96,6 +111,12 @@ def check_tile(tile_n: int, slots: int) -> None:
         raise ValueError(f"the Triton kernels need 16 <= tile_n <= 256, got {tile_n}")
     if slots > tile_n:
         raise ValueError(f"slots must be <= tile_n, got slots={slots}, tile_n={tile_n}")
+
+
+def check_train_dense_above(value) -> None:
+    """LayerConfig.train_dense_above: None or a density in [0, 1]."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1):
+        raise ValueError(f"train_dense_above must be a number in [0, 1] or None, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -124,6 +145,9 @@ class LayerConfig:
         0: off), the neurons active in at least reuse_min of its rows are computed by dense products
         over just those neurons, the rest sparse.
     reuse_min: see reuse_rows (an int >= 1).
+    train_dense_above: on the sparse training path, a layer whose last measured call was denser than
+        this, or had more than 1/8 of its rows past the record width, trains its next call dense, and
+        its backward's dense pass is sized by the rows it measured past the width (None: never).
     Every other call runs dense, as do all calls with K > MAX_K.
     """
 
@@ -140,6 +164,7 @@ class LayerConfig:
     train_entries: int = TRAIN_ENTRIES_DEFAULT
     reuse_rows: int = REUSE_ROWS
     reuse_min: int = REUSE_MIN
+    train_dense_above: float | None = TRAIN_DENSE_ABOVE
 
     def __post_init__(self):
         check_tile(self.tile_n, self.slots)
@@ -162,6 +187,7 @@ class LayerConfig:
             raise ValueError(f"reuse_rows must be one of {REUSE_BLOCKS}, got {self.reuse_rows!r}")
         if not isinstance(self.reuse_min, int) or isinstance(self.reuse_min, bool) or self.reuse_min < 1:
             raise ValueError(f"reuse_min must be an int >= 1, got {self.reuse_min!r}")
+        check_train_dense_above(self.train_dense_above)
         rate = self.hot_rate
         if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1):
             raise ValueError(f"hot_rate must be a number in [0, 1] or None, got {rate!r}")
@@ -247,6 +273,15 @@ def calibrated_batched_max_m(density: float | None, crossover=BATCHED_CROSSOVER)
     if density is None:
         return 0
     return next((tokens for most, tokens in crossover if density <= most), 0)
+
+
+def calibrated_train_min_m(density: float | None, crossover=TRAIN_CROSSOVER) -> int | None:
+    """The train_min_m of a layer calibrated at `density` (mean kept fraction of its calls): the tokens
+    of crossover's first (density, tokens) row with density >= `density`; None (dense training) where
+    none holds or the density was not measured."""
+    if density is None:
+        return None
+    return next((tokens for most, tokens in crossover if density <= most), None)
 
 
 def hot_count(counts, rows: int, rate: float) -> int:
