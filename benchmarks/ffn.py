@@ -351,14 +351,19 @@ def prefill_stages(x, w, config) -> dict:
 
 
 L2_TB_S = 8.0  # weight rows through L2 (the gathers' measured ceiling, NOTES.md v8-v30)
+DRAM_TB_S = 4.3  # a large device copy (NOTES.md)
 TENSOR_TFLOP_S = 650.0  # bf16 products at these shapes (dense FFN's GEMMs: 550-677, NOTES.md v15)
 
 
 def reuse_stages(x, w, config) -> dict:
-    """The weight-row reuse path's pieces at the layer's config (its hot neurons too): the pack pass
-    with the block lists, up+down without the blocks' dense neurons, the dense products' two phases; the
-    union's size and share of the pairs, and the products' floors (three weight rows per dense neuron
-    and block through L2; 6 x rows x K FLOPs per dense neuron and block on the tensor cores)."""
+    """The weight-row reuse path's pieces at the layer's config (its hot neurons too): the block lists
+    alone (dense_columns) and the whole pack pass with them, up+down without the blocks' dense neurons,
+    the dense products' two phases at their tuned configs; the union's size and share of the pairs, and
+    floors: v1's (three weight rows per dense neuron and block and the x rows once per 64 neurons through
+    L2, or 6 x rows x K FLOPs per dense neuron and block) and each v2 phase's, the larger of its L2
+    bytes, DRAM bytes and FLOPs (hidden: x once per tuned chunk and W_u[n] per dense neuron and block
+    through L2, the gate output's dense columns from DRAM in 32-byte sectors; down: W_d[n] per dense
+    neuron and block and h once per tuned column block through L2, y read and written from DRAM)."""
     wg, bg, wu = w["gate_weight"], w["gate_bias"], w["up_weight"]
     wd_t = w["down_weight"].t()
     m, k = x.shape
@@ -367,9 +372,12 @@ def reuse_stages(x, w, config) -> dict:
     pre = F.linear(x, wg, bg)
     hot = largest_hot()
     packed_hot = (hot.pos, dispatch.hot_values(m, len(hot.index), x.dtype, x.device)) if hot is not None else None
-    row = {"pack_ms": do_bench(lambda: pack_dense(pre, 0.0, tile_n, slots, hot=packed_hot, reuse=spec))}
+    hot_pos, n_hot = (hot.pos, len(hot.index)) if hot is not None else (None, 0)
+    row = {
+        "columns_ms": do_bench(lambda: reuse.dense_columns(pre, 0.0, tile_n, spec, hot_pos, n_hot)),
+        "pack_ms": do_bench(lambda: pack_dense(pre, 0.0, tile_n, slots, hot=packed_hot, reuse=spec)),
+    }
     words, counts, blocks = pack_dense(pre, 0.0, tile_n, slots, hot=packed_hot, reuse=spec)
-    hot_pos = hot.pos if hot is not None else None
     row["updown_ms"] = do_bench(
         lambda: twell_up_down(
             x, words, counts, wg, bg, wu, None, wd_t, None, tile_n=tile_n, threshold=0.0, hot_pos=hot_pos,
@@ -377,18 +385,35 @@ def reuse_stages(x, w, config) -> dict:
         )
     )  # fmt: skip
     hidden = reuse.hidden_buffer(m, blocks, x.dtype, x.device)
-    row["hidden_ms"] = do_bench(lambda: reuse._hidden(x, blocks, wg, bg, wu, None, hidden, 0.0, False, False))
+    reuse.dense_hidden(x, pre, blocks, wu, None, threshold=0.0, hidden=hidden)  # tunes before timing
+    row["hidden_ms"] = do_bench(lambda: reuse.dense_hidden(x, pre, blocks, wu, None, threshold=0.0, hidden=hidden))
     y = torch.zeros_like(x)
-    row["down_ms"] = do_bench(lambda: reuse._down_(y, blocks, hidden, wd_t))
-    union, dense_pairs, sparse_pairs = int(blocks.lengths.sum()), int(blocks.pairs.sum()), int(counts.sum())
-    row["union_per_block"] = union / blocks.lengths.shape[0]
-    row["union_max"] = int(blocks.lengths.sum(1).max())
+    reuse.dense_down_(y, blocks, hidden, wd_t)
+    row["down_ms"] = do_bench(lambda: reuse.dense_down_(y, blocks, hidden, wd_t))
+    hidden_config, down_config = reuse._reuse_hidden_kernel.best_config, reuse._reuse_down_kernel.best_config
+    row["hidden_config"], row["down_config"] = str(hidden_config), str(down_config)
+    lengths = blocks.lengths.long()
+    union, dense_pairs, sparse_pairs = int(lengths.sum()), int(blocks.pairs.sum()), int(counts.sum())
+    row["union_per_block"] = union / lengths.shape[0]
+    row["union_max"] = int(lengths.max())
     row["dense_pair_share"] = dense_pairs / max(dense_pairs + sparse_pairs, 1)
-    # three weight rows per dense neuron and block, and the block's x rows once per hidden program
-    chunks = int(((blocks.lengths.sum(1) + reuse.HIDDEN_CHUNK - 1) // reuse.HIDDEN_CHUNK).sum())
-    row["products_bytes_floor_ms"] = (union * 3 + chunks * blocks.rows) * k * x.element_size() / (L2_TB_S * 1e9)
-    row["products_flop_floor_ms"] = union * 6 * blocks.rows * k / (TENSOR_TFLOP_S * 1e9)
-    row["updown_floor_ms"] = sparse_pairs * 2 * k * x.element_size() / (L2_TB_S * 1e9)
+    element, rows = x.element_size(), blocks.rows
+    chunks_64 = int(((lengths + 63) // 64).sum())
+    row["products_bytes_floor_ms"] = (union * 3 + chunks_64 * rows) * k * element / (L2_TB_S * 1e9)
+    row["products_flop_floor_ms"] = union * 6 * rows * k / (TENSOR_TFLOP_S * 1e9)
+    chunk, block_k = hidden_config.kwargs["CHUNK"], down_config.kwargs["BLOCK_K"]
+    chunks = int(((lengths + chunk - 1) // chunk).sum())
+    row["hidden_floor_ms"] = max(
+        (chunks * rows + union) * k * element / (L2_TB_S * 1e9),
+        int((lengths * 32).clamp(max=pre.shape[1] * element).sum()) * rows / (DRAM_TB_S * 1e9),  # 32-byte sectors
+        union * 2 * rows * k / (TENSOR_TFLOP_S * 1e9),
+    )
+    row["down_floor_ms"] = max(
+        (union * k + union * rows * triton.cdiv(k, block_k)) * element / (L2_TB_S * 1e9),
+        int((lengths > 0).sum()) * rows * k * 2 * element / (DRAM_TB_S * 1e9),
+        union * 2 * rows * k / (TENSOR_TFLOP_S * 1e9),
+    )
+    row["updown_floor_ms"] = sparse_pairs * 2 * k * element / (L2_TB_S * 1e9)
     return row
 
 
@@ -485,11 +510,12 @@ def main():
                         if f"prefill[{v}]_stages" in row:
                             st = row[f"prefill[{v}]_stages"]
                             line += (
-                                f"\n      [{v}] pack {st['pack_ms']:.2f} updown {st['updown_ms']:.2f} hidden "
-                                f"{st['hidden_ms']:.2f} down {st['down_ms']:.2f} union/block "
-                                f"{st['union_per_block']:.0f} dense pairs {st['dense_pair_share']:.0%} floors: "
-                                f"bytes {st['products_bytes_floor_ms']:.2f} flops {st['products_flop_floor_ms']:.2f} "
-                                f"updown {st['updown_floor_ms']:.2f}"
+                                f"\n      [{v}] pack {st['pack_ms']:.2f} (columns {st['columns_ms']:.2f}) updown "
+                                f"{st['updown_ms']:.2f} hidden {st['hidden_ms']:.2f} down {st['down_ms']:.2f} "
+                                f"union/block {st['union_per_block']:.0f} dense pairs {st['dense_pair_share']:.0%} "
+                                f"floors: v1 bytes {st['products_bytes_floor_ms']:.2f} flops "
+                                f"{st['products_flop_floor_ms']:.2f} hidden {st['hidden_floor_ms']:.2f} down "
+                                f"{st['down_floor_ms']:.2f} updown {st['updown_floor_ms']:.2f}"
                             )
                     lines.append(line)
                     print(line, flush=True)

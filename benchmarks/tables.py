@@ -197,8 +197,9 @@ def summary_table(ffn: list[dict], e2e: list[dict], train: list[dict], model: di
         rows.append(
             f"| a whole model's training step, 2B shape ({layers} layers, 0.5% skewed, AdamW, L1 penalty) "
             f"| {model['batch']} x {model['seq']} tokens | {dense['tokens_per_s']:.0f} tokens/s, "
-            f"{dense['peak_gb']:.1f} GB (dense-compiled) | {twell['tokens_per_s']:.0f} tokens/s, {twell['peak_gb']:.1f} "
-            f"GB (twell-compiled, sparse training path) | {speedup(twell['tokens_per_s'] / dense['tokens_per_s'])} "
+            f"{dense['peak_gb']:.1f} GB (dense-compiled) | {twell['tokens_per_s']:.0f} tokens/s, "
+            f"{twell['peak_gb']:.1f} GB (twell-compiled, sparse training path) "
+            f"| {speedup(twell['tokens_per_s'] / dense['tokens_per_s'])} "
             f"| {model['source']} |"
         )
     step = [p for p in train if p["density"] == 0.005]

@@ -122,3 +122,13 @@ def test_row_scale_is_the_terms_magnitude():
     off = torch.tensor([[1.0], [0.0]], dtype=torch.float64)
     assert fuzz.compare(ref + 2e-5 * off, rows, check, 1e-5)["ok"]  # a quarter of tol on row 0's terms
     assert not fuzz.compare(ref + 2e-3 * off, rows, check, 1e-5)["ok"]
+
+
+def test_time_limit_counts_from_the_call(tmp_path, monkeypatch):
+    """A sweep called long after the module was imported (as in a test suite) still gets its whole
+    --time-limit: the smoke ran no case in a full suite when the limit counted from the import."""
+    monkeypatch.delenv("OUT", raising=False)
+    monkeypatch.setattr(fuzz, "STARTED", fuzz.STARTED - 10_000)
+    assert fuzz.main(["--smoke", "--out", str(tmp_path), "--replay", SMOKE_SEEDS[0], "--time-limit", "60"]) == 0
+    (path,) = tmp_path.glob("fuzz-*.json")
+    assert json.loads(path.read_text())["cases"] == 1

@@ -1,8 +1,15 @@
-"""Weight-row reuse on the prefill path (twell.kernels.reuse, pack_dense's reuse, the overflow recompute's
-flags) against float64 references (CPU: Triton's interpreter, fp32/fp16; GPU: bf16 too)."""
+"""Weight-row reuse on the prefill path (twell.kernels.reuse: dense_columns and the pack pass that leaves the
+listed neurons out, dense_hidden, dense_down_; the overflow recompute's flags) against float64 references
+(CPU: Triton's interpreter, fp32/fp16; GPU: bf16 too; sm_90 builds: no spills, pipelined loops)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+import triton
 from conftest import DEVICE, HAS_CUDA, rel_err
 from ffn_cases import TOL, gated_ref, make_ffn, plain_ref
 
@@ -17,15 +24,15 @@ DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
 @pytest.fixture(autouse=True)
 def poisoned_buffers(monkeypatch):
     """Every buffer the pack pass and the products allocate starts as garbage: NaN hidden values, -1 TwELL
-    words / counts / union entries / lengths / pair counts, flags of 7, so anything a kernel reads
-    before writing, or fails to write, shows."""
+    words / counts / union entries / lengths / pair counts (per tile and per block), flags of 7, so
+    anything a kernel reads before writing, or fails to write, shows."""
     alloc = gate._alloc
     monkeypatch.setattr(gate, "_alloc", lambda *a: tuple(t.fill_(-1) for t in alloc(*a)))
     empty = reuse.ReuseBlocks.empty
 
     def poisoned(*args):
         blocks = empty(*args)
-        for t in (blocks.union, blocks.lengths, blocks.pairs):
+        for t in (blocks.tile_union, blocks.tile_lengths, blocks.union, blocks.lengths, blocks.pairs):
             t.fill_(-1)
         blocks.flags.fill_(7)
         return blocks
@@ -61,8 +68,8 @@ def _expected_dense(counts, reuse_min, per_tile, tile_n):
 
 
 def _union(blocks, b):
-    """Block b's dense neurons in union order: its tiles' lists one after another."""
-    return torch.cat([blocks.union[b, t, : blocks.lengths[b, t]] for t in range(blocks.lengths.shape[1])]).long()
+    """Block b's dense neurons in union order (the compacted list the products read)."""
+    return blocks.union[b, : blocks.lengths[b]].long()
 
 
 def _pre(m, n, rows, dtype, seed):
@@ -86,28 +93,35 @@ def _pre(m, n, rows, dtype, seed):
         (70, 100, 32, 4, 32, 3, 2),  # per_tile cuts the lists: a tile's later columns stay sparse
         (20, 40, 16, 4, 16, 1, 16),  # every kept column dense: nothing left in TwELL
         (33, 96, 32, 8, 16, 100, 96),  # no column reaches reuse_min: no block has dense neurons
-        (150, 200, 64, 8, 64, 4, 16),  # a block of several 16-row counting steps, the last one partial
+        (150, 300, 128, 16, 64, 4, 16),  # a block of two 32-row counting steps; four pack programs a block
+        (21, 64, 32, 32, 16, 3, 32),  # threshold below 0: the padding rows (past M) must not count
     ],
-    ids=["m37-n300", "capped", "all-dense", "none-dense", "b64"],
+    ids=["m37-n300", "capped", "all-dense", "none-dense", "b64", "negative-threshold"],
 )
 def test_pack_leaves_the_blocks_dense_columns_out(m, n, tile_n, slots, rows, reuse_min, per_tile, dtype):
     """Per block and tile, the columns kept in >= reuse_min rows are listed (ascending, up to per_tile),
     flagged, counted, and left out of TwELL: TwELL equals the pack of h with those columns dropped per
     block."""
     h = _pre(m, n, rows, dtype, seed=m + n)
-    words, counts, blocks = pack_dense(h, 0.0, tile_n, slots, reuse=(rows, reuse_min, per_tile))
-    block_counts = _block_counts(h, rows, 0.0)
+    threshold = -1.5 if slots == 32 else 0.0
+    words, counts, blocks = pack_dense(h, threshold, tile_n, slots, reuse=(rows, reuse_min, per_tile))
+    block_counts = _block_counts(h, rows, threshold)
     dense = _expected_dense(block_counts, reuse_min, per_tile, tile_n)
     assert torch.equal(blocks.flags.cpu(), dense.to(torch.uint8).cpu())
     for b in range(dense.shape[0]):
-        for t in range(blocks.lengths.shape[1]):
+        for t in range(blocks.tile_lengths.shape[1]):
             cols = slice(t * tile_n, (t + 1) * tile_n)
-            assert int(blocks.lengths[b, t]) == int(dense[b, cols].sum())
+            length = int(blocks.tile_lengths[b, t])
+            assert length == int(dense[b, cols].sum())
+            assert (
+                blocks.tile_union[b, t, :length].tolist() == dense[b, cols].nonzero().flatten().add(t * tile_n).tolist()
+            )
             assert int(blocks.pairs[b, t]) == int(torch.where(dense[b, cols], block_counts[b, cols], 0).sum())
+        assert int(blocks.lengths[b]) == int(dense[b].sum())
         assert _union(blocks, b).tolist() == dense[b].nonzero().flatten().tolist()
     dropped = h.clone()
     dropped[dense.repeat_interleave(rows, 0)[:m]] = float("-inf")
-    ref_words, ref_counts = pack_dense(dropped, 0.0, tile_n, slots)
+    ref_words, ref_counts = pack_dense(dropped, threshold, tile_n, slots)
     assert torch.equal(counts, ref_counts)
     valid = torch.arange(slots, device=DEVICE) < counts.clamp(max=slots).unsqueeze(-1)
     assert torch.equal(torch.where(valid, words, 0), torch.where(valid, ref_words, 0))
@@ -155,13 +169,22 @@ def _dense_part(case, blocks, m, threshold, drelu, squared, gated):
 VARIANTS = ["gated", "fatrelu-bias", "drelu", "plain", "relu2"]
 
 
+def _products(case, blocks, pre, gated, threshold, variant, y0):
+    """y0 + the blocks' dense share through dense_hidden (a NaN-poisoned hidden buffer) and dense_down_."""
+    up = (case["up_weight"], case["up_bias"]) if gated else (None, None)
+    hidden = reuse.dense_hidden(
+        case["x"], pre, blocks, *up, threshold=threshold, drelu=variant == "drelu", square=variant == "relu2"
+    )
+    return reuse.dense_down_(y0.clone(), blocks, hidden, case["down_weight"].t())
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("m,rows,k", [(37, 16, 40), (70, 32, 200)], ids=["m37-b16-k40", "m70-b32-k200"])
 def test_reuse_products_match_float64(variant, dtype, m, rows, k):
     """y += each block's dense neurons' h W_d^T[union]: against float64 at awkward shapes (K past one step
-    of the hidden products and one column block of the down products; unions past one hidden program),
-    the hidden buffer NaN-poisoned (only each block's own union columns are read)."""
+    of the hidden products and one column block of the down products; unions past one hidden program
+    and one down step), the hidden buffer NaN-poisoned (only each block's own union columns are read)."""
     n = 150
     gated = variant in ("gated", "fatrelu-bias", "drelu")
     case = make_ffn(m, k, n, [0.2, 0.05, 0.4], dtype, DEVICE, seed=m + rows, biases=variant == "fatrelu-bias",
@@ -170,17 +193,26 @@ def test_reuse_products_match_float64(variant, dtype, m, rows, k):
     gate_w, gate_b = (case["gate_weight"], case["gate_bias"]) if gated else (case["up_weight"], case["up_bias"])
     pre = torch.nn.functional.linear(case["x"], gate_w, gate_b)
     _, _, blocks = pack_dense(pre, threshold, 32, 8, reuse=(rows, 2, 16))
-    assert int(blocks.lengths.sum(1).min()) > 0  # every block has dense neurons
-    assert int(blocks.lengths.sum(1).max()) > reuse.HIDDEN_CHUNK
+    assert int(blocks.lengths.min()) > 0  # every block has dense neurons
+    assert int(blocks.lengths.max()) > max(reuse.HIDDEN_CONFIGS[0][0], reuse.DOWN_CONFIGS[0][0])
     y0 = torch.randn(m, k, dtype=dtype).to(DEVICE)
-    up = (case["up_weight"], case["up_bias"]) if gated else (None, None)
-    wd_t = case["down_weight"].t()
-    y = reuse.reuse_products_(
-        y0.clone(), case["x"], blocks, gate_w, gate_b, *up, wd_t, threshold=threshold, drelu=variant == "drelu",
-        square=variant == "relu2",
-    )  # fmt: skip
+    y = _products(case, blocks, pre, gated, threshold, variant, y0)
     ref = y0.double().cpu() + _dense_part(case, blocks, m, threshold, variant == "drelu", variant == "relu2", gated)
     assert rel_err(y.cpu(), ref) <= TOL[dtype] * (4 if variant == "relu2" else 1)
+
+
+def test_reuse_hidden_reads_the_gate_output_not_a_recomputed_gate():
+    """g comes from pre (the values the pack saw): a pre that differs from x W_g^T changes h accordingly."""
+    m, k, n, rows = 32, 24, 64, 16
+    case = make_ffn(m, k, n, [0.3], torch.float32, DEVICE, seed=9)
+    pre = torch.nn.functional.linear(case["x"], case["gate_weight"])
+    _, _, blocks = pack_dense(pre, 0.0, 32, 8, reuse=(rows, 2, 16))
+    hidden = reuse.dense_hidden(case["x"], 2 * pre, blocks, case["up_weight"], None, threshold=0.0)
+    u = torch.nn.functional.linear(case["x"].double(), case["up_weight"].double())
+    for b in range(blocks.lengths.shape[0]):
+        union, r = _union(blocks, b), slice(b * rows, (b + 1) * rows)
+        expected = (2 * pre[r][:, union]).double().clamp(min=0) * u[r][:, union]
+        assert torch.allclose(hidden[r, : len(union)].double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_reuse_products_leave_blocks_without_dense_neurons_alone():
@@ -191,12 +223,28 @@ def test_reuse_products_leave_blocks_without_dense_neurons_alone():
     _, _, blocks = pack_dense(pre, 0.0, 32, 8, reuse=(rows, 2, 16))
     blocks.lengths[1] = 0
     y0 = torch.randn(m, k).to(DEVICE)
-    y = reuse.reuse_products_(
-        y0.clone(), case["x"], blocks, case["gate_weight"], None, case["up_weight"], None, case["down_weight"].t(),
-        threshold=0.0,
-    )  # fmt: skip
+    y = _products(case, blocks, pre, True, 0.0, "gated", y0)
     assert torch.equal(y[rows : 2 * rows], y0[rows : 2 * rows])
     assert not torch.equal(y[:rows], y0[:rows]) and not torch.equal(y[2 * rows :], y0[2 * rows :])
+
+
+def test_reuse_products_check_their_arguments():
+    """Wrong shapes name what was expected and what came."""
+    m, k, n = 32, 24, 64
+    case = make_ffn(m, k, n, [0.3], torch.float32, DEVICE, seed=2)
+    pre = torch.nn.functional.linear(case["x"], case["gate_weight"])
+    _, _, blocks = pack_dense(pre, 0.0, 32, 8, reuse=(16, 2, 16))
+    with pytest.raises(ValueError, match=r"pre must be a \[32, N\] tensor, got \[31, 64\]"):
+        reuse.dense_hidden(case["x"], pre[:31], blocks, case["up_weight"], None, threshold=0.0)
+    with pytest.raises(ValueError, match=r"blocks for M=32, N=48 need union \[2, C\] and flags \[2, 48\]"):
+        reuse.dense_hidden(case["x"], pre[:, :48], blocks, None, None, threshold=0.0)
+    with pytest.raises(ValueError, match="up_bias needs up_weight"):
+        reuse.dense_hidden(case["x"], pre, blocks, None, case["gate_weight"][:, 0], threshold=0.0)
+    hidden = reuse.dense_hidden(case["x"], pre, blocks, case["up_weight"], None, threshold=0.0)
+    with pytest.raises(ValueError, match=r"hidden must be \[32, 32\] torch.float32"):
+        reuse.dense_down_(torch.zeros(m, k, device=DEVICE), blocks, hidden[:, :16], case["down_weight"].t())
+    with pytest.raises(ValueError, match="pack config BLOCK_M must divide the reuse rows 16, got 32"):
+        pack_dense(pre, 0.0, 32, 8, config=(32, 4, 1), reuse=(16, 2, 16))
 
 
 def _sparse_paths(**changes):
@@ -231,8 +279,8 @@ def test_prefill_with_reuse_is_exact(variant, dtype, rows, reuse_min, monkeypatc
     threshold = 0.02 if variant == "fatrelu-bias" else 0.0
     config = _sparse_paths(reuse_rows=rows, reuse_min=reuse_min, dense_above=1.0)
     seen = []
-    products = reuse.reuse_products_
-    monkeypatch.setattr(reuse, "reuse_products_", lambda y, x, b, *a, **k: seen.append(b) or products(y, x, b, *a, **k))
+    products = reuse.dense_down_
+    monkeypatch.setattr(reuse, "dense_down_", lambda y, b, *a: seen.append(b) or products(y, b, *a))
     if gated:
         args = [case[c] for c in ("gate_weight", "up_weight", "down_weight", "gate_bias", "up_bias", "down_bias")]
         y = dispatch.gated_ffn_cuda(case["x"], *args, threshold, variant == "drelu", config)
@@ -268,6 +316,23 @@ def test_prefill_with_hot_neurons_and_reuse_is_exact(monkeypatch):
     pre = torch.nn.functional.linear(case["x"].double(), args[0].double(), args[3].double())
     state.update(config)
     assert state.density == pytest.approx(float((pre > 0.02).double().mean()), abs=0.01)
+
+
+def test_reuse_beyond_the_grid_limit_is_refused_and_the_dispatcher_packs_plainly(monkeypatch):
+    """More row blocks than the kernels' grid takes: pack_dense refuses, the prefill path runs without
+    reuse (no dense products) and stays exact."""
+    monkeypatch.setattr(reuse, "MAX_BLOCKS", 4)
+    with pytest.raises(ValueError, match=r"reuse takes at most 4 blocks of 16 rows, got M=90 \(6 blocks\)"):
+        pack_dense(torch.randn(90, 32, device=DEVICE), 0.0, 32, 8, reuse=(16, 2, 8))
+    seen = []
+    monkeypatch.setattr(reuse, "dense_down_", lambda *a: seen.append(1))
+    m, k, n = 90, 40, 200
+    case = make_ffn(m, k, n, MIXED, torch.float32, DEVICE, seed=7)
+    args = [case[c] for c in ("gate_weight", "up_weight", "down_weight", "gate_bias", "up_bias", "down_bias")]
+    config = _sparse_paths(reuse_rows=16, reuse_min=2, dense_above=1.0)
+    y = dispatch.gated_ffn_cuda(case["x"], *args, 0.0, False, config)
+    assert not seen
+    assert rel_err(y, gated_ref(case, 0.0)) <= 1e-5
 
 
 def test_layer_config_reuse_fields():
@@ -325,8 +390,8 @@ def test_reuse_captures_in_cuda_graphs_and_compiles_whole(monkeypatch):
     """No host synchronisation on the reuse path: a CUDA-graph capture replays to the eager result, and
     torch.compile(fullgraph=True) traces the module without a graph break."""
     seen = []
-    products = reuse.reuse_products_
-    monkeypatch.setattr(reuse, "reuse_products_", lambda *a, **kw: seen.append(1) or products(*a, **kw))
+    products = reuse.dense_down_
+    monkeypatch.setattr(reuse, "dense_down_", lambda *a: seen.append(1) or products(*a))
     torch.manual_seed(0)
     block = _Block(256, 1024).to("cuda", torch.bfloat16).eval()
     torch.nn.init.constant_(block.mlp.gate_proj.bias, -0.05)
@@ -343,3 +408,71 @@ def test_reuse_captures_in_cuda_graphs_and_compiles_whole(monkeypatch):
     assert seen
     assert torch.equal(captured, eager)
     assert rel_err(compiled, eager) <= 1e-2
+
+
+REUSE_SM90_COMPILE = """
+import subprocess
+from pathlib import Path
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from twell.kernels import gate, reuse
+
+INT32 = ("union_ptr", "tile_union_ptr", "tile_len_ptr", "len_ptr", "pairs_ptr", "pos_ptr", "cnt_ptr", "words_ptr")
+
+def arg_type(name):
+    if not name.endswith("_ptr"):
+        return "fp32" if name == "threshold" else "i32"
+    return "*i32" if name in INT32 else "*u8" if name == "flag_ptr" else "*bf16"
+
+def configs(kernel, table, rows):  # the autotuner's configs after its pruning
+    listed = [triton.Config({"CHUNK": c, "BLOCK_K": bk}, num_warps=w, num_stages=s) for c, bk, w, s in table]
+    prune = (kernel.early_config_prune or (lambda c, n, **kw: c))
+    return [(kernel.fn, {"ROWS": rows, **c.kwargs}, dict(num_warps=c.num_warps, num_stages=c.num_stages))
+            for c in prune(listed, {}, ROWS=rows)]
+
+flags = dict(HAS_UP=True, HAS_UP_BIAS=True, DRELU=False, SQUARE=False, DOT_PRECISION="tf32", VALUE=tl.bfloat16,
+             HAS_HOT=True, TILE_N=128, SLOTS=16)
+builds = []
+for rows in (16, 64, 128):
+    builds += configs(reuse._reuse_hidden_kernel, reuse.HIDDEN_CONFIGS, rows)
+    builds += configs(reuse._reuse_down_kernel, reuse.DOWN_CONFIGS, rows)
+    columns = dict(ROWS=rows, SUB=min(rows, reuse.COUNT_ROWS // 128))
+    builds.append((reuse._dense_columns_kernel, columns, dict(num_warps=4)))
+builds.append((reuse._compact_union_kernel, dict(TILES_PAD=128, PER_TILE_PAD=32), dict(num_warps=4)))
+builds += [(gate._pack_dense_kernel.fn, dict(REUSE_ROWS=64, BLOCK_M=bm), dict(num_warps=w, num_stages=s))
+           for bm, w, s in gate.PACK_CONFIGS]
+cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+for kernel, consts, options in builds:
+    consts = {**{n: v for n, v in flags.items() if n in kernel.arg_names}, **consts}
+    # unit strides are specialised to 1 by the launcher (contiguous rows), the rest divisible by 16
+    unit = ("stride_xk", "stride_uk", "stride_dk", "stride_yk", "stride_hn")
+    consts.update({n: 1 for n in unit if n in kernel.arg_names})
+    signature = {n: "constexpr" if n in consts else arg_type(n) for n in kernel.arg_names}
+    aligned = ("K", "N", "capacity")
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
+             if signature[n] != "constexpr" and (n.endswith("_ptr") or n.startswith("stride") or n in aligned)}
+    out = compile(ASTSource(kernel, signature, consts, attrs), target=GPUTarget("cuda", 90, 32), options=options)
+    Path("k.cubin").write_bytes(out.asm["cubin"])
+    usage = subprocess.run([str(cuobjdump), "-res-usage", "k.cubin"], capture_output=True, text=True).stdout
+    assert "STACK:0 " in usage and "LOCAL:0 " in usage, (kernel.__name__, consts, options, usage)  # no spills
+    if "CHUNK" in consts:  # the products' loops pipelined: the gathered rows by asynchronous copies
+        assert "cp.async" in out.asm["ptx"], (kernel.__name__, consts, options)
+"""
+
+
+def test_reuse_kernels_compile_for_hopper_without_spills(tmp_path):
+    """Triton's compiler and ptxas build the reuse kernels for sm_90 (no GPU needed) at 16, 64 and 128
+    rows with every config their autotuners keep (the down kernel's pruning drops the ones that
+    spilled): no register spills, the products' loops pipelined (asynchronous copies)."""
+    if not (Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump").exists():
+        pytest.skip("this Triton build has no NVIDIA toolchain")
+    if torch.cuda.is_available():  # the GPU tests build them for real (and older Tritons differ in these APIs)
+        pytest.skip("a GPU compiles the kernels in the tests below")
+    root = str(Path(__file__).resolve().parent.parent)  # this tree's twell, whatever PYTHONPATH says
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": root}
+    done = subprocess.run(
+        [sys.executable, "-c", REUSE_SM90_COMPILE], env=env, cwd=tmp_path, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]

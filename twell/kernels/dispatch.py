@@ -223,10 +223,16 @@ def _prefill(
         pre = F.linear(x2, gate_weight, gate_bias)
         if measure:
             state.hot_pending = _measure_neurons(pre[: policy.HOT_SAMPLE], threshold)
-        reuse = (config.reuse_rows, config.reuse_min, reuse_route.per_tile(tile_n)) if config.reuse_rows else None
+        reuse = None
+        if config.reuse_rows and triton.cdiv(m, config.reuse_rows) <= reuse_route.MAX_BLOCKS:
+            reuse = (config.reuse_rows, config.reuse_min, reuse_route.per_tile(tile_n))
         packed = launch_pack_dense(pre, threshold, tile_n, slots, square=square, hot=packed_hot, reuse=reuse)
         words, counts = packed[:2]
         blocks = packed[2] if reuse is not None else None
+        if blocks is not None:  # the gate's values at the blocks' dense neurons, read while it lives
+            hidden = reuse_route.dense_hidden(
+                x2, pre, blocks, up_weight, up_bias, threshold=threshold, drelu=drelu, square=square
+            )
         del pre
     if hot is not None:
         h_hot = packed_hot[1]
@@ -241,10 +247,7 @@ def _prefill(
     if hot is not None:
         y.addmm_(h_hot, wd_t.index_select(0, hot.index))
     if blocks is not None:
-        reuse_route.reuse_products_(
-            y, x2, blocks, gate_weight, gate_bias, up_weight, up_bias, wd_t, threshold=threshold, drelu=drelu,
-            square=square,
-        )  # fmt: skip
+        reuse_route.dense_down_(y, blocks, hidden, wd_t)
     if probe:  # kept: counts' total in parts, from the launch that orders the rows
         if blocks is not None:  # the dense blocks' entries count as sparse ones: the layer's density stays its own
             kept = torch.cat((kept, blocks.pairs.sum(dtype=kept.dtype).reshape(1)))

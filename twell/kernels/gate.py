@@ -40,7 +40,7 @@ from twell.kernels.common import (
     threshold_in,
     tl_dtype,
 )
-from twell.kernels.reuse import ReuseBlocks
+from twell.kernels.reuse import dense_columns
 from twell.kernels.words import encode
 
 SMEM_LIMIT = 227 * 1024  # H100 / H200 per-block shared memory
@@ -259,42 +259,18 @@ def _load_tile(h_ptr, offs_m, tile, M, N, stride_hm, stride_hn, TILE_N: tl.const
     return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
 
 
-@triton.jit
-def _kept_columns(acc, offs_m, tile, M, N, threshold, pos_ptr, n_hot, TILE_N: tl.constexpr, HAS_HOT: tl.constexpr):
-    """How many of the rows offs_m keep each column of the tile (hot neurons never: as _pack_tile, a
-    position past n_hot is a packed neuron)."""
-    cols = tile * TILE_N + tl.arange(0, TILE_N)
-    keep = ((acc > threshold) | (acc != acc)) & (offs_m < M)[:, None] & (cols < N)[None, :]
-    if HAS_HOT:
-        pos = tl.load(pos_ptr + cols, mask=cols < N, other=-1)
-        keep = keep & ((pos < 0) | (pos >= n_hot))[None, :]
-    return tl.sum(keep.to(tl.int32), axis=0)
-
-
-@triton.jit
-def _reuse_columns(
-    active, tile, block, N, n_tiles, reuse_min, per_tile, union_ptr, len_ptr, flag_ptr, pairs_ptr, TILE_N: tl.constexpr
-):
-    """The block's dense columns of one tile: those kept in at least reuse_min of its rows (`active`),
-    the first per_tile of them by column, listed at (block, tile) of union_ptr with their number at
-    len_ptr and their kept entries at pairs_ptr; their flags (one byte per neuron, the block's row of
-    flag_ptr) set, the tile's others cleared. Returns the dense mask [TILE_N]."""
-    cols = tile * TILE_N + tl.arange(0, TILE_N)
-    wanted = active >= reuse_min
-    place = tl.cumsum(wanted.to(tl.int32), axis=0) - 1
-    dense = wanted & (place < per_tile)
-    at = block.to(tl.int64) * n_tiles + tile
-    tl.store(union_ptr + at * per_tile + place, cols, mask=dense)
-    tl.store(len_ptr + at, tl.sum(dense.to(tl.int32), axis=0))
-    tl.store(pairs_ptr + at, tl.sum(tl.where(dense, active, 0), axis=0))
-    tl.store(flag_ptr + block.to(tl.int64) * N + cols, dense.to(flag_ptr.dtype.element_ty), mask=cols < N)
-    return dense
+def _prune_pack(configs, named_args, **kwargs):
+    """With reuse, a program's rows lie in one reuse block: BLOCK_M must divide REUSE_ROWS (both powers
+    of two, so BLOCK_M <= REUSE_ROWS)."""
+    rows = kwargs["REUSE_ROWS"]
+    return [c for c in configs if rows == 0 or c.kwargs["BLOCK_M"] <= rows]
 
 
 @triton.autotune(
     configs=autotune_configs(PACK_CONFIGS, lambda bm, w, s: {"BLOCK_M": bm}),
-    key=["M_BUCKET", "N", "TILE_N", "SLOTS"],
+    key=["M_BUCKET", "N", "TILE_N", "SLOTS", "REUSE_ROWS"],
     cache_results=True,
+    prune_configs_by={"early_config_prune": _prune_pack},
 )
 @triton.jit
 def _pack_dense_kernel(
@@ -303,58 +279,37 @@ def _pack_dense_kernel(
     cnt_ptr,
     pos_ptr,
     hot_ptr,
-    union_ptr,
-    len_ptr,
     flag_ptr,
-    pairs_ptr,
     n_hot,
     M,
     N,
     M_BUCKET,
     n_tiles,
     threshold,
-    reuse_min,
-    per_tile,
     stride_hm,
     stride_hn,
     HAS_HOT: tl.constexpr,
-    REUSE: tl.constexpr,
+    REUSE_ROWS: tl.constexpr,
     SQUARE: tl.constexpr,
     TILE_N: tl.constexpr,
     SLOTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    SUB: tl.constexpr = 16,
 ):
-    """One [BLOCK_M, TILE_N] tile a program; with REUSE, BLOCK_M is the reuse block: the tile's dense
-    columns of the block are listed and left out of TwELL (SUB rows at a time)."""
+    """One [BLOCK_M, TILE_N] tile a program; with REUSE_ROWS, the columns its reuse block lists as dense
+    (flag_ptr: one byte per (block, neuron), twell.kernels.reuse.dense_columns) are left out of TwELL."""
     pid_m = tl.program_id(0)
     tile = tl.program_id(1)
-    if REUSE:
-        # the block's column counts SUB rows at a time (a whole 64-128-row tile spills), then the same
-        # rows packed without the dense columns (the tile read again, from L1 / L2)
-        active = tl.zeros([TILE_N], dtype=tl.int32)
-        for r0 in range(0, BLOCK_M, SUB):
-            offs_m = pid_m * BLOCK_M + r0 + tl.arange(0, SUB)
-            acc = _load_tile(h_ptr, offs_m, tile, M, N, stride_hm, stride_hn, TILE_N)
-            active += _kept_columns(acc, offs_m, tile, M, N, threshold, pos_ptr, n_hot, TILE_N, HAS_HOT)
-        dense = _reuse_columns(
-            active, tile, pid_m, N, n_tiles, reuse_min, per_tile, union_ptr, len_ptr, flag_ptr, pairs_ptr, TILE_N
-        )
-        for r0 in range(0, BLOCK_M, SUB):
-            offs_m = pid_m * BLOCK_M + r0 + tl.arange(0, SUB)
-            acc = _load_tile(h_ptr, offs_m, tile, M, N, stride_hm, stride_hn, TILE_N)
-            acc = tl.where(dense[None, :], float("-inf"), acc)  # never kept, NaN included
-            _pack_tile(
-                acc, offs_m, tile, M, N, threshold, words_ptr, cnt_ptr, pos_ptr, hot_ptr, n_hot, n_tiles,
-                h_ptr.dtype.element_ty, TILE_N, SLOTS, SQUARE, 1, HAS_HOT,
-            )  # fmt: skip
-    else:
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        acc = _load_tile(h_ptr, offs_m, tile, M, N, stride_hm, stride_hn, TILE_N)
-        _pack_tile(
-            acc, offs_m, tile, M, N, threshold, words_ptr, cnt_ptr, pos_ptr, hot_ptr, n_hot, n_tiles,
-            h_ptr.dtype.element_ty, TILE_N, SLOTS, SQUARE, 1, HAS_HOT,
-        )  # fmt: skip
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    acc = _load_tile(h_ptr, offs_m, tile, M, N, stride_hm, stride_hn, TILE_N)
+    if REUSE_ROWS > 0:  # BLOCK_M divides REUSE_ROWS (_prune_pack): the program's rows share a block
+        cols = tile * TILE_N + tl.arange(0, TILE_N)
+        block = (pid_m * BLOCK_M // REUSE_ROWS).to(tl.int64)
+        dense = tl.load(flag_ptr + block * N + cols, mask=cols < N, other=0)
+        acc = tl.where(dense[None, :] != 0, float("-inf"), acc)  # never kept, NaN included
+    _pack_tile(
+        acc, offs_m, tile, M, N, threshold, words_ptr, cnt_ptr, pos_ptr, hot_ptr, n_hot, n_tiles,
+        h_ptr.dtype.element_ty, TILE_N, SLOTS, SQUARE, 1, HAS_HOT,
+    )  # fmt: skip
 
 
 # the launchers' configs, chosen once per key by the autotuners
@@ -502,7 +457,8 @@ def pack_dense(
     hot: (hot_pos, hot_values), module docstring. config: one row of PACK_CONFIGS instead of autotuning
     (tests, benchmarks). reuse: (rows, reuse_min, per_tile): per block of `rows` consecutive rows, the
     columns kept in at least reuse_min of its rows (at most per_tile a tile, first by column) are left
-    out of TwELL and listed in a third return value, a twell.kernels.reuse.ReuseBlocks."""
+    out of TwELL and listed in a third return value, a twell.kernels.reuse.ReuseBlocks (its dense_columns
+    runs first: the pack itself only reads the block's flags)."""
     if not isinstance(h, torch.Tensor) or h.dim() != 2:
         raise ValueError(f"pack_dense expects h [M, N], got {list(h.shape) if isinstance(h, torch.Tensor) else h}")
     check_input("h", h)
@@ -520,25 +476,25 @@ def launch_pack_dense(h, threshold, tile_n, slots, square=False, hot=None, confi
     words, counts = _alloc(m, n, tile_n, slots, h.dtype, h.device)
     n_tiles = counts.shape[1]
     bucket = m_bucket(m)
-    blocks = ReuseBlocks.empty(m, n, tile_n, reuse, h.device) if reuse is not None else None
-    record = (blocks.union, blocks.lengths, blocks.flags, blocks.pairs) if blocks is not None else (counts,) * 4
     pos, hot_buf, n_hot = _hot_args(hot, counts)
+    blocks = None
+    if reuse is not None:
+        blocks = dense_columns(h, threshold, tile_n, reuse, hot[0] if hot is not None else None, n_hot)
+    rows = blocks.rows if blocks is not None else 0
     args = (
-        h, words, counts, pos, hot_buf, *record, n_hot, m, n, bucket, n_tiles, threshold_in(threshold, h.dtype),
-        blocks.reuse_min if blocks is not None else 0, blocks.per_tile if blocks is not None else 0, h.stride(0),
-        h.stride(1),
+        h, words, counts, pos, hot_buf, blocks.flags if blocks is not None else counts, n_hot, m, n, bucket, n_tiles,
+        threshold_in(threshold, h.dtype), h.stride(0), h.stride(1),
     )  # fmt: skip
-    flags = {"HAS_HOT": hot is not None, "REUSE": blocks is not None, "SQUARE": square}
-    flags.update(TILE_N=tile_n, SLOTS=slots)
+    flags = {"HAS_HOT": hot is not None, "REUSE_ROWS": rows, "SQUARE": square, "TILE_N": tile_n, "SLOTS": slots}
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]), n_tiles)
 
-    if blocks is not None:  # one program per (reuse block, tile); no autotuning: the row block is the reuse block
-        config = (blocks.rows, 4, 1)
     if config is None:
-        _pack_dense_launch((bucket, n, tile_n, slots, h.dtype, hot is None), grid, *args, **flags)
+        _pack_dense_launch((bucket, n, tile_n, slots, h.dtype, hot is None, rows), grid, *args, **flags)
     else:
         block_m, warps, stages = config
+        if rows % block_m:
+            raise ValueError(f"pack config BLOCK_M must divide the reuse rows {rows}, got {block_m}")
         _pack_dense_kernel.fn[grid](*args, **flags, BLOCK_M=block_m, num_warps=warps, num_stages=stages)
     return (words, counts) if blocks is None else (words, counts, blocks)

@@ -2,22 +2,26 @@
 
 The sparse up+down stage fetches two weight rows (W_u[n], W_d^T[n]) for every active (token, neuron)
 pair. Tokens near each other share neurons, so per block of ROWS consecutive tokens, the neurons
-active in at least reuse_min of its rows (the pack pass counts them: twell.kernels.gate.pack_dense's
-`reuse`) are left out of TwELL and computed here over just those neurons, their rows loaded once for
-the block:
-A block's union is its tiles' lists in tile order (at most per_tile neurons a tile, so no pass
-compacts them across tiles: each program maps its union positions to (tile, place) by a prefix sum of
-the block's per-tile lengths, as the up+down kernel maps a row's entries).
-- _reuse_hidden_kernel, one program per (block, HIDDEN_CHUNK of its union): g = x_block W_g[U]^T (+ bias,
-  rounded to x's dtype as the dense gate is), u = x_block W_u[U]^T likewise, h = act(g) * u (drelu:
-  relu(u)), or act(g) (squared) without up; h rounded to x's dtype into a [M, capacity] buffer;
-- _reuse_down_kernel, one program per (block, BLOCK_K columns of y): y_block += h_block W_d^T[U],
-  over the union CHUNK at a time, in fp32, then rounded: no atomics, the same bits every run.
-The gate is recomputed (one more weight row per dense neuron and block) rather than handed over by the
-packer: a hand-over is a scatter over every tile (v15b in benchmarks/NOTES.md: ~0.4-0.6 ms at 131072
-tokens) into a buffer the size of the gate. Semantics are the dense route's (twell.kernels.dense): act
-keeps g where not (g <= threshold), NaN included.
-Blocks with an empty union launch programs that return at once; y rows past M are never stored.
+active in at least reuse_min of its rows are left out of TwELL and computed here over just those
+neurons, their rows loaded once for the block. Three steps, each deterministic (no atomics, no host
+reads: graph-capturable):
+- dense_columns (before the pack pass, twell.kernels.gate.pack_dense's `reuse`): _dense_columns_kernel,
+  one light program per (block, TwELL tile), reads the block's rows of the dense gate output h once and
+  counts each column's kept entries (hot neurons never), lists the tile's columns kept in >= reuse_min
+  rows (the first per_tile by column), sets their flag bytes (the pack pass and the overflow recompute
+  leave flagged neurons out) and counts their entries; _compact_union_kernel, one program per block,
+  concatenates the tiles' lists (a prefix sum of the block's per-tile lengths) into the block's union,
+  so the products read neuron ids by position;
+- dense_hidden (while the gate output lives): _reuse_hidden_kernel, one program per (block, CHUNK of
+  its union): g is the gate output itself, gathered at the union's columns (the value the pack saw: no
+  recomputed gate, one weight row fewer per neuron), u = x_block W_u[U]^T by tl.dot over K (+ bias,
+  rounded to x's dtype as the dense up is), h = act(g) * u (drelu: relu(u)), or act(g) (squared)
+  without up; h in x's dtype into [M, capacity];
+- dense_down_ (after the sparse stage): _reuse_down_kernel, one program per (block, BLOCK_K columns of
+  y): y_block += h_block W_d^T[U], y loaded first into the fp32 accumulator, over the union CHUNK at a
+  time, then rounded (two roundings of y, as the hot neurons' addmm).
+Semantics are the dense route's (twell.kernels.dense): act keeps g where not (g <= threshold), NaN
+included. Blocks with an empty union launch programs that return at once; rows past M are never stored.
 """
 
 from __future__ import annotations
@@ -29,25 +33,63 @@ import triton
 import triton.language as tl
 
 from twell.kernels import policy
-from twell.kernels.common import check_bias, check_input, check_threshold, dot_precision, threshold_in, tl_dtype
+from twell.kernels.common import (
+    autotune_configs,
+    check_bias,
+    check_input,
+    check_operand,
+    check_threshold,
+    dot_precision,
+    interpreting,
+    m_bucket,
+    threshold_in,
+    tl_dtype,
+)
 
-HIDDEN_CHUNK = 64  # union neurons a hidden program computes: each re-reads the block's x rows (L2)
-CHUNK = 32  # union neurons a step of the down products (their K dimension)
-BLOCK_K = 64  # K step of the hidden products
-DOWN_BLOCK_K = 128  # columns of y a down program owns
+# (CHUNK, BLOCK_K, num_warps, num_stages), autotuned per (token bucket, K, block rows); not yet measured
+# on the GPU. v1's single config (64, 64, 8 warps, 3 stages: its K loop pipelined, cp.async in ptxas's
+# sm_90 build) ran 1.36 ms at 131072 tokens, topics 64/3, against ~1.0 for its bytes: CHUNK 128 halves
+# the x re-reads (one per chunk), fewer K steps per stage trade registers for latency cover.
+HIDDEN_CONFIGS = [
+    (64, 64, 8, 3),
+    (128, 64, 8, 3),
+    (128, 32, 8, 4),
+    (64, 128, 8, 3),
+    (64, 64, 4, 4),
+]
+# v1 (32, 128, 8 warps, 3 stages, a prefix-sum search per step) ran 2.29 ms against ~0.5 for its bytes:
+# short programs (10 steps at a 309-neuron union) that paid their latency chains in full. The union is
+# now compact (one load per step), y is read before the loop, and larger steps / column blocks cut the
+# programs and h's re-reads (one per column block).
+DOWN_CONFIGS = [
+    (32, 128, 4, 3),
+    (64, 128, 8, 3),
+    (64, 256, 8, 3),
+    (128, 128, 8, 3),
+    (64, 128, 4, 4),
+    (32, 256, 8, 4),
+]
+# fp32 accumulator elements a thread may hold (ptxas sm_90, bf16, biases): hidden [ROWS, CHUNK] 64 spilled
+# (128 rows, CHUNK 128, 8 warps: 255 registers + 8 bytes of stack), down [ROWS, BLOCK_K] 128 spilled
+HIDDEN_ACC_PER_THREAD = 32
+DOWN_ACC_PER_THREAD = 64
+MAX_BLOCKS = 65535  # row blocks of one call: the kernels' second grid dimension (CUDA's limit)
+COUNT_ROWS = 4096  # elements of a counting step: [COUNT_ROWS // TILE_N, TILE_N] (32 rows at tile 128)
 
 
 @dataclass
 class ReuseBlocks:
-    """What the pack pass records per block of `rows` consecutive rows and TwELL tile (twell.kernels.gate.
-    pack_dense): union int32 [blocks, tiles, per_tile] (the tile's dense neurons of the block, ascending;
-    entries past its length unspecified), lengths int32 [blocks, tiles], flags uint8 [blocks, N] (1:
-    dense in that block), pairs int32 [blocks, tiles] (the kept entries the dense neurons cover: the
-    layer's density probe counts them)."""
+    """dense_columns' record per block of `rows` consecutive rows: tile_union int32 [blocks, tiles,
+    per_tile] and tile_lengths int32 [blocks, tiles] (each tile's dense neurons of the block, ascending;
+    entries past a length unspecified); union int32 [blocks, capacity] and lengths int32 [blocks] (the
+    tiles' lists one after another); flags uint8 [blocks, N] (1: dense in that block); pairs int32
+    [blocks, tiles] (the kept entries the dense neurons cover: the layer's density probe counts them)."""
 
     rows: int
     reuse_min: int
     per_tile: int
+    tile_union: torch.Tensor
+    tile_lengths: torch.Tensor
     union: torch.Tensor
     lengths: torch.Tensor
     flags: torch.Tensor
@@ -56,11 +98,11 @@ class ReuseBlocks:
     @property
     def capacity(self) -> int:
         """Union positions of a block: the columns of its hidden buffer."""
-        return self.union.shape[1] * self.per_tile
+        return self.tile_union.shape[1] * self.per_tile
 
     @staticmethod
     def empty(m: int, n: int, tile_n: int, reuse, device) -> ReuseBlocks:
-        """Buffers for pack_dense's reuse=(rows, reuse_min, per_tile), checked."""
+        """Buffers for reuse=(rows, reuse_min, per_tile), checked."""
         if not isinstance(reuse, tuple) or len(reuse) != 3:
             raise ValueError(f"reuse must be a (rows, reuse_min, per_tile) tuple, got {reuse!r}")
         rows, reuse_min, per_tile = reuse
@@ -70,12 +112,16 @@ class ReuseBlocks:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"reuse {name} must be an int >= 1, got {value!r}")
         blocks, tiles = triton.cdiv(m, rows), triton.cdiv(n, tile_n)
+        if blocks > MAX_BLOCKS:
+            raise ValueError(f"reuse takes at most {MAX_BLOCKS} blocks of {rows} rows, got M={m} ({blocks} blocks)")
         return ReuseBlocks(
             rows,
             reuse_min,
             per_tile,
             torch.empty(blocks, tiles, per_tile, dtype=torch.int32, device=device),
             torch.empty(blocks, tiles, dtype=torch.int32, device=device),
+            torch.empty(blocks, tiles * per_tile, dtype=torch.int32, device=device),
+            torch.empty(blocks, dtype=torch.int32, device=device),
             torch.empty(blocks, n, dtype=torch.uint8, device=device),
             torch.empty(blocks, tiles, dtype=torch.int32, device=device),
         )
@@ -87,100 +133,184 @@ def per_tile(tile_n: int) -> int:
 
 
 @triton.jit
-def _union_neurons(union_ptr, lens, incl, block, offs_j, j_ok, n_tiles, per_tile, TILES_PAD: tl.constexpr):
-    """Neuron ids (int64) of the block's union positions offs_j: position j lies in the first tile whose
-    inclusive length exceeds j."""
-    offs_t = tl.arange(0, TILES_PAD)
-    tile = tl.sum((incl[None, :] <= offs_j[:, None]).to(tl.int32), axis=1)
-    start = tl.sum(tl.where(offs_t[None, :] == tile[:, None], (incl - lens)[None, :], 0), axis=1)
-    at = (block.to(tl.int64) * n_tiles + tile) * per_tile + offs_j - start
-    return tl.load(union_ptr + at, mask=j_ok, other=0).to(tl.int64)
+def _dense_columns_kernel(
+    h_ptr, pos_ptr, tile_union_ptr, tile_len_ptr, flag_ptr, pairs_ptr, M, N, n_tiles, n_hot, threshold, reuse_min,
+    per_tile, stride_hm, stride_hn, HAS_HOT: tl.constexpr, ROWS: tl.constexpr, TILE_N: tl.constexpr,
+    SUB: tl.constexpr,
+):  # fmt: skip
+    """One (tile, block): its columns' kept counts over the block's rows (SUB rows a step, unrolled so
+    the loads are in flight together), the dense ones listed, flagged and their entries counted. Tiles
+    vary fastest: programs running together read neighbouring segments of the same rows."""
+    tile = tl.program_id(0)
+    block = tl.program_id(1)
+    cols = tile * TILE_N + tl.arange(0, TILE_N)
+    col_ok = cols < N
+    active = tl.zeros([TILE_N], dtype=tl.int32)
+    for r0 in tl.static_range(0, ROWS, SUB):
+        offs_m = block.to(tl.int64) * ROWS + r0 + tl.arange(0, SUB)
+        ok = (offs_m < M)[:, None] & col_ok[None, :]
+        ptrs = h_ptr + offs_m[:, None] * stride_hm + cols[None, :] * stride_hn
+        acc = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+        keep = ((acc > threshold) | (acc != acc)) & ok  # not (acc <= t): NaN kept, as by the pack
+        active += tl.sum(keep.to(tl.int32), axis=0)
+    if HAS_HOT:  # as the pack: a position past n_hot is a packed neuron
+        pos = tl.load(pos_ptr + cols, mask=col_ok, other=-1)
+        active = tl.where((pos >= 0) & (pos < n_hot), 0, active)
+    wanted = active >= reuse_min
+    place = tl.cumsum(wanted.to(tl.int32), axis=0) - 1
+    dense = wanted & (place < per_tile)
+    at = block.to(tl.int64) * n_tiles + tile
+    tl.store(tile_union_ptr + at * per_tile + place, cols, mask=dense)
+    tl.store(tile_len_ptr + at, tl.sum(dense.to(tl.int32), axis=0))
+    tl.store(pairs_ptr + at, tl.sum(tl.where(dense, active, 0), axis=0))
+    tl.store(flag_ptr + block.to(tl.int64) * N + cols, dense.to(flag_ptr.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
-def _block_lengths(len_ptr, block, n_tiles, TILES_PAD: tl.constexpr):
-    """The block's per-tile union lengths [TILES_PAD], their inclusive prefix sum and their total."""
+def _compact_union_kernel(
+    tile_union_ptr, tile_len_ptr, union_ptr, len_ptr, n_tiles, per_tile, capacity, TILES_PAD: tl.constexpr,
+    PER_TILE_PAD: tl.constexpr,
+):  # fmt: skip
+    """One block: its tiles' lists, one after another, into its union; their total into lengths."""
+    block = tl.program_id(0).to(tl.int64)
     offs_t = tl.arange(0, TILES_PAD)
-    lens = tl.load(len_ptr + block.to(tl.int64) * n_tiles + offs_t, mask=offs_t < n_tiles, other=0)
-    incl = tl.cumsum(lens, axis=0)
-    return lens, incl, tl.sum(lens, axis=0)
+    offs_s = tl.arange(0, PER_TILE_PAD)
+    lens = tl.load(tile_len_ptr + block * n_tiles + offs_t, mask=offs_t < n_tiles, other=0)
+    start = tl.cumsum(lens, axis=0) - lens
+    ok = offs_s[None, :] < lens[:, None]
+    src = tl.load(tile_union_ptr + (block * n_tiles + offs_t)[:, None] * per_tile + offs_s[None, :], mask=ok)
+    tl.store(union_ptr + block * capacity + start[:, None] + offs_s[None, :], src, mask=ok)
+    tl.store(len_ptr + block, tl.sum(lens, axis=0))
 
 
+def _fitting(configs, rows: int, width: str, per_thread: int):
+    """The configs whose accumulator [rows, width] holds at most per_thread elements a thread (the
+    interpreter keeps its one config)."""
+    if interpreting():
+        return configs
+    return [c for c in configs if rows * c.kwargs[width] <= per_thread * 32 * c.num_warps]
+
+
+def _prune_hidden(configs, named_args, **kwargs):
+    return _fitting(configs, kwargs["ROWS"], "CHUNK", HIDDEN_ACC_PER_THREAD)
+
+
+def _prune_down(configs, named_args, **kwargs):
+    return _fitting(configs, kwargs["ROWS"], "BLOCK_K", DOWN_ACC_PER_THREAD)
+
+
+@triton.autotune(
+    configs=autotune_configs(HIDDEN_CONFIGS, lambda c, bk, w, s: {"CHUNK": c, "BLOCK_K": bk}),
+    key=["M_BUCKET", "K", "ROWS", "HAS_UP"],
+    cache_results=True,
+    prune_configs_by={"early_config_prune": _prune_hidden},
+)
 @triton.jit
 def _reuse_hidden_kernel(
-    x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, union_ptr, len_ptr, h_ptr, M, K, n_tiles, per_tile, capacity, threshold,
-    stride_xm, stride_xk, stride_gn, stride_gk, stride_un, stride_uk, TILES_PAD: tl.constexpr,
-    HAS_UP: tl.constexpr, HAS_GATE_BIAS: tl.constexpr, HAS_UP_BIAS: tl.constexpr, DRELU: tl.constexpr,
-    SQUARE: tl.constexpr, DOT_PRECISION: tl.constexpr, VALUE: tl.constexpr, ROWS: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, pre_ptr, wu_ptr, bu_ptr, union_ptr, len_ptr, h_ptr, M, K, M_BUCKET, capacity, threshold, stride_xm,
+    stride_xk, stride_pm, stride_pn, stride_un, stride_uk, HAS_UP: tl.constexpr, HAS_UP_BIAS: tl.constexpr,
+    DRELU: tl.constexpr, SQUARE: tl.constexpr, DOT_PRECISION: tl.constexpr, VALUE: tl.constexpr,
+    ROWS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """h[block rows, union chunk] of one (row block, CHUNK of its union) (module docstring)."""
-    block = tl.program_id(0)
-    offs_j = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
-    lens, incl, n_dense = _block_lengths(len_ptr, block, n_tiles, TILES_PAD)
-    if tl.program_id(1) * CHUNK >= n_dense:
+    """h[block rows, union chunk] of one (CHUNK of its union, row block) (module docstring). Chunks vary
+    fastest: a block's programs run together and share its x rows in L2."""
+    block = tl.program_id(1)
+    n_dense = tl.load(len_ptr + block)
+    if tl.program_id(0) * CHUNK >= n_dense:
         return
+    offs_j = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     j_ok = offs_j < n_dense
-    neuron = _union_neurons(union_ptr, lens, incl, block, offs_j, j_ok, n_tiles, per_tile, TILES_PAD)
+    neuron = tl.load(union_ptr + block.to(tl.int64) * capacity + offs_j, mask=j_ok, other=0).to(tl.int64)
     offs_m = block.to(tl.int64) * ROWS + tl.arange(0, ROWS)
     m_ok = offs_m < M
-    offs_k = tl.arange(0, BLOCK_K)
-    g = tl.zeros([ROWS, CHUNK], dtype=tl.float32)
-    u = tl.zeros([ROWS, CHUNK], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + offs_k
-        k_ok = k < K
-        xa = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk, m_ok[:, None] & k_ok[None, :], 0.0)
-        w_ok = j_ok[:, None] & k_ok[None, :]
-        wg = tl.load(wg_ptr + neuron[:, None] * stride_gn + k[None, :] * stride_gk, w_ok, 0.0)
-        g = tl.dot(xa, tl.trans(wg), g, input_precision=DOT_PRECISION)
-        if HAS_UP:
-            wu = tl.load(wu_ptr + neuron[:, None] * stride_un + k[None, :] * stride_uk, w_ok, 0.0)
+    if HAS_UP:
+        offs_k = tl.arange(0, BLOCK_K)
+        u = tl.zeros([ROWS, CHUNK], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + offs_k
+            k_ok = k < K
+            xa = tl.load(
+                x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk, m_ok[:, None] & k_ok[None, :], 0.0
+            )
+            wu = tl.load(
+                wu_ptr + neuron[:, None] * stride_un + k[None, :] * stride_uk, j_ok[:, None] & k_ok[None, :], 0.0
+            )
             u = tl.dot(xa, tl.trans(wu), u, input_precision=DOT_PRECISION)
-    if HAS_GATE_BIAS:
-        g += tl.load(bg_ptr + neuron, mask=j_ok, other=0.0).to(tl.float32)[None, :]
-    g = g.to(VALUE).to(tl.float32)  # the dense gate's rounding
+    ok = m_ok[:, None] & j_ok[None, :]
+    g = tl.load(pre_ptr + offs_m[:, None] * stride_pm + neuron[None, :] * stride_pn, mask=ok, other=0.0)
+    g = g.to(tl.float32)
     h = tl.where(g <= threshold, 0.0, g)  # not (g <= t): NaN kept, as by relu
     if HAS_UP:
         if HAS_UP_BIAS:
             u += tl.load(bu_ptr + neuron, mask=j_ok, other=0.0).to(tl.float32)[None, :]
-        u = u.to(VALUE).to(tl.float32)
+        u = u.to(VALUE).to(tl.float32)  # the dense up's rounding
         if DRELU:
             u = tl.where(u <= 0.0, 0.0, u)
         h = h * u
     elif SQUARE:
         h = h * h
-    tl.store(h_ptr + offs_m[:, None] * capacity + offs_j[None, :], h.to(VALUE), mask=m_ok[:, None] & j_ok[None, :])
+    tl.store(h_ptr + offs_m[:, None] * capacity + offs_j[None, :], h.to(VALUE), mask=ok)
 
 
+@triton.autotune(
+    configs=autotune_configs(DOWN_CONFIGS, lambda c, bk, w, s: {"CHUNK": c, "BLOCK_K": bk}),
+    key=["M_BUCKET", "K", "ROWS"],
+    cache_results=True,
+    restore_value=["y_ptr"],  # in place: each config tried starts from the same y
+    prune_configs_by={"early_config_prune": _prune_down},
+)
 @triton.jit
 def _reuse_down_kernel(
-    h_ptr, wd_ptr, union_ptr, len_ptr, y_ptr, M, K, n_tiles, per_tile, capacity, stride_dn, stride_dk, stride_ym,
-    stride_yk, TILES_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    h_ptr, wd_ptr, union_ptr, len_ptr, y_ptr, M, K, M_BUCKET, capacity, stride_dn, stride_dk, stride_ym, stride_yk,
+    DOT_PRECISION: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """y[block rows, BLOCK_K columns] += h_block W_d^T[union] (module docstring)."""
-    block = tl.program_id(0)
-    lens, incl, n_dense = _block_lengths(len_ptr, block, n_tiles, TILES_PAD)
+    """y[block rows, BLOCK_K columns] += h_block W_d^T[union] of one (column block, row block) (module
+    docstring). Column blocks vary fastest: a block's programs run together and share its h in L2."""
+    block = tl.program_id(1)
+    n_dense = tl.load(len_ptr + block)
     if n_dense == 0:
         return
     offs_m = block.to(tl.int64) * ROWS + tl.arange(0, ROWS)
     m_ok = offs_m < M
-    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = offs_k < K
-    acc = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
+    ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_k[None, :] * stride_yk
+    ok = m_ok[:, None] & k_ok[None, :]
+    acc = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)  # issued before the loop: its latency hidden
+    union = union_ptr + block.to(tl.int64) * capacity
     for j0 in range(0, n_dense, CHUNK):
         offs_j = j0 + tl.arange(0, CHUNK)
         j_ok = offs_j < n_dense
-        neuron = _union_neurons(union_ptr, lens, incl, block, offs_j, j_ok, n_tiles, per_tile, TILES_PAD)
+        neuron = tl.load(union + offs_j, mask=j_ok, other=0).to(tl.int64)
         h = tl.load(h_ptr + offs_m[:, None] * capacity + offs_j[None, :], m_ok[:, None] & j_ok[None, :], 0.0)
-        w_ok = j_ok[:, None] & k_ok[None, :]
-        wd = tl.load(wd_ptr + neuron[:, None] * stride_dn + offs_k[None, :] * stride_dk, w_ok, 0.0)
+        wd = tl.load(
+            wd_ptr + neuron[:, None] * stride_dn + offs_k[None, :] * stride_dk, j_ok[:, None] & k_ok[None, :], 0.0
+        )
         acc = tl.dot(h, wd, acc, input_precision=DOT_PRECISION)
-    ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_k[None, :] * stride_yk
-    ok = m_ok[:, None] & k_ok[None, :]
-    y = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32) + acc
-    tl.store(ptrs, y.to(y_ptr.dtype.element_ty), mask=ok)
+    tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def dense_columns(h: torch.Tensor, threshold: float, tile_n: int, reuse, hot_pos=None, n_hot: int = 0) -> ReuseBlocks:
+    """The blocks' dense neurons of a dense gate output h [M, N] (module docstring), for reuse =
+    (rows, reuse_min, per_tile); hot_pos int32 [N] (-1 or >= n_hot: not hot): hot neurons never count.
+    Called by pack_dense (its arguments checked there), which then leaves the flagged columns out."""
+    m, n = h.shape
+    blocks = ReuseBlocks.empty(m, n, tile_n, reuse, h.device)
+    n_blocks, n_tiles = blocks.tile_lengths.shape
+    if m == 0:
+        return blocks
+    _dense_columns_kernel[(n_tiles, n_blocks)](
+        h, hot_pos if hot_pos is not None else blocks.tile_lengths, blocks.tile_union, blocks.tile_lengths,
+        blocks.flags, blocks.pairs, m, n, n_tiles, n_hot, threshold_in(threshold, h.dtype), blocks.reuse_min,
+        blocks.per_tile, h.stride(0), h.stride(1), HAS_HOT=hot_pos is not None, ROWS=blocks.rows, TILE_N=tile_n,
+        SUB=min(blocks.rows, max(COUNT_ROWS // tile_n, 1)), num_warps=4,
+    )  # fmt: skip
+    _compact_union_kernel[(n_blocks,)](
+        blocks.tile_union, blocks.tile_lengths, blocks.union, blocks.lengths, n_tiles, blocks.per_tile,
+        blocks.capacity, TILES_PAD=max(triton.next_power_of_2(n_tiles), 2),
+        PER_TILE_PAD=max(triton.next_power_of_2(blocks.per_tile), 2), num_warps=4,
+    )  # fmt: skip
+    return blocks
 
 
 def hidden_buffer(m: int, blocks: ReuseBlocks, dtype, device) -> torch.Tensor:
@@ -188,91 +318,85 @@ def hidden_buffer(m: int, blocks: ReuseBlocks, dtype, device) -> torch.Tensor:
     return torch.empty(m, blocks.capacity, dtype=dtype, device=device)
 
 
-def reuse_products_(
-    y: torch.Tensor,
+def _check_blocks(blocks, m: int, n: int) -> None:
+    n_blocks = triton.cdiv(m, blocks.rows)
+    if not isinstance(blocks, ReuseBlocks) or blocks.flags.shape != (n_blocks, n) or blocks.union.shape[0] != n_blocks:
+        got = (
+            f"{list(blocks.union.shape)} and {list(blocks.flags.shape)}" if isinstance(blocks, ReuseBlocks) else blocks
+        )
+        raise ValueError(f"blocks for M={m}, N={n} need union [{n_blocks}, C] and flags [{n_blocks}, {n}], got {got}")
+
+
+def dense_hidden(
     x: torch.Tensor,
+    pre: torch.Tensor,
     blocks: ReuseBlocks,
-    gate_weight: torch.Tensor,
-    gate_bias: torch.Tensor | None,
     up_weight: torch.Tensor | None,
     up_bias: torch.Tensor | None,
-    down_weight_t: torch.Tensor,
     *,
     threshold: float,
     drelu: bool = False,
     square: bool = False,
     hidden: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """In place on y [M, K]: y += the blocks' dense neurons' share of the FFN, h W_d^T[union] per block.
-    x [M, K]; gate_weight / up_weight (None: non-gated, h = act(g), squared with `square`) /
-    down_weight_t: [N, K]; hidden: the [M, capacity] buffer (hidden_buffer; tests pass a poisoned one).
-    Returns y."""
+    """The blocks' dense neurons' hidden activations [M, capacity] (column j: the block's union entry j;
+    the others unwritten). x [M, K]; pre [M, N]: the gate output the blocks were listed from (bias
+    added, x's dtype); up_weight [N, K] (None: non-gated, h = act(pre), squared with `square`) and its
+    bias; hidden: the buffer to fill (hidden_buffer; tests pass a poisoned one). Returns it."""
     check_input("x", x)
     check_threshold(threshold)
     m, k = x.shape
-    if not isinstance(gate_weight, torch.Tensor) or gate_weight.dim() != 2:
-        raise ValueError(f"gate_weight must be a 2-dim tensor [N, {k}], got {type(gate_weight).__name__}")
-    n = gate_weight.shape[0]
-    for name, t in (("gate_weight", gate_weight), ("up_weight", up_weight), ("down_weight_t", down_weight_t)):
-        if t is not None and (
-            not isinstance(t, torch.Tensor) or tuple(t.shape) != (n, k) or t.dtype != x.dtype or t.device != x.device
-        ):
-            got = f"{list(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name} must be [N, {k}] {x.dtype} on {x.device}, got {got}")
-    for name, b in (("gate_bias", gate_bias), ("up_bias", up_bias)):
-        check_bias(name, b, n, x)
-    if up_bias is not None and up_weight is None:
-        raise ValueError("up_bias needs up_weight (a plain FFN has its bias as gate_bias)")
-    if not isinstance(y, torch.Tensor) or y.shape != x.shape or y.dtype != x.dtype or y.device != x.device:
-        got = f"{list(y.shape)} {y.dtype}" if isinstance(y, torch.Tensor) else type(y).__name__
-        raise ValueError(f"y must be {list(x.shape)} {x.dtype} on {x.device}, got {got}")
-    n_blocks = triton.cdiv(m, blocks.rows)
-    if blocks.flags.shape != (n_blocks, n) or blocks.union.shape[0] != n_blocks:
+    if not isinstance(pre, torch.Tensor) or pre.dim() != 2 or pre.shape[0] != m:
         raise ValueError(
-            f"blocks of {blocks.rows} rows for M={m}, N={n} need union [{n_blocks}, T, S] and flags "
-            f"[{n_blocks}, {n}], got {list(blocks.union.shape)} and {list(blocks.flags.shape)}"
+            f"pre must be a [{m}, N] tensor, got {list(pre.shape) if isinstance(pre, torch.Tensor) else pre}"
         )
+    n = pre.shape[1]
+    check_operand("pre", pre, (m, n), x)
+    if up_weight is not None:
+        check_operand("up_weight", up_weight, (n, k), x)
+    if up_bias is not None and up_weight is None:
+        raise ValueError("up_bias needs up_weight (a plain FFN's bias is in pre)")
+    check_bias("up_bias", up_bias, n, x)
+    _check_blocks(blocks, m, n)
     if hidden is None:
         hidden = hidden_buffer(m, blocks, x.dtype, x.device)
     elif hidden.shape != (m, blocks.capacity) or hidden.dtype != x.dtype or not hidden.is_contiguous():
         raise ValueError(f"hidden must be a contiguous [{m}, {blocks.capacity}] {x.dtype}, got {list(hidden.shape)}")
     if m == 0:
-        return y
-    _hidden(x, blocks, gate_weight, gate_bias, up_weight, up_bias, hidden, threshold, drelu, square)
-    return _down_(y, blocks, hidden, down_weight_t)
-
-
-def _layout(blocks) -> tuple[int, int, int]:
-    """(tiles, per_tile, capacity) kernel arguments."""
-    return blocks.union.shape[1], blocks.per_tile, blocks.capacity
-
-
-def _tiles_pad(blocks) -> int:
-    return max(triton.next_power_of_2(blocks.union.shape[1]), 2)
-
-
-def _hidden(x, blocks, gate_weight, gate_bias, up_weight, up_bias, hidden, threshold, drelu, square) -> None:
-    """Phase 1 of reuse_products_ (its arguments checked there): the blocks' dense h into `hidden`."""
-    m, k = x.shape
+        return hidden
     up = (up_weight, up_bias if up_bias is not None else x) if up_weight is not None else (x, x)
     up_strides = up_weight.stride() if up_weight is not None else (0, 0)
-    _reuse_hidden_kernel[(triton.cdiv(m, blocks.rows), triton.cdiv(blocks.capacity, HIDDEN_CHUNK))](
-        x, gate_weight, gate_bias if gate_bias is not None else x, *up, blocks.union, blocks.lengths, hidden, m, k,
-        *_layout(blocks), threshold_in(threshold, x.dtype), x.stride(0), x.stride(1), gate_weight.stride(0),
-        gate_weight.stride(1), *up_strides, TILES_PAD=_tiles_pad(blocks), HAS_UP=up_weight is not None,
-        HAS_GATE_BIAS=gate_bias is not None, HAS_UP_BIAS=up_bias is not None, DRELU=drelu, SQUARE=square,
-        DOT_PRECISION=dot_precision(x.dtype), VALUE=tl_dtype(x.dtype), ROWS=blocks.rows, CHUNK=HIDDEN_CHUNK,
-        BLOCK_K=BLOCK_K, num_warps=4 if blocks.rows <= 32 else 8, num_stages=3,
+    n_blocks = blocks.lengths.shape[0]
+    _reuse_hidden_kernel[lambda meta: (triton.cdiv(blocks.capacity, meta["CHUNK"]), n_blocks)](
+        x, pre, *up, blocks.union, blocks.lengths, hidden, m, k, m_bucket(m), blocks.capacity,
+        threshold_in(threshold, x.dtype), x.stride(0), x.stride(1), pre.stride(0), pre.stride(1), *up_strides,
+        HAS_UP=up_weight is not None, HAS_UP_BIAS=up_bias is not None, DRELU=drelu, SQUARE=square,
+        DOT_PRECISION=dot_precision(x.dtype), VALUE=tl_dtype(x.dtype), ROWS=blocks.rows,
     )  # fmt: skip
+    return hidden
 
 
-def _down_(y, blocks, hidden, down_weight_t) -> torch.Tensor:
-    """Phase 2 of reuse_products_ (its arguments checked there): y += hidden W_d^T[union] per block."""
+def dense_down_(
+    y: torch.Tensor, blocks: ReuseBlocks, hidden: torch.Tensor, down_weight_t: torch.Tensor
+) -> torch.Tensor:
+    """In place on y [M, K]: y += hidden W_d^T[union] per block (hidden: dense_hidden's; down_weight_t
+    [N, K]). Returns y."""
+    check_input("y", y)
     m, k = y.shape
-    _reuse_down_kernel[(triton.cdiv(m, blocks.rows), triton.cdiv(k, DOWN_BLOCK_K))](
-        hidden, down_weight_t, blocks.union, blocks.lengths, y, m, k, *_layout(blocks), down_weight_t.stride(0),
-        down_weight_t.stride(1), y.stride(0), y.stride(1), TILES_PAD=_tiles_pad(blocks),
-        DOT_PRECISION=dot_precision(y.dtype), ROWS=blocks.rows, CHUNK=CHUNK, BLOCK_K=DOWN_BLOCK_K,
-        num_warps=8 if blocks.rows >= 64 else 4, num_stages=3,
+    if not isinstance(down_weight_t, torch.Tensor) or down_weight_t.dim() != 2:
+        raise ValueError(f"down_weight_t must be a 2-dim tensor [N, {k}], got {type(down_weight_t).__name__}")
+    n = down_weight_t.shape[0]
+    check_operand("down_weight_t", down_weight_t, (n, k), y)
+    _check_blocks(blocks, m, n)
+    check_operand("hidden", hidden, (m, blocks.capacity), y)
+    if not hidden.is_contiguous():
+        raise ValueError(f"hidden must be contiguous, got strides {hidden.stride()}")
+    if m == 0:
+        return y
+    n_blocks = blocks.lengths.shape[0]
+    _reuse_down_kernel[lambda meta: (triton.cdiv(k, meta["BLOCK_K"]), n_blocks)](
+        hidden, down_weight_t, blocks.union, blocks.lengths, y, m, k, m_bucket(m), blocks.capacity,
+        down_weight_t.stride(0), down_weight_t.stride(1), y.stride(0), y.stride(1),
+        DOT_PRECISION=dot_precision(y.dtype), ROWS=blocks.rows,
     )  # fmt: skip
     return y
