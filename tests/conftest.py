@@ -4,6 +4,9 @@ TRITON_INTERPRET must be set before triton is first imported, hence here and at 
 """
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,3 +34,20 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """‖out − ref‖ / ‖ref‖ in float64 (NaN anywhere gives NaN, which fails any tolerance)."""
     out, ref = out.double(), ref.double()
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def compile_for_hopper(script: str, tmp_path) -> None:
+    """Run `script` (it builds kernels for sm_90 with Triton's compiler and ptxas and checks their
+    resources) in a fresh interpreter-free process on this tree's twell, whatever PYTHONPATH says; skip
+    where Triton has no NVIDIA toolchain, and on a GPU (its tests build the kernels for real, and older
+    Tritons differ in these APIs)."""
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump").exists():
+        pytest.skip("this Triton build has no NVIDIA toolchain")
+    if HAS_CUDA:
+        pytest.skip("a GPU compiles the kernels in the tests below")
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": root}
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]

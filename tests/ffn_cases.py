@@ -80,3 +80,27 @@ def decode_args(case, gated: bool) -> tuple:
     gate_w, gate_b = ("gate_weight", "gate_bias") if gated else ("up_weight", "up_bias")
     up = (case["up_weight"], case["up_bias"]) if gated else (None, None)
     return (case["x"], case[gate_w], case[gate_b], *up, case["down_weight"].t(), case["down_bias"], 0.0)
+
+
+class GatedMLP(torch.nn.Module):
+    """A Llama-style ReLU-gated FFN (gate with a bias, up and down without) for module-level tests."""
+
+    def __init__(self, k, n):
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(k, n)
+        self.up_proj = torch.nn.Linear(k, n, bias=False)
+        self.down_proj = torch.nn.Linear(n, k, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(torch.relu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GatedBlock(torch.nn.Module):
+    """GatedMLP as the `mlp` of a block, where twell.sparsify looks for FFNs."""
+
+    def __init__(self, k, n):
+        super().__init__()
+        self.mlp = GatedMLP(k, n)
+
+    def forward(self, x):
+        return self.mlp(x)

@@ -1,16 +1,10 @@
 """Sparse training path (twell::ffn_train and its backward) against float64 dense autograd of
 twell.kernels.reference (CPU: Triton's interpreter, fp32/fp16; GPU: bf16 at a real shape too)."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
-import triton
-from conftest import DEVICE, rel_err
+from conftest import DEVICE, compile_for_hopper, rel_err
 from ffn_cases import gated_ref, make_ffn, plain_ref
 from torch.utils.checkpoint import checkpoint
 
@@ -451,15 +445,7 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path):
     """Triton's compiler and ptxas build every training kernel for sm_90 (no GPU needed), at the
     widest rows they take (K = policy.MAX_K = 8192; the dense-backup launch at 4096), with no register
     spills."""
-    if not (Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump").exists():
-        pytest.skip("this Triton build has no NVIDIA toolchain")
-    if torch.cuda.is_available():  # the GPU tests build them for real (and older Tritons differ in these APIs)
-        pytest.skip("a GPU compiles the kernels in the tests below")
-    root = str(Path(__file__).resolve().parents[1])  # this tree's twell, whatever PYTHONPATH says from tmp_path
-    path = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": path}
-    done = subprocess.run([sys.executable, "-c", SM90_COMPILE], env=env, cwd=tmp_path, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
+    compile_for_hopper(SM90_COMPILE, tmp_path)
 
 
 # ----------------------------------------------------------------------------------------------------

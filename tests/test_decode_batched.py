@@ -2,15 +2,10 @@
 references, its routing by LayerConfig.batched_max_m, and calibration's setting of it."""
 
 import copy
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-import triton
-from conftest import DEVICE, HAS_CUDA, rel_err
+from conftest import DEVICE, HAS_CUDA, compile_for_hopper, rel_err
 from ffn_cases import TOL, decode_args, gated_ref, make_ffn, plain_ref
 
 import twell
@@ -324,16 +319,7 @@ assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
 def test_batched_kernels_compile_for_hopper_without_spills(tmp_path):
     """Triton's compiler and ptxas build both batched designs' kernels for sm_90 (no GPU needed) at every
     token bucket's config: no register spills, and their loops pipelined (asynchronous copies)."""
-    if not (Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump").exists():
-        pytest.skip("this Triton build has no NVIDIA toolchain")
-    if torch.cuda.is_available():  # the GPU tests build them for real (and older Tritons differ in these APIs)
-        pytest.skip("a GPU compiles the kernels in the tests below")
-    root = str(Path(__file__).resolve().parent.parent)  # this tree's twell, whatever PYTHONPATH says
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": root}
-    done = subprocess.run(
-        [sys.executable, "-c", BATCHED_SM90_COMPILE], env=env, cwd=tmp_path, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    compile_for_hopper(BATCHED_SM90_COMPILE, tmp_path)
 
 
 @pytest.mark.gpu

@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 from conftest import rel_err
+from ffn_cases import GatedBlock
 
 import twell
 from twell.kernels import dispatch
@@ -81,7 +82,7 @@ def test_sparsified_llama_generates_the_same_tokens(monkeypatch, cache):
 def test_sparsified_forward_copies_no_weight(tokens):
     """The rewritten module's forward allocates nothing weight-sized (no per-call re-layout of W_down)."""
     k, n = 1024, 4096
-    block = _Block(k, n).to("cuda", torch.bfloat16).eval()
+    block = GatedBlock(k, n).to("cuda", torch.bfloat16).eval()
     twell.sparsify(block)
     assert twell.report(block).summary()["rewritten"] == 1
     x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
@@ -105,7 +106,7 @@ def test_sparse_paths_capture_in_cuda_graphs_and_compile_whole(monkeypatch, toke
     monkeypatch.setattr(dispatch, "decode_ffn", lambda *a, **k: calls.append("decode") or decode(*a, **k))
     monkeypatch.setattr(dispatch, "launch_up_down", lambda *a, **k: calls.append("prefill") or updown(*a, **k))
     torch.manual_seed(0)
-    block = _Block(256, 1024).to("cuda", torch.bfloat16).eval()
+    block = GatedBlock(256, 1024).to("cuda", torch.bfloat16).eval()
     torch.nn.init.constant_(block.mlp.gate_proj.bias, -0.05)
     twell.sparsify(block, layer_config={"decode_max_m": 8, "prefill_min_m": 257})
     x = torch.randn(tokens, 256, device="cuda", dtype=torch.bfloat16)
@@ -120,23 +121,3 @@ def test_sparse_paths_capture_in_cuda_graphs_and_compile_whole(monkeypatch, toke
     assert set(calls) == {"decode" if tokens == 1 else "prefill"}
     assert torch.equal(captured, eager)
     assert rel_err(compiled, eager) <= 1e-2
-
-
-class _MLP(torch.nn.Module):
-    def __init__(self, k, n):
-        super().__init__()
-        self.gate_proj = torch.nn.Linear(k, n)
-        self.up_proj = torch.nn.Linear(k, n, bias=False)
-        self.down_proj = torch.nn.Linear(n, k, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(torch.relu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class _Block(torch.nn.Module):
-    def __init__(self, k, n):
-        super().__init__()
-        self.mlp = _MLP(k, n)
-
-    def forward(self, x):
-        return self.mlp(x)

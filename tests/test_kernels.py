@@ -1,15 +1,11 @@
 """Triton kernels against float64 references (CPU: Triton's interpreter, fp32/fp16; GPU: bf16 too)."""
 
 import gc
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import triton
-from conftest import DEVICE, HAS_CUDA, rel_err
+from conftest import DEVICE, HAS_CUDA, compile_for_hopper, rel_err
 from ffn_cases import TOL, decode_args, gated_ref, make_ffn, plain_ref
 
 import twell
@@ -151,7 +147,6 @@ def test_gate_configs_that_overflow_shared_memory_are_pruned(monkeypatch):
     """Configs past the shared-memory limit never launch: the operand stages plus the epilogue's fp32
     slice of the accumulator (fp32 operands, and bf16 at tile 256 with 64-wide K steps, raised
     OutOfResources on the H200)."""
-    import triton
 
     monkeypatch.setattr(gate, "interpreting", lambda: False)
     configs = [
@@ -561,14 +556,7 @@ def test_decode_kernels_compile_for_hopper_without_spills(tmp_path):
     """Triton's compiler and ptxas build the decode kernels for sm_90 (no GPU needed) with the
     launcher's configs, at one token (K = 2048 by block rows, 4096 by the list), 16 and 64 tokens,
     with no register spills (a spill would cost the GPU what the interpreter cannot show)."""
-    if not (Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump").exists():
-        pytest.skip("this Triton build has no NVIDIA toolchain")
-    if torch.cuda.is_available():  # the GPU tests build them for real (and older Tritons differ in these APIs)
-        pytest.skip("a GPU compiles the kernels in the tests below")
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
-    command = [sys.executable, "-c", DECODE_SM90_COMPILE]
-    done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
+    compile_for_hopper(DECODE_SM90_COMPILE, tmp_path)
 
 
 @pytest.mark.gpu

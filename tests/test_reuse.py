@@ -2,16 +2,10 @@
 listed neurons out, dense_hidden, dense_down_; the overflow recompute's flags) against float64 references
 (CPU: Triton's interpreter, fp32/fp16; GPU: bf16 too; sm_90 builds: no spills, pipelined loops)."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-import triton
-from conftest import DEVICE, HAS_CUDA, rel_err
-from ffn_cases import TOL, gated_ref, make_ffn, plain_ref
+from conftest import DEVICE, HAS_CUDA, compile_for_hopper, rel_err
+from ffn_cases import TOL, GatedBlock, gated_ref, make_ffn, plain_ref
 
 import twell
 from twell.kernels import dispatch, gate, policy, reuse
@@ -365,26 +359,6 @@ def test_reuse_on_the_gpu_in_bf16(rows):
     assert rel_err(y, gated_ref(case)) <= 1e-2
 
 
-class _MLP(torch.nn.Module):
-    def __init__(self, k, n):
-        super().__init__()
-        self.gate_proj = torch.nn.Linear(k, n)
-        self.up_proj = torch.nn.Linear(k, n, bias=False)
-        self.down_proj = torch.nn.Linear(n, k, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(torch.relu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class _Block(torch.nn.Module):
-    def __init__(self, k, n):
-        super().__init__()
-        self.mlp = _MLP(k, n)
-
-    def forward(self, x):
-        return self.mlp(x)
-
-
 @pytest.mark.gpu
 def test_reuse_captures_in_cuda_graphs_and_compiles_whole(monkeypatch):
     """No host synchronisation on the reuse path: a CUDA-graph capture replays to the eager result, and
@@ -393,7 +367,7 @@ def test_reuse_captures_in_cuda_graphs_and_compiles_whole(monkeypatch):
     products = reuse.dense_down_
     monkeypatch.setattr(reuse, "dense_down_", lambda *a: seen.append(1) or products(*a))
     torch.manual_seed(0)
-    block = _Block(256, 1024).to("cuda", torch.bfloat16).eval()
+    block = GatedBlock(256, 1024).to("cuda", torch.bfloat16).eval()
     torch.nn.init.constant_(block.mlp.gate_proj.bias, -0.05)
     twell.sparsify(block, layer_config={"decode_max_m": 8, "prefill_min_m": 257, "reuse_rows": 64, "reuse_min": 2})
     x = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16)
@@ -466,13 +440,4 @@ def test_reuse_kernels_compile_for_hopper_without_spills(tmp_path):
     """Triton's compiler and ptxas build the reuse kernels for sm_90 (no GPU needed) at 16, 64 and 128
     rows with every config their autotuners keep (the down kernel's pruning drops the ones that
     spilled): no register spills, the products' loops pipelined (asynchronous copies)."""
-    if not (Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump").exists():
-        pytest.skip("this Triton build has no NVIDIA toolchain")
-    if torch.cuda.is_available():  # the GPU tests build them for real (and older Tritons differ in these APIs)
-        pytest.skip("a GPU compiles the kernels in the tests below")
-    root = str(Path(__file__).resolve().parent.parent)  # this tree's twell, whatever PYTHONPATH says
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": root}
-    done = subprocess.run(
-        [sys.executable, "-c", REUSE_SM90_COMPILE], env=env, cwd=tmp_path, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    compile_for_hopper(REUSE_SM90_COMPILE, tmp_path)
