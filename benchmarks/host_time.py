@@ -223,6 +223,7 @@ def main():
     parser.add_argument("--pattern", default="uniform")
     parser.add_argument("--cpu", action="store_true", help="the dispatcher's Python-side cost on meta tensors")
     parser.add_argument("--hot", default="0,32", help="--cpu: hot neurons of the layer (of N=256)")
+    parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     k, n = map(int, args.shape.split("x"))
     result = {**environment(), "calls": CALLS, "cpu": args.cpu, "points": []}
@@ -235,7 +236,7 @@ def main():
         result["points"].append(row)
         print({key: v for key, v in row.items() if key not in ("profile", "aten_ops_probe")})
         print(row["profile"])
-    path = result_path("benchmarks/results", "host_time-cpu" if args.cpu else "host_time")
+    path = result_path(args.out, "host_time-cpu" if args.cpu else "host_time")
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")
 
