@@ -82,7 +82,7 @@ def test_a_token_bucket_tunes_once(monkeypatch):
     for m in (70, 100, 70, 200, 129):
         h = torch.randn(m, 96, device=DEVICE)
         words, counts = gate.launch_pack_dense(h, 0.5, 32, 8)
-        config = launch.configs[(triton.next_power_of_2(m), 96, 32, 8, torch.float32, True, 0)]  # no reuse rows
+        config = launch.configs[(triton.next_power_of_2(m), 96, 32, 8, torch.float32, True, 0, False)]  # no reuse, scan
         assert launch.best_config is config
         row = (config.kwargs["BLOCK_M"], config.num_warps, config.num_stages)
         by_hand = gate.pack_dense(h, 0.5, 32, 8, config=row)
@@ -92,7 +92,7 @@ def test_a_token_bucket_tunes_once(monkeypatch):
 
 
 def test_the_fused_gate_keeps_its_config_per_key(monkeypatch):
-    """A kept config with a pre-hook (the fused gate's descriptor block shapes) runs it on every launch."""
+    """A kept config of the fused gate launches as that config launched by hand."""
     launch = common.TunedLaunch(gate._gate_twell_kernel)
     monkeypatch.setattr(gate, "_gate_twell_launch", launch)
     case = make_ffn(50, 32, 96, [0.1], torch.float16, DEVICE, seed=2, biases=True)  # fp32 fits no config on a GPU
@@ -103,7 +103,7 @@ def test_the_fused_gate_keeps_its_config_per_key(monkeypatch):
     again = gate.launch_gate_twell(x, w, b, 0.0, 32, 8)
     (config,) = launch.configs.values()
     kw = config.kwargs
-    row = (kw["BLOCK_M"], kw["BLOCK_K"], config.num_warps, config.num_stages, kw["SPLIT"])
+    row = (kw["BLOCK_M"], kw["BLOCK_K"], config.num_warps, config.num_stages)
     by_hand = gate.gate_twell(x, w, b, 0.0, 32, 8, config=row)
     for words, counts in (first, again):
         assert torch.equal(counts, by_hand[1]) and torch.equal(_counted(words, counts), _counted(*by_hand))

@@ -5,7 +5,9 @@ in fp32, adds the bias, and packs each row's kept entries (not <= threshold) to 
 tile's SLOTS slots with a row-wise prefix sum, one word a slot (twell.kernels.words: value and column
 in the tile); the true count goes to counts[m, tile]. Slots past the count are left unwritten (the
 consumers mask by count). The dense gate never reaches global memory. A count above SLOTS marks the
-row as an overflow row (the launchers never drop it: see twell.kernels.dispatch).
+row as an overflow row (the launchers never drop it: see twell.kernels.dispatch). The pack pass
+(pack_dense, for a cuBLAS gate) packs the same layout by the same prefix sum, or with by_bits by keep
+masks and per-row rounds (_pack_tile_bits: ~5 instructions a value on sm_90 against ~35).
 
 hot (both launchers): (hot_pos, hot_values) for a caller that computes some neurons by dense products
 (twell.kernels.dispatch's hot neurons). hot_pos: int32 [N], neuron n's column in
@@ -17,10 +19,12 @@ neuron a packed one, never a store outside hot_values.
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from twell.format import word_dtype
 from twell.kernels.common import (
@@ -47,86 +51,119 @@ SMEM_LIMIT = 227 * 1024  # H100 / H200 per-block shared memory
 
 
 @triton.jit
-def _pack_slice(
-    acc,
-    offs_m,
-    tile,
-    col0,
-    before,
-    M,
-    N,
-    threshold,
-    words_ptr,
-    n_tiles,
-    VALUE: tl.constexpr,
-    TILE_N: tl.constexpr,
-    SLOTS: tl.constexpr,
-    SQUARE: tl.constexpr,
-    WIDTH: tl.constexpr,
-):
-    """Pack columns [col0, col0 + WIDTH) of one TwELL tile (rows offs_m, fp32 values `acc`, stored as
-    VALUE) behind the `before` entries each row already holds in this tile; returns the rows' counts
-    including this slice. Row bases in int64: 32-bit addressing measured slower (5.23 against 4.97 ms
-    at M=131072, K=2048, N=5632, ../shared/probes/pack_epilogue_probe.json)."""
-    offs_c = col0 + tl.arange(0, WIDTH)
-    in_bounds = (offs_m < M)[:, None] & ((tile * TILE_N + offs_c) < N)[None, :]
-    keep = ((acc > threshold) | (acc != acc)) & in_bounds  # not (acc <= t): NaN is kept, as by relu
+def _pack_rows(keep, value, offs_m, M, tile, words_ptr, cnt_ptr, n_tiles, TILE_N: tl.constexpr, SLOTS: tl.constexpr):
+    """Pack the kept entries of one [BLOCK_M, TILE_N] tile of values (the dtype they are stored in) to
+    the front of their rows' slots by a row-wise prefix sum, and store the rows' true counts. Row bases
+    in int64: 32-bit addressing measured slower (5.23 against 4.97 ms at M=131072, K=2048, N=5632,
+    ../shared/probes/pack_epilogue_probe.json)."""
     keep_i = keep.to(tl.int32)
     # a product with a triangular matrix on the tensor cores instead of the prefix sum measured 2.6x
     # slower in the pack pass and 15% in the fused gate (gpu_check-prefill-20261201-205835.json)
-    pos = before[:, None] + tl.cumsum(keep_i, axis=1) - 1
-    if SQUARE:
-        acc = acc * acc
-    slot_ptr = ((offs_m.to(tl.int64) * n_tiles + tile) * SLOTS)[:, None] + pos
-    word = encode(acc.to(VALUE), tl.broadcast_to(offs_c[None, :], acc.shape))
-    tl.store(words_ptr + slot_ptr, word, mask=keep & (pos < SLOTS))
-    return before + tl.sum(keep_i, axis=1)
+    pos = tl.cumsum(keep_i, axis=1) - 1
+    rows = offs_m.to(tl.int64)
+    row_ok = offs_m < M
+    slot = ((rows * n_tiles + tile) * SLOTS)[:, None] + pos
+    columns = tl.broadcast_to(tl.arange(0, TILE_N)[None, :], value.shape)
+    tl.store(words_ptr + slot, encode(value, columns), mask=keep & (pos < SLOTS) & row_ok[:, None])
+    tl.store(cnt_ptr + rows * n_tiles + tile, tl.sum(keep_i, axis=1), mask=row_ok)
 
 
 @triton.jit
-def _pack_tile(
-    acc, offs_m, tile, M, N, threshold, words_ptr, cnt_ptr, pos_ptr, hot_ptr, n_hot, n_tiles,
-    VALUE: tl.constexpr, TILE_N: tl.constexpr, SLOTS: tl.constexpr, SQUARE: tl.constexpr, SPLIT: tl.constexpr,
-    HAS_HOT: tl.constexpr,
-):  # fmt: skip
-    """Pack one [BLOCK_M, TILE_N] fp32 tile into TwELL slots and store its rows' counts, in SPLIT column
-    slices (1 or 2: fewer live registers next to a GEMM accumulator); with HAS_HOT, the hot neurons'
-    columns go to hot_ptr [M, n_hot] instead. Gathering each slot by a row reduction instead was 2.5x
-    slower on the H200 (benchmarks/NOTES.md)."""
+def _squared(value, SQUARE: tl.constexpr):
+    """value², computed in fp32 and stored in value's dtype (relu², non-gated FFNs), or value."""
+    if SQUARE:
+        v = value.to(tl.float32)
+        value = (v * v).to(value.dtype)
+    return value
+
+
+@triton.jit
+def _hand_over(value, rows, row_ok, cols, N, pos_ptr, hot_ptr, n_hot, flag_ptr, block, HAS_HOT: tl.constexpr,
+               REUSE: tl.constexpr):  # fmt: skip
+    """value (fp32, any rank; rows, cols: int64 rows and global columns broadcasting to it) with the
+    columns it must not pack set to -inf: the hot neurons' (their values stored to hot_ptr [M, n_hot]
+    first) and, with REUSE, the columns reuse block `block` computes densely (flag_ptr, one byte per
+    (block, neuron): twell.kernels.reuse.dense_columns)."""
     if HAS_HOT:
-        cols = tile * TILE_N + tl.arange(0, TILE_N)
         pos = tl.load(pos_ptr + cols, mask=cols < N, other=-1)
-        hot = ((pos >= 0) & (pos < n_hot))[None, :]  # a position past hot_values is no store
-        hot_off = offs_m.to(tl.int64)[:, None] * n_hot + pos[None, :]
-        tl.store(hot_ptr + hot_off, acc.to(hot_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & hot)
-        acc = tl.where(hot, float("-inf"), acc)  # never kept, NaN included
-    cnt = tl.zeros([offs_m.shape[0]], dtype=tl.int32)
-    if SPLIT == 1:
-        cnt = _pack_slice(
-            acc, offs_m, tile, 0, cnt, M, N, threshold, words_ptr, n_tiles, VALUE, TILE_N, SLOTS, SQUARE, TILE_N
-        )
-    else:
-        left, right = tl.split(tl.permute(tl.reshape(acc, [acc.shape[0], 2, TILE_N // 2]), [0, 2, 1]))
-        cnt = _pack_slice(
-            left, offs_m, tile, 0, cnt, M, N, threshold, words_ptr, n_tiles, VALUE, TILE_N, SLOTS, SQUARE, TILE_N // 2
-        )
-        cnt = _pack_slice(
-            right, offs_m, tile, TILE_N // 2, cnt, M, N, threshold, words_ptr, n_tiles, VALUE, TILE_N, SLOTS, SQUARE,
-            TILE_N // 2,
-        )  # fmt: skip
-    tl.store(cnt_ptr + offs_m.to(tl.int64) * n_tiles + tile, cnt, mask=offs_m < M)
+        hot = (pos >= 0) & (pos < n_hot)  # a position past hot_values is no store
+        tl.store(hot_ptr + rows * n_hot + pos, value.to(hot_ptr.dtype.element_ty), mask=row_ok & hot)
+        value = tl.where(hot, float("-inf"), value)  # never kept, NaN included
+    if REUSE:
+        dense = tl.load(flag_ptr + block * N + cols, mask=cols < N, other=0)
+        value = tl.where(dense != 0, float("-inf"), value)
+    return value
 
 
-# (BLOCK_M, BLOCK_K, num_warps, num_stages, SPLIT); BLOCK_N is the TwELL tile width: one GEMM tile packs
-# exactly one TwELL tile. Measured on the H200 at M=131072, K=2048, N=5632, tile 128
-# (gpu_check-prefill-20261201-204221.json; cuBLAS alone 4.35, + the pack pass 5.47): SPLIT 2 6.03 ms,
-# SPLIT 1 9.45 (ptxas, sm_90: 184 against 768 bytes of spills a thread), 3 stages 6.60, BLOCK_K 32 with
-# 8 stages 8.27; at K=4096, N=14336, M=65536 SPLIT 2 13.8 against cuBLAS's 11.3. The probe's kernel ran
-# 4.97 with no bias, a constant threshold and NaN dropped: those features cost the registers
-# (benchmarks/gate_epilogue.py, gate_epilogue-20261201-205328.json).
+@triton.jit
+def _popcount(bits):
+    """Set bits of each int32 (the SWAR sum, which LLVM turns into one POPC instruction)."""
+    x = bits.to(tl.uint32, bitcast=True)
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    return ((x * 0x01010101) >> 24).to(tl.int32)
+
+
+@triton.jit
+def _pack_tile_bits(
+    h_ptr, offs_m, tile, M, N, stride_hm, stride_hn, threshold, words_ptr, cnt_ptr, pos_ptr, hot_ptr, flag_ptr,
+    n_hot, block, n_tiles,
+    HAS_HOT: tl.constexpr, REUSE: tl.constexpr, SQUARE: tl.constexpr, TILE_N: tl.constexpr, SLOTS: tl.constexpr,
+):  # fmt: skip
+    """The pack of one [BLOCK_M, TILE_N] tile of h by keep masks, 32 columns (one word of bits) at a
+    time: each row's kept columns of the chunk as the bits of one int32 (a sum of shifted keeps: no
+    prefix sum), then one round a slot for all rows at once, as many as the chunk's fullest row needs
+    (and the slots left allow): each row's lowest set bit (its column), that value read back from h (a
+    line the chunk's load just cached) and one word stored. The work a value is a compare and a
+    shifted add; the rounds' work is per row."""
+    BITS: tl.constexpr = 32 if TILE_N > 32 else TILE_N
+    VEC: tl.constexpr = 128 // h_ptr.dtype.element_ty.primitive_bitwidth  # values in 16 bytes
+    # a chunk as [BITS // VEC, BLOCK_M, VEC]: rows across the threads, each thread holding its row's
+    # chunk (the default [BLOCK_M, BITS] spreads a row over BITS // VEC threads, whose rows the rounds
+    # then repeat on each of them and convert through shared memory every round)
+    bit = tl.arange(0, BITS // VEC)[:, None, None] * VEC + tl.arange(0, VEC)[None, None, :]
+    rows = offs_m.to(tl.int64)
+    row_ok = offs_m < M
+    row_base = h_ptr + rows * stride_hm + (tile * TILE_N) * stride_hn
+    slot_base = words_ptr + (rows * n_tiles + tile) * SLOTS
+    # the threshold is rounded to h's dtype (threshold_in): comparing in that dtype is exact, and a bf16
+    # or fp16 compare takes two values an instruction where fp32 needs each unpacked first
+    limit = tl.cast(threshold, h_ptr.dtype.element_ty)
+    before = tl.zeros([offs_m.shape[0]], dtype=tl.int32)
+    for chunk in tl.static_range(0, TILE_N, BITS):
+        cols = tile * TILE_N + chunk + bit
+        ptrs = row_base[None, :, None] + (chunk + bit) * stride_hn
+        h = tl.load(ptrs, mask=row_ok[None, :, None] & (cols < N), other=float("-inf"))
+        if HAS_HOT or REUSE:
+            h = _hand_over(
+                h.to(tl.float32), rows[None, :, None], row_ok[None, :, None], cols, N, pos_ptr, hot_ptr, n_hot,
+                flag_ptr, block, HAS_HOT, REUSE,
+            ).to(h_ptr.dtype.element_ty)  # fmt: skip
+        keep = ~(h <= limit)  # NaN is kept, as by relu; -inf (past M or N, handed over) never
+        bits = tl.sum(tl.sum(tl.where(keep, 1 << bit, 0), axis=2), axis=0)  # distinct bits: the sum is their or
+        count = _popcount(bits)
+        for r in range(tl.max(tl.minimum(count, SLOTS - before), axis=0)):
+            low = bits & -bits
+            # the lowest bit's index from its float's exponent (bit 31 converts to -2^31: exponent 31 too)
+            column = chunk + ((low.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+            live = (bits != 0) & (before + r < SLOTS)
+            value = _squared(tl.load(row_base + column * stride_hn, mask=live), SQUARE)
+            tl.store(slot_base + before + r, encode(value, column), mask=live)
+            bits ^= low
+        before += count
+    tl.store(cnt_ptr + rows * n_tiles + tile, before, mask=row_ok)
+
+
+# (BLOCK_M, BLOCK_K, num_warps, num_stages); BLOCK_N is the TwELL tile width: one GEMM tile packs exactly
+# one TwELL tile. The probe's config (128 x 128 x 64, 4 stages, 8 warps: 4.97 ms at M=131072, K=2048,
+# N=5632 against cuBLAS's 4.22, ../shared/probes/pack_epilogue_probe.json) first; 3 stages measured 5.52
+# there. The kernel before this one (host descriptors, fp32 threshold copy, row and column masks, the
+# epilogue in two reshaped column halves) measured 6.03 at best (gpu_check-prefill-20261201-204221.json).
 GATE_CONFIGS = [
-    (128, 64, 8, 4, 2),
-    (128, 64, 8, 4, 1),
+    (128, 64, 8, 4),
+    (128, 64, 8, 3),
+    (128, 32, 8, 6),
 ]
 
 
@@ -151,12 +188,12 @@ def _gate_tile(
     return pid_m, tile, acc
 
 
-def _smem(block_m: int, block_k: int, stages: int, tile_n: int, element: int, split: int) -> int:
+def _smem(block_m: int, block_k: int, stages: int, tile_n: int, element: int) -> int:
     """Shared memory of a config: its pipelined operand tiles (fp32 operands need twice bf16's) and the
-    epilogue's fp32 slice of the accumulator (what the flattened loop's layout conversion holds:
-    ptxas's 196640 bytes at 128 x 128 x 64, 4 stages, SPLIT 1; 262176 at tile 256, SPLIT 2, which
-    raised OutOfResources on the H200: fuzz-20261201-214924.json)."""
-    return stages * (block_m + tile_n) * block_k * element + block_m * (tile_n // split) * 4
+    epilogue's fp32 accumulator tile (what the flattened loop's layout conversion holds: ptxas's 196640
+    bytes at 128 x 128 x 64, 4 stages; 262176 at tile 256 with two 128-column slices, which raised
+    OutOfResources on the H200: fuzz-20261201-214924.json)."""
+    return stages * (block_m + tile_n) * block_k * element + block_m * tile_n * 4
 
 
 def _prune(configs, named_args, **kwargs):
@@ -164,25 +201,18 @@ def _prune(configs, named_args, **kwargs):
     interpreter has no such limit)."""
     if interpreting():
         return configs
-    tile_n, element = kwargs["TILE_N"], named_args["x_desc"].base.element_size()
+    tile_n, element = kwargs["TILE_N"], named_args["x_ptr"].element_size()
     return [
         c
         for c in configs
-        if _smem(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_K"], c.num_stages, tile_n, element, c.kwargs["SPLIT"])
-        <= SMEM_LIMIT
+        if _smem(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_K"], c.num_stages, tile_n, element) <= SMEM_LIMIT
     ]
-
-
-def _set_blocks(nargs):
-    """Descriptor block shapes follow the config being run."""
-    nargs["x_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
-    nargs["w_desc"].block_shape = [nargs["TILE_N"], nargs["BLOCK_K"]]
 
 
 @triton.autotune(
     configs=[
-        triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "SPLIT": sp}, num_warps=w, num_stages=s, pre_hook=_set_blocks)
-        for bm, bk, w, s, sp in GATE_CONFIGS[: 1 if interpreting() else None]
+        triton.Config({"BLOCK_M": bm, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+        for bm, bk, w, s in GATE_CONFIGS[: 1 if interpreting() else None]
     ],
     key=["M_BUCKET", "N", "K", "TILE_N", "SLOTS"],
     cache_results=True,  # tuned configs persist on disk across processes
@@ -190,8 +220,8 @@ def _set_blocks(nargs):
 )
 @triton.jit
 def _gate_twell_kernel(
-    x_desc,
-    w_desc,
+    x_ptr,
+    w_ptr,
     b_ptr,
     words_ptr,
     cnt_ptr,
@@ -204,71 +234,96 @@ def _gate_twell_kernel(
     M_BUCKET,
     n_tiles,
     threshold,
+    stride_xm,
+    stride_wn,
     HAS_BIAS: tl.constexpr,
     HAS_HOT: tl.constexpr,
     SQUARE: tl.constexpr,
+    EVEN_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     VALUE: tl.constexpr,
     TILE_N: tl.constexpr,
     SLOTS: tl.constexpr,
+    PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr,
     GROUP_M: tl.constexpr = 8,
 ):
-    """Persistent gate GEMM (TMA loads of x and W_g tiles) whose epilogue packs each output tile. The
-    flattened loop lets the pipeliner issue the next tile's loads during this tile's epilogue (the
-    probe kernel of ../shared/probes/pack_epilogue_probe.py, flattened: 4.97 ms against cuBLAS's 4.22
-    for the gate alone at M=131072, K=2048, N=5632)."""
+    """Persistent gate GEMM whose epilogue packs each output tile (_pack_rows), built as the probe's
+    lean kernel (../shared/probes/pack_epilogue_probe.py): descriptors made on the device, the loop's
+    step a constexpr (PROGRAMS, the grid size), the loop flattened so the pipeliner issues the next
+    tile's loads during this tile's epilogue, the keep test on the value in the output dtype. What the
+    probe lacked, each as cheap as found: the bias (one add a value; loaded as -inf past N, which also
+    drops the columns past N that TMA fills with zeros), the run-time threshold (a scalar), NaN kept
+    (the unordered compare), rows past M (a row mask on the stores), EVEN_N (no column mask at all when
+    N is a multiple of TILE_N and there is no bias), SQUARE and HAS_HOT (compiled in only where used).
+    The keep test runs on the fp32 accumulator against gate_threshold's bound, before the rounding to
+    VALUE: ptxas (sm_90) spills 48 words in the loop that way, 245 comparing the rounded value with the
+    run-time threshold (the probe, with a constant 0, 90)."""
+    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
+    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1], block_shape=[TILE_N, BLOCK_K])
     grid_m = tl.cdiv(M, BLOCK_M)
     n_out = grid_m * n_tiles
     k_steps = tl.cdiv(K, BLOCK_K)
-    for out_tile in tl.range(tl.program_id(0), n_out, tl.num_programs(0), flatten=True):
+    for out_tile in tl.range(tl.program_id(0), n_out, PROGRAMS, flatten=True):
         pid_m, tile, acc = _gate_tile(
             x_desc, w_desc, out_tile, grid_m, n_tiles, k_steps, DOT_PRECISION, TILE_N, BLOCK_M, BLOCK_K, GROUP_M
         )
+        cols = tile * TILE_N + tl.arange(0, TILE_N)
         if HAS_BIAS:
-            cols = tile * TILE_N + tl.arange(0, TILE_N)
-            acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        # decide on the value the dense FFN sees: the gate rounded to the output dtype
-        acc = acc.to(VALUE).to(tl.float32)
+            acc += tl.load(b_ptr + cols, mask=cols < N, other=float("-inf")).to(tl.float32)[None, :]
+        elif not EVEN_N:
+            acc = tl.where((cols < N)[None, :], acc, float("-inf"))
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        _pack_tile(
-            acc, offs_m, tile, M, N, threshold, words_ptr, cnt_ptr, pos_ptr, hot_ptr, n_hot, n_tiles, VALUE, TILE_N,
-            SLOTS, SQUARE, SPLIT, HAS_HOT,
-        )  # fmt: skip
+        if HAS_HOT:
+            acc = _hand_over(
+                acc, offs_m.to(tl.int64)[:, None], (offs_m < M)[:, None], cols[None, :], N, pos_ptr, hot_ptr, n_hot,
+                hot_ptr, 0, True, False,
+            )  # fmt: skip
+        # the value the dense FFN sees is the gate rounded to VALUE; threshold is the fp32 bound that
+        # decides as that rounded value would (gate_threshold): the compare runs before the rounding
+        keep = ~(acc <= threshold)  # NaN is kept, as by relu
+        value = _squared(acc.to(VALUE), SQUARE)
+        _pack_rows(keep, value, offs_m, M, tile, words_ptr, cnt_ptr, n_tiles, TILE_N, SLOTS)
 
 
 PACK_CONFIGS = [
-    # (BLOCK_M, num_warps, num_stages). 1.12-1.27 ms at M=131072, N=5632 whatever the row block (16
-    # rows, 4 warps best; gpu_check-prefill-20261201-205835.json) against 0.35 for its bytes (the gate
-    # read once): bound by the prefix sum's shuffles, not by memory
+    # (BLOCK_M, num_warps, num_stages). The prefix-sum pack: 1.12-1.27 ms at M=131072, N=5632 whatever
+    # the row block (16 rows, 4 warps best; gpu_check-prefill-20261201-205835.json) against 0.35 for its
+    # bytes (the gate read once): bound by instructions (ptxas, sm_90: ~38 a value at 16 rows, a third
+    # of them the store's layout conversion), not by memory. Rows of 64 and 128 are for the pack by
+    # bits (BY_BITS), whose per-row rounds want many rows a program; _prune_pack keeps each
+    # formulation's rows.
     (16, 4, 1),
     (32, 4, 1),
     (4, 2, 1),
     (8, 4, 1),
     (16, 8, 1),
+    (64, 4, 1),
+    (128, 4, 1),
+    (128, 8, 1),
 ]
-
-
-@triton.jit
-def _load_tile(h_ptr, offs_m, tile, M, N, stride_hm, stride_hn, TILE_N: tl.constexpr):
-    offs_n = tile * TILE_N + tl.arange(0, TILE_N)
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_n[None, :] * stride_hn
-    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+BITS_MIN_ROWS = 16  # the pack by bits' smallest row block: its rounds' per-row work is spread over the threads
 
 
 def _prune_pack(configs, named_args, **kwargs):
     """With reuse, a program's rows lie in one reuse block: BLOCK_M must divide REUSE_ROWS (both powers
-    of two, so BLOCK_M <= REUSE_ROWS)."""
+    of two, so BLOCK_M <= REUSE_ROWS). The prefix-sum pack takes rows up to 32 (32 measured 2.3 ms
+    against 1.6 for 16: ffn-20261201-094521.json), the pack by bits from BITS_MIN_ROWS."""
     rows = kwargs["REUSE_ROWS"]
-    return [c for c in configs if rows == 0 or c.kwargs["BLOCK_M"] <= rows]
+    by_bits = kwargs["BY_BITS"]
+    kept = [
+        c
+        for c in configs
+        if (rows == 0 or c.kwargs["BLOCK_M"] <= rows)
+        and (c.kwargs["BLOCK_M"] >= BITS_MIN_ROWS if by_bits else c.kwargs["BLOCK_M"] <= 32)
+    ]
+    return kept
 
 
 @triton.autotune(
     configs=autotune_configs(PACK_CONFIGS, lambda bm, w, s: {"BLOCK_M": bm}),
-    key=["M_BUCKET", "N", "TILE_N", "SLOTS", "REUSE_ROWS"],
+    key=["M_BUCKET", "N", "TILE_N", "SLOTS", "REUSE_ROWS", "BY_BITS"],
     cache_results=True,
     prune_configs_by={"early_config_prune": _prune_pack},
 )
@@ -294,22 +349,35 @@ def _pack_dense_kernel(
     TILE_N: tl.constexpr,
     SLOTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    BY_BITS: tl.constexpr = False,
 ):
-    """One [BLOCK_M, TILE_N] tile a program; with REUSE_ROWS, the columns its reuse block lists as dense
-    (flag_ptr: one byte per (block, neuron), twell.kernels.reuse.dense_columns) are left out of TwELL."""
+    """One [BLOCK_M, TILE_N] tile a program, packed by a row-wise prefix sum (_pack_rows) or, with
+    BY_BITS, by keep masks and per-row rounds (_pack_tile_bits); with REUSE_ROWS, the columns its reuse
+    block lists as dense (flag_ptr: one byte per (block, neuron), twell.kernels.reuse.dense_columns)
+    are left out of TwELL."""
     pid_m = tl.program_id(0)
     tile = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    acc = _load_tile(h_ptr, offs_m, tile, M, N, stride_hm, stride_hn, TILE_N)
-    if REUSE_ROWS > 0:  # BLOCK_M divides REUSE_ROWS (_prune_pack): the program's rows share a block
+    # BLOCK_M divides REUSE_ROWS (_prune_pack): the program's rows share a block
+    block = (pid_m * BLOCK_M // REUSE_ROWS).to(tl.int64) if REUSE_ROWS > 0 else 0
+    if BY_BITS:
+        _pack_tile_bits(
+            h_ptr, offs_m, tile, M, N, stride_hm, stride_hn, threshold, words_ptr, cnt_ptr, pos_ptr, hot_ptr,
+            flag_ptr, n_hot, block, n_tiles, HAS_HOT, REUSE_ROWS > 0, SQUARE, TILE_N, SLOTS,
+        )  # fmt: skip
+    else:
         cols = tile * TILE_N + tl.arange(0, TILE_N)
-        block = (pid_m * BLOCK_M // REUSE_ROWS).to(tl.int64)
-        dense = tl.load(flag_ptr + block * N + cols, mask=cols < N, other=0)
-        acc = tl.where(dense[None, :] != 0, float("-inf"), acc)  # never kept, NaN included
-    _pack_tile(
-        acc, offs_m, tile, M, N, threshold, words_ptr, cnt_ptr, pos_ptr, hot_ptr, n_hot, n_tiles,
-        h_ptr.dtype.element_ty, TILE_N, SLOTS, SQUARE, 1, HAS_HOT,
-    )  # fmt: skip
+        rows = offs_m.to(tl.int64)[:, None]
+        row_ok = (offs_m < M)[:, None]
+        ptrs = h_ptr + rows * stride_hm + cols[None, :] * stride_hn
+        value = tl.load(ptrs, mask=row_ok & (cols < N)[None, :], other=float("-inf"))  # -inf: never kept
+        if HAS_HOT or REUSE_ROWS > 0:
+            value = _hand_over(
+                value.to(tl.float32), rows, row_ok, cols[None, :], N, pos_ptr, hot_ptr, n_hot, flag_ptr, block, HAS_HOT,
+                REUSE_ROWS > 0,
+            ).to(h_ptr.dtype.element_ty)  # fmt: skip
+        keep = ~(value <= tl.cast(threshold, h_ptr.dtype.element_ty))  # NaN is kept, as by relu
+        _pack_rows(keep, _squared(value, SQUARE), offs_m, M, tile, words_ptr, cnt_ptr, n_tiles, TILE_N, SLOTS)
 
 
 # the launchers' configs, chosen once per key by the autotuners
@@ -364,7 +432,7 @@ def fused_gate_supported(x: torch.Tensor, weight: torch.Tensor, tile_n: int) -> 
     if compute_capability(x.device)[0] < 9:
         return False
     element = x.element_size()
-    return any(_smem(bm, bk, s, tile_n, element, sp) <= SMEM_LIMIT for bm, bk, _, s, sp in GATE_CONFIGS)
+    return any(_smem(bm, bk, s, tile_n, element) <= SMEM_LIMIT for bm, bk, _, s in GATE_CONFIGS)
 
 
 def gate_twell(
@@ -375,7 +443,7 @@ def gate_twell(
     tile_n: int,
     slots: int,
     square: bool = False,
-    config: tuple[int, int, int, int, int] | None = None,
+    config: tuple[int, int, int, int] | None = None,
     hot: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """TwELL arrays (words, counts) of act_t(x @ weight^T + bias), x: [M, K], weight: [N, K] (layout:
@@ -403,6 +471,35 @@ def gate_twell(
     return launch_gate_twell(x, weight, bias, threshold, tile_n, slots, square, config, hot)
 
 
+@functools.lru_cache(maxsize=64)
+def gate_threshold(threshold: float, dtype: torch.dtype) -> float:
+    """The fp32 bound t with: an fp32 a rounded to `dtype` (to nearest, ties to even) is kept by the
+    layer's threshold exactly when a > t (NaN: not a <= t, kept). So the fused gate tests its
+    accumulator before rounding it, as the dense FFN tests the rounded gate. Cached: every launch asks."""
+    kept = threshold_in(threshold, dtype) + 0.0  # what torch compares a `dtype` tensor with; -0.0 is 0.0
+    if dtype == torch.float32:
+        return kept
+    # the midpoint between `kept` and the next `dtype` value up (the largest finite value's would be
+    # one ulp above it) is exact in fp32; it rounds to whichever of the two is even
+    ints = torch.int16  # bf16 and fp16 words
+    word = torch.tensor([kept], dtype=dtype).view(ints)
+    step = 1 if kept > 0 else -1
+    up = torch.ones_like(word) if kept == 0 else word + step
+    above = up.view(dtype).double().item()
+    if math.isinf(above):
+        above = 2 * kept - (word - step).view(dtype).double().item()
+    middle = torch.tensor([(kept + above) / 2], dtype=torch.float32)
+    if middle.to(dtype).double().item() > kept:  # the midpoint rounds up: keep from it on
+        middle = torch.nextafter(middle, torch.tensor([-math.inf]))
+    return middle.item()
+
+
+def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global memory for the TMA descriptors the fused gate makes on the device (Triton asks its
+    allocator at launch; torch's caching allocator serves it, inside CUDA-graph capture too)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
 def launch_gate_twell(x, weight, bias, threshold, tile_n, slots, square=False, config=None, hot=None):
     """gate_twell without its input checks, for callers that checked at the op boundary (the
     dispatcher). Autotuned once per (token bucket, shape, layout, dtype, hot or not), then launched
@@ -412,33 +509,34 @@ def launch_gate_twell(x, weight, bias, threshold, tile_n, slots, square=False, c
     words, counts = _alloc(m, n, tile_n, slots, x.dtype, x.device)
     n_tiles = counts.shape[1]
     programs = persistent_programs(x.device, 1)
-    # block shapes are set per config by _set_blocks
-    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [16, 16])
-    w_desc = TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [16, 16])
+    if x.is_cuda:  # device-made descriptors measured faster than host ones (gate_epilogue-20261201-205328.json)
+        triton.set_allocator(_descriptor_scratch)
 
     def grid(meta):
+        # the kernel steps by PROGRAMS: with fewer tiles than programs, each program takes one or none
         return (min(programs, triton.cdiv(m, meta["BLOCK_M"]) * n_tiles),)
 
     bucket = m_bucket(m)
     args = (
-        x_desc, w_desc, bias if bias is not None else x, words, counts, *_hot_args(hot, counts), m, n, k, bucket,
-        n_tiles, threshold_in(threshold, x.dtype),
+        x, weight, bias if bias is not None else x, words, counts, *_hot_args(hot, counts), m, n, k, bucket, n_tiles,
+        gate_threshold(threshold, x.dtype), x.stride(0), weight.stride(0),
     )  # fmt: skip
     flags = {
         "HAS_BIAS": bias is not None,
         "HAS_HOT": hot is not None,
         "SQUARE": square,
+        "EVEN_N": n % tile_n == 0,
         "DOT_PRECISION": dot_precision(x.dtype),
         "VALUE": tl_dtype(x.dtype),
         "TILE_N": tile_n,
         "SLOTS": slots,
+        "PROGRAMS": programs,
     }
     if config is None:
         _gate_twell_launch((bucket, n, k, tile_n, slots, x.dtype, hot is None), grid, *args, **flags)
         return words, counts
-    block_m, block_k, warps, stages, split = config
-    meta = {"BLOCK_M": block_m, "BLOCK_K": block_k, "SPLIT": split, "num_warps": warps, "num_stages": stages}
-    _set_blocks({"x_desc": x_desc, "w_desc": w_desc, "TILE_N": tile_n, **meta})
+    block_m, block_k, warps, stages = config
+    meta = {"BLOCK_M": block_m, "BLOCK_K": block_k, "num_warps": warps, "num_stages": stages}
     _gate_twell_kernel.fn[grid](*args, **flags, **meta)
     return words, counts
 
@@ -452,23 +550,25 @@ def pack_dense(
     hot: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: tuple[int, int, int] | None = None,
     reuse: tuple[int, int, int] | None = None,
+    by_bits: bool = False,
 ):
     """TwELL arrays (words, counts) of a dense pre-activation h [M, N]: the pack pass for a cuBLAS gate.
     hot: (hot_pos, hot_values), module docstring. config: one row of PACK_CONFIGS instead of autotuning
     (tests, benchmarks). reuse: (rows, reuse_min, per_tile): per block of `rows` consecutive rows, the
     columns kept in at least reuse_min of its rows (at most per_tile a tile, first by column) are left
     out of TwELL and listed in a third return value, a twell.kernels.reuse.ReuseBlocks (its dense_columns
-    runs first: the pack itself only reads the block's flags)."""
+    runs first: the pack itself only reads the block's flags). by_bits: the pack by keep masks and per-row
+    rounds (_pack_tile_bits) instead of the prefix sum, the same arrays."""
     if not isinstance(h, torch.Tensor) or h.dim() != 2:
         raise ValueError(f"pack_dense expects h [M, N], got {list(h.shape) if isinstance(h, torch.Tensor) else h}")
     check_input("h", h)
     check_threshold(threshold)
     check_hot(hot, h.shape[0], h.shape[1], h)
     check_tile(tile_n, slots)
-    return launch_pack_dense(h, threshold, tile_n, slots, square, hot, config, reuse)
+    return launch_pack_dense(h, threshold, tile_n, slots, square, hot, config, reuse, by_bits)
 
 
-def launch_pack_dense(h, threshold, tile_n, slots, square=False, hot=None, config=None, reuse=None):
+def launch_pack_dense(h, threshold, tile_n, slots, square=False, hot=None, config=None, reuse=None, by_bits=False):
     """pack_dense without its input checks, for callers that checked at the op boundary (the
     dispatcher). Autotuned once per (token bucket, N, layout, dtype, hot or not), then launched with
     that config (TunedLaunch)."""
@@ -485,13 +585,20 @@ def launch_pack_dense(h, threshold, tile_n, slots, square=False, hot=None, confi
         h, words, counts, pos, hot_buf, blocks.flags if blocks is not None else counts, n_hot, m, n, bucket, n_tiles,
         threshold_in(threshold, h.dtype), h.stride(0), h.stride(1),
     )  # fmt: skip
-    flags = {"HAS_HOT": hot is not None, "REUSE_ROWS": rows, "SQUARE": square, "TILE_N": tile_n, "SLOTS": slots}
+    flags = {
+        "HAS_HOT": hot is not None,
+        "REUSE_ROWS": rows,
+        "SQUARE": square,
+        "TILE_N": tile_n,
+        "SLOTS": slots,
+        "BY_BITS": by_bits,
+    }
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]), n_tiles)
 
     if config is None:
-        _pack_dense_launch((bucket, n, tile_n, slots, h.dtype, hot is None, rows), grid, *args, **flags)
+        _pack_dense_launch((bucket, n, tile_n, slots, h.dtype, hot is None, rows, by_bits), grid, *args, **flags)
     else:
         block_m, warps, stages = config
         if rows % block_m:
