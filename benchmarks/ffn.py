@@ -293,7 +293,9 @@ def bench_point(k, n, m, density, pattern, compiled, variants=()) -> dict:
         # path from 4096 tokens)
         if m >= 4096:
             for name, changes in variants:
-                with twell.configure(block, route="prefill", **changes):
+                changes = dict(changes)
+                kernels = kernel_switches(changes)  # the keys that are no LayerConfig field
+                with kernels, twell.configure(block, route="prefill", **changes):
                     dispatch.forget_layers()
                     row[f"prefill[{name}]_err"] = rel_err_sample(warm_call(block, x), x, block)
                     row[f"prefill[{name}]_neurons"] = hot_neurons()
@@ -308,6 +310,38 @@ def bench_point(k, n, m, density, pattern, compiled, variants=()) -> dict:
     return row
 
 
+# variant keys that switch a launcher's formulation on the prefill path rather than a LayerConfig
+# field (work not yet measured, off in the dispatcher): key -> (module, launcher name, its keyword)
+KERNEL_SWITCHES = {"pack_by_bits": (dispatch, "launch_pack_dense", "by_bits")}
+
+
+def kernel_switches(changes: dict) -> contextlib.ExitStack:
+    """Pops KERNEL_SWITCHES keys from a variant's changes; the returned context runs the dispatcher's
+    launcher with that keyword set while it is open."""
+    stack = contextlib.ExitStack()
+    for key, (module, name, keyword) in KERNEL_SWITCHES.items():
+        if key in changes:
+            launcher = getattr(module, name)
+            value = changes.pop(key)
+
+            def switched(*args, _launcher=launcher, _keyword=keyword, _value=value, **kwargs):
+                return _launcher(*args, **{**kwargs, _keyword: _value})
+
+            stack.enter_context(patched(module, name, switched))
+    return stack
+
+
+@contextlib.contextmanager
+def patched(module, name: str, value):
+    """module.name set to value inside the context (benchmark variants only)."""
+    old = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
+
+
 def prefill_stages(x, w, config) -> dict:
     """Stage breakdown of the prefill path (its kernels called directly, same inputs, at the layout of
     the layer's LayerConfig)."""
@@ -316,6 +350,7 @@ def prefill_stages(x, w, config) -> dict:
     row = {"cublas_gate_ms": do_bench(lambda: F.linear(x, wg, bg), return_mode="median")}
     pre = F.linear(x, wg, bg)
     row["pack_ms"] = do_bench(lambda: pack_dense(pre, 0.0, tile_n, slots), return_mode="median")
+    row["pack_bits_ms"] = do_bench(lambda: pack_dense(pre, 0.0, tile_n, slots, by_bits=True), return_mode="median")
     row["fused_gate_ms"] = do_bench(lambda: gate_twell(x, wg, bg, 0.0, tile_n, slots), return_mode="median")
     words, counts = gate_twell(x, wg, bg, 0.0, tile_n, slots)
     wd_t = w["down_weight"].t()
@@ -469,7 +504,8 @@ def main():
         "--variants",
         default="",
         help="LayerConfig changes to time the forced prefill at, ';' between variants, e.g. "
-        "'fused_gate=True;fused_gate=False,hot_rate=None'",
+        "'fused_gate=True;fused_gate=False,hot_rate=None'; also the launcher switches of KERNEL_SWITCHES "
+        "('pack_by_bits=True')",
     )
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
@@ -478,7 +514,7 @@ def main():
     result = {**environment(), "ceilings": ceilings(), "points": []}
     print(json.dumps(result["ceilings"]))
     path = result_path(args.out, "ffn")
-    columns = "K N M dens pat nnz max dense twell x err hot dec pre gateC pack fused updn TB/s ovfl memD memT"
+    columns = "K N M dens pat nnz max dense twell x err hot dec pre gateC pack bits fused updn TB/s ovfl memD memT"
     header = " ".join(f"{c:>7}" for c in columns.split())
     lines = [header]
     print(header, flush=True)
@@ -499,6 +535,7 @@ def main():
                         f"{row['hot_neurons']:>5} "
                         f"{row.get('decode_ms', 0):>7.3f} {row.get('prefill_ms', 0):>7.3f} "
                         f"{row.get('cublas_gate_ms', 0):>6.2f} {row.get('pack_ms', 0):>5.2f} "
+                        f"{row.get('pack_bits_ms', 0):>5.2f} "
                         f"{row.get('fused_gate_ms', 0):>6.2f} "
                         f"{row.get('updown_ms', 0):>6.2f} "
                         f"{row.get('updown_l2_tb_s', 0):>5.1f} "

@@ -1,20 +1,22 @@
-"""Where the fused gate's time goes: a persistent TMA gate GEMM packing one TwELL word per kept entry,
-built with each combination of the choices the shipped kernel (twell.kernels.gate) and the
-pack-epilogue probe (../shared/probes/pack_epilogue_probe.py: 4.97 ms at M=131072, K=2048, N=5632,
-against the shipped kernel's 6.0-9.5) differ in, against cuBLAS and the shipped kernel in the same run.
-A diagnostic: the variants are not product code.
+"""The gate + pack stage of the prefill path, every route in one run: cuBLAS alone (the floor of its
+GEMM), the pack pass after it (prefix sum and by bits, each config), the fused gate (each config), and
+the kernel before the fused gate's rebuild (its epilogue as a variant of one diagnostic kernel, below),
+at K=2048 N=5632 M=131072 (0.5% uniform and topic runs) and K=4096 N=14336 M=32768 (uniform).
 
     PYTHONPATH=. python benchmarks/gate_epilogue.py      (JSON to $OUT or benchmarks/results/)
 
-Choices (constexpr flags of one kernel): DEVICE_DESC (descriptors made in the kernel, as the probe, or
-on the host, as shipped), FLATTEN (tl.range flatten=True), CONST_STEP (the persistent loop's step a
-constexpr SM count, as the probe, or tl.num_programs), FULL (which of the shipped epilogue's features:
-FULL_LEVELS). Every variant's counts are checked against pack_dense. ptxas (sm_90, Triton 3.9, local)
-spills 224 bytes a thread at level 0 and 720-990 at every level with a run-time threshold or the NaN
-test: the question is what those cost on the device.
+Every packed result is checked against pack_dense's default (counts and the words inside them): the
+pack pass bit for bit; the fused gate by the share of counts that agree (its fp32 sums differ from
+cuBLAS's in the last bits, so a few entries at the threshold may go either way).
+
+The diagnostic kernel: one kernel with each choice the kernel before the rebuild and the probe
+(../shared/probes/pack_epilogue_probe.py: 4.97 ms at M=131072, K=2048, N=5632) differ in as a flag:
+DEVICE_DESC (descriptors made in the kernel or on the host), FLATTEN (tl.range flatten=True),
+CONST_STEP (the persistent loop's step a constexpr SM count or tl.num_programs), FULL (the epilogue's
+features: FULL_LEVELS). OLD_EPILOGUE is the kernel before the rebuild with its whole-tile epilogue
+(9.2-9.5 ms before; its two-half version, 6.03-6.22, is not rebuilt here).
 """
 
-import itertools
 import json
 import os
 import sys
@@ -106,6 +108,9 @@ def _variant_kernel(
         tl.store(cnt_ptr + rows * n_tiles + tile, cnt, mask=offs_m < M)
 
 
+OLD_EPILOGUE = {"DEVICE_DESC": False, "FLATTEN": True, "CONST_STEP": False, "FULL": 1}
+
+
 def run(x, wg, bg, flags, config, tile_n=128, slots=16):
     bm, bk, warps, stages = config
     m, k = x.shape
@@ -124,42 +129,63 @@ def run(x, wg, bg, flags, config, tile_n=128, slots=16):
     return words, counts
 
 
+def counted(words, counts, slots=16):
+    """The words inside each count (the rest are unspecified)."""
+    valid = torch.arange(slots, device=words.device) < counts.clamp(max=slots).unsqueeze(-1)
+    return torch.where(valid, words, 0)
+
+
 @torch.no_grad()
-def shape_rows(k: int, n: int, m: int) -> list[dict]:
-    x, block = make_inputs(m, k, n, 0.005, "uniform", seed=1)
+def shape_rows(k: int, n: int, m: int, pattern: str) -> list[dict]:
+    x, block = make_inputs(m, k, n, 0.005, pattern, seed=1)
     w = weights(block)
     wg, bg = w["gate_weight"], w["gate_bias"]
     cublas = do_bench(lambda: F.linear(x, wg, bg), return_mode="median")
     pre = F.linear(x, wg, bg)
-    ref_counts = gate.pack_dense(pre, 0.0, 128, 16)[1]
-    rows = [{"K": k, "N": n, "M": m, "cublas_ms": cublas}]
-    print(f"K={k} N={n} M={m} cuBLAS {cublas:.3f}", flush=True)
-    for config in gate.GATE_CONFIGS[:2]:
-        ms = do_bench(lambda c=config: gate.gate_twell(x, wg, bg, 0.0, 128, 16, config=c), return_mode="median")
-        rows.append({"variant": "shipped", "config": config, "ms": ms})
-        print(f"  shipped {config}: {ms:.3f} ms ({cublas / ms:.2f}x cuBLAS)", flush=True)
-    config = (128, 64, 8, 4)  # the probe's
-    variants = [(d, True, True, f) for d, f in itertools.product((True, False), FULL_LEVELS)]
-    variants += [(False, False, False, 1), (True, False, True, 0)]
-    for bits in variants:
-        flags = dict(zip(("DEVICE_DESC", "FLATTEN", "CONST_STEP", "FULL"), bits, strict=True))
-        try:
-            counts = run(x, wg, bg, flags, config)[1]
-            ms = do_bench(lambda f=flags: run(x, wg, bg, f, config), return_mode="median")
-        except Exception as e:  # a variant the compiler refuses
-            print(f"  {flags}: {type(e).__name__} {str(e)[:160]}", flush=True)
-            continue
+    ref_words, ref_counts = gate.pack_dense(pre, 0.0, 128, 16)
+    ref_words = counted(ref_words, ref_counts)
+    rows = [{"K": k, "N": n, "M": m, "pattern": pattern, "cublas_ms": cublas, "kept": int(ref_counts.sum())}]
+    print(f"K={k} N={n} M={m} {pattern}: cuBLAS {cublas:.3f} ms", flush=True)
+
+    def record(route, config, fn, exact=True):
+        words, counts = fn()[:2]
+        ms = do_bench(fn, return_mode="median")
         agree = float((counts == ref_counts).float().mean())
-        rows.append({"variant": flags, "config": config, "ms": ms, "counts_agree": agree})
-        print(f"  {flags}: {ms:.3f} ms ({cublas / ms:.2f}x cuBLAS) counts agree {agree:.5f}", flush=True)
+        same = bool(torch.equal(counts, ref_counts) and torch.equal(counted(words, counts), ref_words))
+        row = {"route": route, "config": config, "ms": ms, "counts_agree": agree, "bit_exact": same}
+        total = ms + (cublas if route.startswith("pack") else 0.0)
+        row["gate_plus_pack_ms"] = total
+        rows.append(row)
+        flag = "" if (same if exact else agree > 0.999) else "  ** MISMATCH **"
+        print(f"  {route:12s} {str(config):22s} {ms:7.3f} ms  gate+pack {total:7.3f} ({total / cublas:.3f}x cuBLAS)"
+              f"  counts agree {agree:.6f} exact {same}{flag}", flush=True)  # fmt: skip
+
+    for by_bits in (False, True):
+        for config in gate.PACK_CONFIGS:
+            if (config[0] >= gate.BITS_MIN_ROWS) if by_bits else (config[0] <= 32):
+                record(
+                    "pack-bits" if by_bits else "pack-scan", config,
+                    lambda c=config, b=by_bits: gate.pack_dense(pre, 0.0, 128, 16, config=c, by_bits=b),
+                )  # fmt: skip
+    for config in gate.GATE_CONFIGS:
+        try:
+            record("fused", config, lambda c=config: gate.gate_twell(x, wg, bg, 0.0, 128, 16, config=c), exact=False)
+        except Exception as e:  # a config the compiler refuses
+            print(f"  fused {config}: {type(e).__name__} {str(e)[:160]}", flush=True)
+    old = (128, 64, 8, 4)
+    record("old-fused", old, lambda: run(x, wg, bg, OLD_EPILOGUE, old), exact=False)
     return rows
 
 
 def main():
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     rows = []
-    for k, n, m in ((2048, 5632, 131072), (4096, 14336, 32768)):
-        rows += shape_rows(k, n, m)
+    for k, n, m, pattern in (
+        (2048, 5632, 131072, "uniform"),
+        (2048, 5632, 131072, "topics"),
+        (4096, 14336, 32768, "uniform"),
+    ):
+        rows += shape_rows(k, n, m, pattern)
         torch.cuda.empty_cache()
     out = Path(os.environ.get("OUT", "benchmarks/results"))
     path = out / f"gate_epilogue-{time.strftime('%Y%m%d-%H%M%S')}.json"
