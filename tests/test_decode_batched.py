@@ -278,6 +278,22 @@ def test_calibration_sets_batched_max_m_from_the_decode_density(monkeypatch):
     assert decision.layer_config().batched_max_m == 0
 
 
+def test_calibration_sends_9_to_16_token_calls_to_the_batched_decode_where_its_crossover_holds(monkeypatch):
+    """A layer whose calibrated density has a batched crossover row takes the batched decode from
+    decode_max_m + 1 tokens (9-16 included: the decode kernels keep 1-8), from calibration alone; a layer
+    past every row keeps the calibrated decode route up to 16 tokens and no batched route."""
+    real = policy.calibrated_batched_max_m
+    monkeypatch.setattr(policy, "calibrated_batched_max_m", lambda d: real(d, ((0.006, 64),)))
+    sparse = Decision(path="mlp", rewrite=True, reason="", density=0.02, stats={"decode": {"density": 0.005}})
+    config = sparse.layer_config()
+    assert (config.decode_max_m, config.batched_max_m) == (policy.DECODE_MAX_M, 64)
+    assert [policy.route(m, 2048, config) for m in (8, 9, 16, 64, 65)] == ["decode"] + ["batched"] * 3 + ["dense"]
+    denser = Decision(path="mlp", rewrite=True, reason="", density=0.005, stats={"decode": {"density": 0.008}})
+    config = denser.layer_config()
+    assert (config.decode_max_m, config.batched_max_m) == (policy.DECODE_SPARSE_MAX_M, 0)
+    assert [policy.route(m, 2048, config) for m in (16, 17)] == ["decode", "dense"]
+
+
 def test_calibration_sends_9_to_16_token_calls_of_a_sparse_layer_to_the_decode_kernels():
     """A layer calibrated at most DECODE_SPARSE_DENSITY dense takes the decode kernels up to
     decode_sparse_max_m tokens from its first call (no prefill needs to have measured it); a denser or
