@@ -89,7 +89,7 @@ def batched_floor_bytes(k, n, m, union) -> int:
 def batched_variants(m, sweep, stream_sweep=False, rows_sweep=False) -> list[tuple[str, dict]]:
     """(name, batched_decode_ffn keyword arguments) to time at m tokens: the launcher's choice (the walk
     design), the stream design (its partials summed by the last arrival, and by the sum kernel) and the
-    rows design; with rows_sweep the rows design's BLOCK_N / CH / UP_K / DOWN_K / warps / stages and a
+    rows design; with rows_sweep the rows design's BLOCK_N / CH / UP_K / DOWN_K / SPLITS / warps / stages and a
     partials cap of 32 MB; with
     sweep the walk's up kernel BLOCK_N, down WALK / STEPS around its table and a wider partials cap; with
     stream_sweep the stream design's up BLOCK_N / BLOCK_K / CH / stages / K_SPLITS and down BLOCK_K / GROUP /
@@ -108,9 +108,10 @@ def batched_variants(m, sweep, stream_sweep=False, rows_sweep=False) -> list[tup
             ("BLOCK_N", 1, (32, 64, 128, 256)),
             ("CH", 2, (16, 64)),
             ("UP_K", 3, (256, 1024)),
-            ("DOWN_K", 4, (64, 256)),
-            ("warps", 5, (4,)),
-            ("stages", 6, (2, 4)),
+            ("DOWN_K", 4, (64, 256, 512)),
+            ("SPLITS", 5, (1, 2, 4, 8)),
+            ("warps", 6, (4,)),
+            ("stages", 7, (2, 4)),
         )
         for name, i, values in rows_sweep:
             for value in values:

@@ -62,14 +62,15 @@ STREAM_CASES = {
 }
 
 ROWS_CASES = {
-    # m, k, n, densities, up_config (BLOCK_M, BLOCK_N, CH, UP_K, DOWN_K, warps, stages), down_config (ROWS,
+    # m, k, n, densities, up_config (BLOCK_M, BLOCK_N, CH, UP_K, DOWN_K, SPLITS, warps, stages), down_config (ROWS,
     # BLOCK_K, warps) (None: the launcher's tables)
     "m9-empty-union": (9, 40, 100, [0.0], None, None),
     "m16-full-union": (16, 24, 70, [1.0], None, None),
-    "m16-chunks-k-steps": (16, 40, 200, MIXED, (16, 32, 16, 16, 16, 4, 1), None),
-    "m16-one-k-split": (16, 24, 100, MIXED, (16, 32, 16, 16, 32, 4, 1), None),
-    "m33-token-blocks": (33, 130, 300, MIXED, (16, 64, 16, 32, 32, 4, 1), (4, 32, 4)),
-    "m70-sum-steps": (70, 24, 100, [0.02, 0.3], (16, 16, 16, 16, 16, 4, 1), (4, 16, 4)),
+    "m16-chunks-k-steps": (16, 40, 200, MIXED, (16, 32, 16, 16, 16, 0, 4, 1), None),
+    "m16-one-k-split": (16, 24, 100, MIXED, (16, 32, 16, 16, 32, 0, 4, 1), None),
+    "m16-two-k-splits": (16, 70, 100, MIXED, (16, 32, 16, 16, 16, 2, 4, 1), None),
+    "m33-token-blocks": (33, 130, 300, MIXED, (16, 64, 16, 32, 32, 0, 4, 1), (4, 32, 4)),
+    "m70-sum-steps": (70, 24, 100, [0.02, 0.3], (16, 16, 16, 16, 16, 0, 4, 1), (4, 16, 4)),
     "m1": (1, 16, 64, [0.03], None, None),
     "m257-defaults": (257, 40, 150, [0.01, 0.0], None, None),
     "m300-defaults": (300, 24, 100, MIXED, None, None),
@@ -137,7 +138,7 @@ def test_rows_design_widens_its_blocks_past_the_partials_cap(cap, block_n, monke
     shapes = []
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **k: shapes.append(tuple(a)) or empty(*a, **k))
-    config = {"design": "rows", "up_config": (16, 16, 16, 16, 16, 4, 1), "max_parts_bytes": cap}
+    config = {"design": "rows", "up_config": (16, 16, 16, 16, 16, 0, 4, 1), "max_parts_bytes": cap}
     runs = [_call(case, True, "gated", **config) for _ in "ab"]
     assert (1, triton.cdiv(200, block_n), 16, 40) in shapes
     assert torch.equal(runs[0], runs[1])
@@ -356,7 +357,7 @@ for bucket in decode.STREAM_UP_CONFIG:  # the stream design: its up kernel, the 
     builds.append((decode._stream_up_kernel, up, dict(num_warps=warps, num_stages=stages)))
     down = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=dk, SUPER=group, CHUNK=chunk, UP_SPLITS=k_splits if k_splits > 1 else 0)
     builds += [(decode._decode_down_kernel, {**down, "ARRIVE": a}, dict(num_warps=down_warps)) for a in (True, False)]
-for bucket, (bm, bn, ch, up_k, down_k, warps, stages) in decode.ROWS_CONFIG.items():  # the rows design
+for bucket, (bm, bn, ch, up_k, down_k, _, warps, stages) in decode.ROWS_CONFIG.items():  # the rows design
     rows = dict(BLOCK_M=bm, BLOCK_N=bn, CH=ch, UP_K=up_k, DOWN_K=down_k)
     builds.append((decode._rows_up_down_kernel, rows, dict(num_warps=warps, num_stages=stages)))
 for kernel, consts, options in builds:

@@ -866,22 +866,22 @@ STREAM_DOWN_CONFIG = {
 }
 # The rows design (batched_decode_ffn(design="rows")), by token bucket as above. Not yet measured:
 # chosen by counting dependent memory rounds against the bytes of its partial rows (benchmarks/NOTES.md,
-# "Batched decode v3 (session 4)"). (BLOCK_M, BLOCK_N, CH, UP_K, DOWN_K, num_warps, num_stages): token
+# "Batched decode v3 (session 4)"). (BLOCK_M, BLOCK_N, CH, UP_K, DOWN_K, SPLITS, num_warps, num_stages): token
 # blocks of 16 (a block's active neurons: ~7.7% of N at 0.5%, whatever the call's size), CH active
 # neurons a chunk (one chunk a program at 0.5%: ~5 / 10 / 20 active in blocks of 64 / 128 / 256), the up
 # over all of K in UP_K-wide steps (4 at K=2048), the down in DOWN_K-wide steps. BLOCK_N doubles (up to
 # ROWS_MAX_BLOCK_N) while the partial rows, n_blocks x M x K x 4 bytes, exceed max_parts_bytes
 # (BATCHED_PARTS_BYTES by default: 11.5 MB at 16-64 tokens, K=2048; 14.7 MB at 16 tokens, K=4096); the
-# down's K range is split over as many programs as bring the grid to ROWS_PROGRAMS (each split
-# recomputes its block's u: W_u's active rows again, from L2). ptxas (sm_90, Triton 3.9, bf16): 118 / 155
+# down's K range is split over SPLITS programs (0: as many as bring the grid to ROWS_PROGRAMS; each split
+# recomputes its block's u: W_u's active rows and x again, from L2). ptxas (sm_90, Triton 3.9, bf16): 118 / 155
 # / 128 registers at BLOCK_N 64 / 128 / 256, no spills, both loops pipelined (cp.async); 4 warps or
 # 256-wide down steps took 175-255 registers and spilled at 512-wide up steps.
 ROWS_CONFIG = {
-    16: (16, 64, 32, 512, 128, 8, 3),
-    32: (16, 128, 32, 512, 128, 8, 3),
-    64: (16, 256, 32, 512, 128, 8, 3),
-    128: (16, 256, 32, 512, 128, 8, 3),
-    256: (16, 256, 32, 512, 128, 8, 3),
+    16: (16, 64, 32, 512, 128, 0, 8, 3),
+    32: (16, 128, 32, 512, 128, 0, 8, 3),
+    64: (16, 256, 32, 512, 128, 0, 8, 3),
+    128: (16, 256, 32, 512, 128, 0, 8, 3),
+    256: (16, 256, 32, 512, 128, 0, 8, 3),
 }
 ROWS_MAX_BLOCK_N = 256  # the chunk's [CH, BLOCK_N] slot compare stays in registers
 ROWS_PROGRAMS = 264  # two programs an SM of an H200
@@ -1254,12 +1254,12 @@ def _batched_rows(
     up_config, down_config, max_parts_bytes,
 ):  # fmt: skip
     """The rows design's launches (batched_decode_ffn's arguments, checked, and the call's M, K, N)."""
-    block_m, block_n, ch, up_k, down_k, warps, stages = up_config or ROWS_CONFIG[_batched_bucket(m)]
+    block_m, block_n, ch, up_k, down_k, splits, warps, stages = up_config or ROWS_CONFIG[_batched_bucket(m)]
     rows_per_step, sum_k, sum_warps = down_config or ROWS_SUM_CONFIG
     while block_n < ROWS_MAX_BLOCK_N and triton.cdiv(n, block_n) * m * k * 4 > max_parts_bytes:
         block_n *= 2
     n_blocks, m_blocks = triton.cdiv(n, block_n), triton.cdiv(m, block_m)
-    splits = min(triton.cdiv(ROWS_PROGRAMS, n_blocks * m_blocks), triton.cdiv(k, down_k))
+    splits = min(splits or triton.cdiv(ROWS_PROGRAMS, n_blocks * m_blocks), triton.cdiv(k, down_k))
     k_span = triton.cdiv(triton.cdiv(k, splits), down_k) * down_k
     splits = triton.cdiv(k, k_span)  # no empty K splits
     g = F.linear(x, gate_weight, gate_bias)
