@@ -24,8 +24,9 @@ Rows (--rows): "dense-eager"; "dense-compiled" (torch.compile(model)); "twell-ea
 model): every FFN rewritten, no calibration); "twell-compiled" (torch.compile(twell.sparsify(model)):
 the backend="twell" alone leaves the down weights in the layout that sends the ops to their dense route,
 0.98x of dense compiled in e2e-20261130-234915.json); "twell-batched-compiled": twell-compiled with
-the batched decode for calls of 9-256 tokens (LayerConfig.batched_max_m = 256, off by default until
-measured: every generation step of batch 16-128 takes it); "twell-calibrated-compiled" /
+the batched decode for calls of 9 to --batched-max-m tokens (LayerConfig.batched_max_m, off by default
+until measured: every generation step of those batch sizes takes it) in the design --batched-design
+(decode.BATCHED_DESIGN for that row; default the shipped one); "twell-calibrated-compiled" /
 "twell-calibrated-eager": twell.sparsify(model, prompts) first calibrates on the benchmark's own generation
 prompts (every --batches prompt; calibration's default greedy decode steps measure the decode density,
 --cost-model its cost model), as a user's twell.calibrate or the CLI would, so each layer's LayerConfig
@@ -87,7 +88,7 @@ from ffn import environment, result_path, skewed_rates  # noqa: E402
 from generation import GreedyDecoder  # noqa: E402
 
 import twell  # noqa: E402
-from twell.kernels import dispatch, policy  # noqa: E402
+from twell.kernels import decode, dispatch, policy  # noqa: E402
 
 SHAPES = {
     "2b": dict(
@@ -123,9 +124,7 @@ ROWS = (
     "twell-eager", "twell-calibrated-eager",
 )  # fmt: skip
 # sparsify's layer_config of each compiled twell row
-TWELL_COMPILED = {
-    "twell-compiled": None, "twell-batched-compiled": {"batched_max_m": 256}, "twell-calibrated-compiled": None
-}  # fmt: skip
+TWELL_COMPILED = {"twell-compiled": None, "twell-batched-compiled": {}, "twell-calibrated-compiled": None}
 # rows whose sparsify calibrates on the benchmark's own generation prompts first (twell.sparsify(model,
 # prompts): the layers' decisions and LayerConfigs from what they measured, as a user's calibration gives)
 CALIBRATED = ("twell-calibrated-compiled", "twell-calibrated-eager")
@@ -445,7 +444,9 @@ def run_model(name, shape, args, meter, demo, cuda, save) -> dict:
             return run_row(meter, model, model, work, args, eager=True, decoders=dense_decoders, reference=reference)
         if row_name in CALIBRATED:
             started = time.perf_counter()
-            twell.sparsify(model, list(work.prompts.values()), config={"progress": False, "cost_model": args.cost_model})
+            twell.sparsify(
+                model, list(work.prompts.values()), config={"progress": False, "cost_model": args.cost_model}
+            )
             calibration = {"seconds": time.perf_counter() - started, **chosen_configs(model, work)}
         if row_name in ("twell-eager", "twell-calibrated-eager"):
             if row_name == "twell-eager":
@@ -457,7 +458,9 @@ def run_model(name, shape, args, meter, demo, cuda, save) -> dict:
                 row["calibration"] = calibration
             return row
         if row_name in TWELL_COMPILED:  # sparsified per profile (restored after each row), so compiled anew
-            if row_name not in CALIBRATED:
+            if row_name == "twell-batched-compiled":
+                twell.sparsify(model, layer_config={"batched_max_m": args.batched_max_m})
+            elif row_name not in CALIBRATED:
                 twell.sparsify(model, layer_config=TWELL_COMPILED[row_name])
             torch._dynamo.reset()
             forward = torch.compile(model)
@@ -481,6 +484,9 @@ def run_model(name, shape, args, meter, demo, cuda, save) -> dict:
             print(f"{name}: {row_name}" + (f" ({profile})" if profile else ""), flush=True)
             load_gate_biases(model, biases[profile or first])
             dispatch.forget_layers()
+            shipped_design = decode.BATCHED_DESIGN
+            if row_name == "twell-batched-compiled" and args.batched_design:
+                decode.BATCHED_DESIGN = args.batched_design
             try:
                 row = measure(row_name, profile)
             except Exception as e:  # recorded, and the other rows still run
@@ -488,6 +494,9 @@ def run_model(name, shape, args, meter, demo, cuda, save) -> dict:
                 row = {"error": f"{type(e).__name__}: {e}", "prefill": [], "generation": []}
             finally:
                 twell.restore(model)  # after twell-eager; a no-op otherwise
+                design, decode.BATCHED_DESIGN = decode.BATCHED_DESIGN, shipped_design
+            if row_name == "twell-batched-compiled":
+                row["batched"] = {"design": design, "batched_max_m": args.batched_max_m}
             row.update(row=row_name, profile=profile, wall_s=time.perf_counter() - started)
             result["rows"].append(row)
             save(result)
@@ -547,6 +556,10 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls per prefill point")
     parser.add_argument("--min-time", type=float, default=0.5, help="seconds of timed calls per measurement")
+    parser.add_argument("--batched-max-m", type=int, default=256, help="the twell-batched-compiled row's")
+    parser.add_argument(
+        "--batched-design", default=None, choices=decode.BATCHED_DESIGNS, help="the twell-batched-compiled row's"
+    )
     parser.add_argument(
         "--cost-model", default="auto", help="the calibrated rows' calibration cost model (auto: benchmark on CUDA)"
     )
