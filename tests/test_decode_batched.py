@@ -130,7 +130,7 @@ def test_rows_design_matches_reference(case_id, dtype, variant, poisoned_empty):
     assert rel_err(y, ref) <= TOL[dtype] * (4 if variant == "relu2" else 1)
 
 
-@pytest.mark.parametrize("cap,block_n", [(7 * 16 * 40 * 4, 32), (0, 256), (1 << 30, 16)], ids=["fits", "cap", "none"])
+@pytest.mark.parametrize("cap,block_n", [(7 * 16 * 40 * 4, 32), (0, 512), (1 << 30, 16)], ids=["fits", "cap", "none"])
 def test_rows_design_widens_its_blocks_past_the_partials_cap(cap, block_n, monkeypatch):
     """The rows' bytes (n_blocks x M x K x 4) past max_parts_bytes double BLOCK_N, up to ROWS_MAX_BLOCK_N;
     the result stays exact and the same every call."""
@@ -358,8 +358,9 @@ for bucket in decode.STREAM_UP_CONFIG:  # the stream design: its up kernel, the 
     down = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=dk, SUPER=group, CHUNK=chunk, UP_SPLITS=k_splits if k_splits > 1 else 0)
     builds += [(decode._decode_down_kernel, {**down, "ARRIVE": a}, dict(num_warps=down_warps)) for a in (True, False)]
 for bucket, (bm, bn, ch, up_k, down_k, _, warps, stages) in decode.ROWS_CONFIG.items():  # the rows design
-    rows = dict(BLOCK_M=bm, BLOCK_N=bn, CH=ch, UP_K=up_k, DOWN_K=down_k)
-    builds.append((decode._rows_up_down_kernel, rows, dict(num_warps=warps, num_stages=stages)))
+    for block_n in (bn, decode.ROWS_MAX_BLOCK_N):  # as configured, and as widest past the partials cap
+        rows = dict(BLOCK_M=bm, BLOCK_N=block_n, CH=ch, UP_K=up_k, DOWN_K=down_k)
+        builds.append((decode._rows_up_down_kernel, rows, dict(num_warps=warps, num_stages=stages)))
 for kernel, consts, options in builds:
     consts = {**{n: v for n, v in flags.items() if n in kernel.arg_names}, **consts}
     # unit strides are specialised to 1 by the launcher (contiguous rows), the rest divisible by 16

@@ -874,8 +874,8 @@ STREAM_DOWN_CONFIG = {
 # (BATCHED_PARTS_BYTES by default: 11.5 MB at 16-64 tokens, K=2048; 14.7 MB at 16 tokens, K=4096); the
 # down's K range is split over SPLITS programs (0: as many as bring the grid to ROWS_PROGRAMS; each split
 # recomputes its block's u: W_u's active rows and x again, from L2). ptxas (sm_90, Triton 3.9, bf16): 118 / 155
-# / 128 registers at BLOCK_N 64 / 128 / 256, no spills, both loops pipelined (cp.async); 4 warps or
-# 256-wide down steps took 175-255 registers and spilled at 512-wide up steps.
+# / 128 / 140 registers at BLOCK_N 64 / 128 / 256 / 512, no spills, both loops pipelined (cp.async); 4
+# warps or 256-wide down steps took 175-255 registers and spilled at 512-wide up steps.
 ROWS_CONFIG = {
     16: (16, 64, 32, 512, 128, 0, 8, 3),
     32: (16, 128, 32, 512, 128, 0, 8, 3),
@@ -883,7 +883,7 @@ ROWS_CONFIG = {
     128: (16, 256, 32, 512, 128, 0, 8, 3),
     256: (16, 256, 32, 512, 128, 0, 8, 3),
 }
-ROWS_MAX_BLOCK_N = 256  # the chunk's [CH, BLOCK_N] slot compare stays in registers
+ROWS_MAX_BLOCK_N = 512  # the chunk's [CH, BLOCK_N] slot compare stays in registers (140 at 8 warps, sm_90)
 ROWS_PROGRAMS = 264  # two programs an SM of an H200
 # _sum_rows_kernel (ROWS, BLOCK_K, num_warps): one step of counts then rows up to ROWS neuron blocks.
 ROWS_SUM_CONFIG = (128, 64, 4)
