@@ -156,13 +156,17 @@ def batched_variants(m, sweep, stream_sweep=False, rows_sweep=False) -> list[tup
     return variants
 
 
+# batched_point's variants whose in-graph kernel times are recorded at 0.5% (the sweeps' are not)
+PROFILED = ("installed", "calibrated", "decode", "batched", "stream", "stream sum-kernel", "rows")
+
+
 def batched_point(k, n, m, density, pattern, sweep, stream_sweep=False, rows_sweep=False, only=None) -> list[dict]:
     """At one point, per layer of a graph over LAYERS_PER_GRAPH layers: dense; the module as sparsify
     installs it, and with the LayerConfig calibration gives a layer of this density ("calibrated":
     policy.calibrated_decode_max_m / calibrated_batched_max_m); the one-token design's kernels forced
     (decode_ffn); the batched decode (each variant), with its bytes floor, the union it met, and at 0.5%
-    the time of each kernel of dense, the forced decode kernels and each design (shipped configs) in the
-    graph. only: the variant names to time (None: all)."""
+    the time of each kernel of dense and of the PROFILED variants in the graph. only: the variant names
+    to time (None: all)."""
     x, block = make_inputs(m, k, n, density, pattern, seed=m + n)
     blocks = [block] + [neuron_permuted(block, i) for i in range(1, LAYERS_PER_GRAPH)]
 
@@ -203,7 +207,8 @@ def batched_point(k, n, m, density, pattern, sweep, stream_sweep=False, rows_swe
             try:
                 err = rel_err_sample(call(block), x, block)
                 ms = per_layer(call)
-                kernels = graph_kernel_us(lambda c=call: [c(b) for b in blocks]) if density == 0.005 else None
+                profiled = density == 0.005 and name in PROFILED
+                kernels = graph_kernel_us(lambda c=call: [c(b) for b in blocks]) if profiled else None
             except Exception as e:  # a config the compiler refuses (shared memory, registers)
                 print(f"{name}: {type(e).__name__}: {e}", flush=True)
                 continue
