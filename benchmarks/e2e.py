@@ -24,8 +24,15 @@ Rows (--rows): "dense-eager"; "dense-compiled" (torch.compile(model)); "twell-ea
 model): every FFN rewritten, no calibration); "twell-compiled" (torch.compile(twell.sparsify(model)):
 the backend="twell" alone leaves the down weights in the layout that sends the ops to their dense route,
 0.98x of dense compiled in e2e-20261130-234915.json); "twell-batched-compiled": twell-compiled with
-the batched decode for calls of 9-256 tokens (LayerConfig.batched_max_m = 256, off by default until
-measured: every generation step of batch 16-128 takes it), compiled once per row (the twell rows once
+the batched decode for calls of 9 to --batched-max-m tokens (LayerConfig.batched_max_m, off by default
+until measured: every generation step of those batch sizes takes it) in the design --batched-design
+(decode.BATCHED_DESIGN for that row; default the shipped one); "twell-calibrated-compiled" /
+"twell-calibrated-eager": twell.sparsify(model, prompts) first calibrates on the benchmark's own generation
+prompts (every --batches prompt; calibration's default greedy decode steps measure the decode density,
+--cost-model its cost model), as a user's twell.calibrate or the CLI would, so each layer's LayerConfig
+comes from its calibrated density (9-16 token calls on the decode kernels where it is at most 1%, policy.
+calibrated_decode_max_m); the JSON's "calibration" holds every layer's LayerConfig and, per batch, how
+many layers' decode calls take which route. Compiled once per row (the twell rows once
 per profile): the prefill points share one dynamic-shape graph, generation one graph per batch size.
 Dense times do not depend on the profile (the same kernels on other values): the dense rows run once, on
 the first profile. Speedups are against the faster dense row at each point.
@@ -60,6 +67,8 @@ JSON to benchmarks/results/e2e-<timestamp>.json (or --out), written after every 
 from __future__ import annotations
 
 import argparse
+import collections
+import dataclasses
 import json
 import math
 import os
@@ -79,7 +88,7 @@ from ffn import environment, result_path, skewed_rates  # noqa: E402
 from generation import GreedyDecoder  # noqa: E402
 
 import twell  # noqa: E402
-from twell.kernels import dispatch  # noqa: E402
+from twell.kernels import decode, dispatch, policy  # noqa: E402
 
 SHAPES = {
     "2b": dict(
@@ -110,9 +119,15 @@ SMOKE_SHAPES = {
     ),
 }  # fmt: skip
 # run order: compiled rows need a dense model
-ROWS = ("dense-eager", "dense-compiled", "twell-compiled", "twell-batched-compiled", "twell-eager")
+ROWS = (
+    "dense-eager", "dense-compiled", "twell-compiled", "twell-batched-compiled", "twell-calibrated-compiled",
+    "twell-eager", "twell-calibrated-eager",
+)  # fmt: skip
 # sparsify's layer_config of each compiled twell row
-TWELL_COMPILED = {"twell-compiled": None, "twell-batched-compiled": {"batched_max_m": 256}}
+TWELL_COMPILED = {"twell-compiled": None, "twell-batched-compiled": {}, "twell-calibrated-compiled": None}
+# rows whose sparsify calibrates on the benchmark's own generation prompts first (twell.sparsify(model,
+# prompts): the layers' decisions and LayerConfigs from what they measured, as a user's calibration gives)
+CALIBRATED = ("twell-calibrated-compiled", "twell-calibrated-eager")
 DENSITY = 0.005
 ROW_SPREAD = 0.3  # weight of the gate direction all neurons of a layer share
 CALIB_TOKENS = 8192
@@ -359,6 +374,23 @@ def run_row(meter, model, forward, work: Workload, args, *, eager: bool, decoder
     return row
 
 
+def chosen_configs(model, work: Workload) -> dict:
+    """What calibration chose: each rewritten layer's LayerConfig fields ("layer_configs", by path) and, per
+    generation batch, how many layers route its decode calls where ("routes": the route from the
+    LayerConfig alone, as before any prefill call has measured a density)."""
+    configs = twell.layer_configs(model)
+    width = model.config.hidden_size
+    routes = {}
+    for b in work.prompts:
+        counts = collections.Counter(policy.route(b, width, c) for c in configs.values())
+        routes[str(b)] = dict(sorted(counts.items()))
+    return {
+        "rewritten": len(configs),
+        "layer_configs": {path: dataclasses.asdict(c) for path, c in configs.items()},
+        "routes": routes,
+    }
+
+
 def make_decoders(model, work, cuda, forward=None) -> dict:
     return {b: GreedyDecoder(model, b, work.max_len, forward=forward, graph=cuda) for b in work.prompts}
 
@@ -410,14 +442,26 @@ def run_model(name, shape, args, meter, demo, cuda, save) -> dict:
         reference = references[profile or first]
         if row_name == "dense-eager":
             return run_row(meter, model, model, work, args, eager=True, decoders=dense_decoders, reference=reference)
-        if row_name == "twell-eager":
-            twell.sparsify(model)
+        if row_name in CALIBRATED:
+            started = time.perf_counter()
+            twell.sparsify(
+                model, list(work.prompts.values()), config={"progress": False, "cost_model": args.cost_model}
+            )
+            calibration = {"seconds": time.perf_counter() - started, **chosen_configs(model, work)}
+        if row_name in ("twell-eager", "twell-calibrated-eager"):
+            if row_name == "twell-eager":
+                twell.sparsify(model)
             decoders = make_decoders(model, work, cuda)
             row = run_row(meter, model, model, work, args, eager=True, decoders=decoders, reference=reference)
             row["report"] = twell.report(model).summary()
+            if row_name in CALIBRATED:
+                row["calibration"] = calibration
             return row
         if row_name in TWELL_COMPILED:  # sparsified per profile (restored after each row), so compiled anew
-            twell.sparsify(model, layer_config=TWELL_COMPILED[row_name])
+            if row_name == "twell-batched-compiled":
+                twell.sparsify(model, layer_config={"batched_max_m": args.batched_max_m})
+            elif row_name not in CALIBRATED:
+                twell.sparsify(model, layer_config=TWELL_COMPILED[row_name])
             torch._dynamo.reset()
             forward = torch.compile(model)
         else:
@@ -430,6 +474,8 @@ def run_model(name, shape, args, meter, demo, cuda, save) -> dict:
         row = run_row(meter, model, forward, work, args, eager=False, decoders=decoders, reference=reference)
         if row_name in TWELL_COMPILED:
             row["report"] = twell.report(model).summary()
+        if row_name in CALIBRATED:
+            row["calibration"] = calibration
         return row
 
     for row_name in args.rows.split(","):
@@ -438,6 +484,9 @@ def run_model(name, shape, args, meter, demo, cuda, save) -> dict:
             print(f"{name}: {row_name}" + (f" ({profile})" if profile else ""), flush=True)
             load_gate_biases(model, biases[profile or first])
             dispatch.forget_layers()
+            shipped_design = decode.BATCHED_DESIGN
+            if row_name == "twell-batched-compiled" and args.batched_design:
+                decode.BATCHED_DESIGN = args.batched_design
             try:
                 row = measure(row_name, profile)
             except Exception as e:  # recorded, and the other rows still run
@@ -445,6 +494,9 @@ def run_model(name, shape, args, meter, demo, cuda, save) -> dict:
                 row = {"error": f"{type(e).__name__}: {e}", "prefill": [], "generation": []}
             finally:
                 twell.restore(model)  # after twell-eager; a no-op otherwise
+                design, decode.BATCHED_DESIGN = decode.BATCHED_DESIGN, shipped_design
+            if row_name == "twell-batched-compiled":
+                row["batched"] = {"design": design, "batched_max_m": args.batched_max_m}
             row.update(row=row_name, profile=profile, wall_s=time.perf_counter() - started)
             result["rows"].append(row)
             save(result)
@@ -504,6 +556,13 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls per prefill point")
     parser.add_argument("--min-time", type=float, default=0.5, help="seconds of timed calls per measurement")
+    parser.add_argument("--batched-max-m", type=int, default=256, help="the twell-batched-compiled row's")
+    parser.add_argument(
+        "--batched-design", default=None, choices=decode.BATCHED_DESIGNS, help="the twell-batched-compiled row's"
+    )
+    parser.add_argument(
+        "--cost-model", default="auto", help="the calibrated rows' calibration cost model (auto: benchmark on CUDA)"
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU, eager rows, JSON to /tmp")
     parser.add_argument("--out", default=None, help="result folder (default benchmarks/results; /tmp with --smoke)")
     args = parser.parse_args()

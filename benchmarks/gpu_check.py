@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/gpu_check.py decode [--shapes 2048x5632,4096x14336]
     PYTHONPATH=. python benchmarks/gpu_check.py batched [--tokens 16,32,64,128,256] [--sweep] [--stream-sweep]
+        [--rows-sweep] [--variants installed,calibrated,decode,rows]
 
 Used to choose kernel configurations (the shipped ones are in the kernel files, with the result file
 that chose them); benchmarks/ffn.py is the benchmark of record. Writes JSON to $OUT or
@@ -23,7 +24,7 @@ from ffn import LAYERS_PER_GRAPH, git_commit, make_inputs, neuron_permuted, rel_
 from triton.testing import do_bench
 
 import twell
-from twell.kernels import decode, gate, updown
+from twell.kernels import decode, gate, policy, updown
 from twell.kernels.gate import pack_dense
 
 # decode_ffn keyword arguments to compare ({}: the launcher's choice), per tokens per call, each timed at
@@ -85,9 +86,11 @@ def batched_floor_bytes(k, n, m, union) -> int:
     return 2 * (n * k + 2 * union * k + 2 * m * k)
 
 
-def batched_variants(m, sweep, stream_sweep=False) -> list[tuple[str, dict]]:
+def batched_variants(m, sweep, stream_sweep=False, rows_sweep=False) -> list[tuple[str, dict]]:
     """(name, batched_decode_ffn keyword arguments) to time at m tokens: the launcher's choice (the walk
-    design) and the stream design (its partials summed by the last arrival, and by the sum kernel); with
+    design), the stream design (its partials summed by the last arrival, and by the sum kernel) and the
+    rows design; with rows_sweep the rows design's BLOCK_N / CH / UP_K / DOWN_K / SPLITS / warps / stages and a
+    partials cap of 32 MB; with
     sweep the walk's up kernel BLOCK_N, down WALK / STEPS around its table and a wider partials cap; with
     stream_sweep the stream design's up BLOCK_N / BLOCK_K / CH / stages / K_SPLITS and down BLOCK_K / GROUP /
     CHUNK."""
@@ -97,7 +100,27 @@ def batched_variants(m, sweep, stream_sweep=False) -> list[tuple[str, dict]]:
         ("batched", {}),
         ("stream", {"design": "stream"}),
         ("stream sum-kernel", {"design": "stream", "down_config": (*down[:4], not down[4])}),
+        ("rows", {"design": "rows"}),
     ]
+    if rows_sweep:
+        rows = decode.ROWS_CONFIG[bucket]
+        rows_sweep = (
+            ("BLOCK_N", 1, (32, 64, 128, 256)),
+            ("CH", 2, (16, 64)),
+            ("UP_K", 3, (256, 1024)),
+            ("DOWN_K", 4, (64, 256, 512)),
+            ("SPLITS", 5, (1, 2, 4, 8)),
+            ("warps", 6, (4,)),
+            ("stages", 7, (2, 4)),
+        )
+        for name, i, values in rows_sweep:
+            for value in values:
+                if value != rows[i]:
+                    changed = {"design": "rows", "up_config": (*rows[:i], value, *rows[i + 1 :])}
+                    if name == "BLOCK_N":  # as named: no partials cap widening it
+                        changed["max_parts_bytes"] = 1 << 40
+                    variants.append((f"rows {name} {value}", changed))
+        variants.append(("rows partials cap 32 MB", {"design": "rows", "max_parts_bytes": 32 << 20}))
     if stream_sweep:
         up_sweep = (
             ("BLOCK_N", 1, (32, 128)),
@@ -133,11 +156,17 @@ def batched_variants(m, sweep, stream_sweep=False) -> list[tuple[str, dict]]:
     return variants
 
 
-def batched_point(k, n, m, density, pattern, sweep, stream_sweep=False) -> list[dict]:
+# batched_point's variants whose in-graph kernel times are recorded at 0.5% (the sweeps' are not)
+PROFILED = ("installed", "calibrated", "decode", "batched", "stream", "stream sum-kernel", "rows")
+
+
+def batched_point(k, n, m, density, pattern, sweep, stream_sweep=False, rows_sweep=False, only=None) -> list[dict]:
     """At one point, per layer of a graph over LAYERS_PER_GRAPH layers: dense; the module as sparsify
-    installs it; the one-token design's kernels forced (decode_ffn); the batched decode (each variant),
-    with its bytes floor, the union it met, and at 0.5% the time of each kernel of the walk and stream
-    designs (their shipped configs) in the graph."""
+    installs it, and with the LayerConfig calibration gives a layer of this density ("calibrated":
+    policy.calibrated_decode_max_m / calibrated_batched_max_m); the one-token design's kernels forced
+    (decode_ffn); the batched decode (each variant), with its bytes floor, the union it met, and at 0.5%
+    the time of each kernel of dense and of the PROFILED variants in the graph. only: the variant names
+    to time (None: all)."""
     x, block = make_inputs(m, k, n, density, pattern, seed=m + n)
     blocks = [block] + [neuron_permuted(block, i) for i in range(1, LAYERS_PER_GRAPH)]
 
@@ -147,6 +176,7 @@ def batched_point(k, n, m, density, pattern, sweep, stream_sweep=False) -> list[
     rows = []
     with torch.no_grad():
         dense_ms = per_layer(lambda b: b(x))
+        dense_kernels = graph_kernel_us(lambda: [b(x) for b in blocks]) if density == 0.005 else None
         for b in blocks:
             twell.sparsify(b)
         ws = {id(b): weights(b) for b in blocks}
@@ -159,21 +189,39 @@ def batched_point(k, n, m, density, pattern, sweep, stream_sweep=False) -> list[
             w = ws[id(b)]
             return (x, w["gate_weight"], w["gate_bias"], w["up_weight"], None, w["down_weight"].t(), None, 0.0)
 
-        calls = [("installed", lambda b: b(x)), ("decode", lambda b: decode.decode_ffn(*args(b)))]
-        for name, kwargs in batched_variants(m, sweep, stream_sweep):
+        calibrated = {
+            "decode_max_m": policy.calibrated_decode_max_m(density),
+            "batched_max_m": policy.calibrated_batched_max_m(density),
+        }
+        calls = [
+            ("installed", lambda b: b(x)),
+            ("calibrated", lambda b: b(x)),
+            ("decode", lambda b: decode.decode_ffn(*args(b))),
+        ]
+        for name, kwargs in batched_variants(m, sweep, stream_sweep, rows_sweep):
             calls.append((name, lambda b, kw=kwargs: decode.batched_decode_ffn(*args(b), **kw)))
+        if only is not None:
+            calls = [(name, call) for name, call in calls if name in only]
         for name, call in calls:
+            configured = [twell.configure(b, **calibrated) for b in blocks] if name == "calibrated" else []
             try:
                 err = rel_err_sample(call(block), x, block)
                 ms = per_layer(call)
+                profiled = density == 0.005 and name in PROFILED
+                kernels = graph_kernel_us(lambda c=call: [c(b) for b in blocks]) if profiled else None
             except Exception as e:  # a config the compiler refuses (shared memory, registers)
                 print(f"{name}: {type(e).__name__}: {e}", flush=True)
                 continue
+            finally:
+                for c in configured:
+                    c.__exit__(None, None, None)
             row = {"K": k, "N": n, "M": m, "density": density, "pattern": pattern, "variant": name,
                    "dense_ms": dense_ms, "ms": ms, "speedup": dense_ms / ms, "rel_err": err, "union": union,
                    "floor_bytes": floor, "tb_s_of_floor": floor / ms / 1e9}  # fmt: skip
-            if name in ("batched", "stream", "stream sum-kernel") and density == 0.005:
-                row["kernels_us"] = graph_kernel_us(lambda c=call: [c(b) for b in blocks])
+            if kernels is not None:
+                row["kernels_us"], row["dense_kernels_us"] = kernels, dense_kernels
+            if name == "calibrated":
+                row["layer_config"] = calibrated
             rows.append(row)
             print(
                 f"{k:>5} {n:>6} {m:>4} {density:.3f} union {union / n:6.1%} {name:>20} dense {dense_ms * 1e3:7.1f}us"
@@ -359,6 +407,8 @@ def main():
     parser.add_argument("--densities", default="0.005,0.01,0.05", help="batched")
     parser.add_argument("--sweep", action="store_true", help="batched: also the walk configs around the shipped ones")
     parser.add_argument("--stream-sweep", action="store_true", help="batched: also the stream design's configs")
+    parser.add_argument("--rows-sweep", action="store_true", help="batched: also the rows design's configs")
+    parser.add_argument("--variants", default=None, help="batched: only these variants (names, comma-separated)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -390,8 +440,9 @@ def main():
             for m in map(int, (args.tokens or "16,32,64,128,256").split(",")):
                 for density in map(float, args.densities.split(",")):
                     low = density == 0.005  # the sweeps at 0.5% only
-                    sweeps = (args.sweep and low, args.stream_sweep and low)
-                    result["rows"] += batched_point(k, n, m, density, args.pattern, *sweeps)
+                    sweeps = (args.sweep and low, args.stream_sweep and low, args.rows_sweep and low)
+                    only = args.variants.split(",") if args.variants else None
+                    result["rows"] += batched_point(k, n, m, density, args.pattern, *sweeps, only=only)
                 path.write_text(json.dumps(result, indent=1))  # kept if a later point runs out of time
     elif args.part == "floors":
         for shape in args.shapes.split(","):

@@ -34,7 +34,10 @@ def test_e2e_smoke(smoke_result):
     for model in result["models"]:
         assert set(model["profiles"]) == {"skewed", "demo"}
         rows = [(r["row"], r["profile"]) for r in model["rows"]]
-        assert rows == [("dense-eager", None), ("twell-eager", "skewed"), ("twell-eager", "demo")]
+        assert rows == [
+            ("dense-eager", None), ("twell-eager", "skewed"), ("twell-eager", "demo"),
+            ("twell-calibrated-eager", "skewed"), ("twell-calibrated-eager", "demo"),
+        ]  # fmt: skip
         for row in model["rows"]:
             assert "error" not in row and row["logits_rel_err"] < 1e-5
             assert len(row["prefill"]) == 4 and all(
@@ -43,6 +46,11 @@ def test_e2e_smoke(smoke_result):
             assert [g["batch"] for g in row["generation"]] == [1, 2]
             assert all(g["first_divergent_step"] is None and g["speedup"] > 0 for g in row["generation"])
         assert model["rows"][1]["report"]["rewritten"] == model["config"]["num_hidden_layers"]
+        for row in model["rows"][3:]:  # calibrated on the generation prompts: what each layer's config routes where
+            calibration = row["calibration"]
+            assert len(calibration["layer_configs"]) == calibration["rewritten"] == row["report"]["rewritten"]
+            assert set(calibration["routes"]) == {"1", "2"}
+            assert all(sum(r.values()) == calibration["rewritten"] for r in calibration["routes"].values())
 
 
 def test_plots_from_smoke_result(smoke_result, tmp_path):

@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+import triton
 from conftest import DEVICE, HAS_CUDA, compile_for_hopper, rel_err
 from ffn_cases import TOL, decode_args, gated_ref, make_ffn, plain_ref
 
@@ -60,6 +61,21 @@ STREAM_CASES = {
     "m300-defaults": (300, 24, 100, MIXED, None, None),
 }
 
+ROWS_CASES = {
+    # m, k, n, densities, up_config (BLOCK_M, BLOCK_N, CH, UP_K, DOWN_K, SPLITS, warps, stages), down_config (ROWS,
+    # BLOCK_K, warps) (None: the launcher's tables)
+    "m9-empty-union": (9, 40, 100, [0.0], None, None),
+    "m16-full-union": (16, 24, 70, [1.0], None, None),
+    "m16-chunks-k-steps": (16, 40, 200, MIXED, (16, 32, 16, 16, 16, 0, 4, 1), None),
+    "m16-one-k-split": (16, 24, 100, MIXED, (16, 32, 16, 16, 32, 0, 4, 1), None),
+    "m16-two-k-splits": (16, 70, 100, MIXED, (16, 32, 16, 16, 16, 2, 4, 1), None),
+    "m33-token-blocks": (33, 130, 300, MIXED, (16, 64, 16, 32, 32, 0, 4, 1), (4, 32, 4)),
+    "m70-sum-steps": (70, 24, 100, [0.02, 0.3], (16, 16, 16, 16, 16, 0, 4, 1), (4, 16, 4)),
+    "m1": (1, 16, 64, [0.03], None, None),
+    "m257-defaults": (257, 40, 150, [0.01, 0.0], None, None),
+    "m300-defaults": (300, 24, 100, MIXED, None, None),
+}
+
 
 def _call(case, gated, variant, **configs):
     return batched_decode_ffn(*decode_args(case, gated), drelu=variant == "drelu", square=variant == "relu2", **configs)
@@ -95,6 +111,38 @@ def test_stream_design_matches_reference(case_id, dtype, variant, poisoned_empty
     ref = gated_ref(case, drelu=variant == "drelu") if gated else plain_ref(case, squared=variant == "relu2")
     assert y.dtype == dtype and y.shape == (m, k)
     assert rel_err(y, ref) <= TOL[dtype] * (4 if variant == "relu2" else 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("variant", ["gated", "drelu", "plain", "relu2", "nobias"])
+@pytest.mark.parametrize("case_id", list(ROWS_CASES))
+def test_rows_design_matches_reference(case_id, dtype, variant, poisoned_empty):
+    """The rows design at 1-300 tokens: one and several token blocks, chunks of active neurons past one
+    (each adding to the block's rows), K steps of the up and splits of the down (one and several, K not
+    a multiple), sum steps past one, empty and full unions; every output and scratch element poisoned
+    before the kernels run."""
+    m, k, n, densities, up_config, down_config = ROWS_CASES[case_id]
+    gated = variant in ("gated", "drelu", "nobias")
+    case = make_ffn(m, k, n, densities, dtype, DEVICE, seed=m + k, biases=variant != "nobias", gated=gated)
+    y = _call(case, gated, variant, design="rows", up_config=up_config, down_config=down_config)
+    ref = gated_ref(case, drelu=variant == "drelu") if gated else plain_ref(case, squared=variant == "relu2")
+    assert y.dtype == dtype and y.shape == (m, k)
+    assert rel_err(y, ref) <= TOL[dtype] * (4 if variant == "relu2" else 1)
+
+
+@pytest.mark.parametrize("cap,block_n", [(7 * 16 * 40 * 4, 32), (0, 512), (1 << 30, 16)], ids=["fits", "cap", "none"])
+def test_rows_design_widens_its_blocks_past_the_partials_cap(cap, block_n, monkeypatch):
+    """The rows' bytes (n_blocks x M x K x 4) past max_parts_bytes double BLOCK_N, up to ROWS_MAX_BLOCK_N;
+    the result stays exact and the same every call."""
+    case = make_ffn(16, 40, 200, MIXED, torch.float32, DEVICE, seed=7, biases=True)
+    shapes = []
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: shapes.append(tuple(a)) or empty(*a, **k))
+    config = {"design": "rows", "up_config": (16, 16, 16, 16, 16, 0, 4, 1), "max_parts_bytes": cap}
+    runs = [_call(case, True, "gated", **config) for _ in "ab"]
+    assert (1, triton.cdiv(200, block_n), 16, 40) in shapes
+    assert torch.equal(runs[0], runs[1])
+    assert rel_err(runs[0], gated_ref(case)) <= TOL[torch.float32]
 
 
 @pytest.mark.parametrize("arrive", [True, False], ids=["arrivals", "sum-kernel"])
@@ -167,7 +215,7 @@ def test_batched_decode_of_an_empty_call_is_the_down_bias(m, k, n, poisoned_empt
         ({"x": "3d"}, r"x must be a 2-dim tensor \[M, K\], got \[1, 12, 16\]"),
         ({"up_weight": "half"}, r"up_weight must be \[64, 16\] torch.float32"),
         ({"down_config": (16, 16, 16, 0, 4, 1)}, r"down_config needs STEPS >= 1, got \(16, 16, 16, 0, 4, 1\)"),
-        ({"design": "tree"}, r"design must be one of \('walk', 'stream'\), got 'tree'"),
+        ({"design": "tree"}, r"design must be one of \('walk', 'stream', 'rows'\), got 'tree'"),
         ({"design": "stream", "down_config": (16, 3, 16, 4, True)}, r"needs a power-of-two GROUP, got \(16, 3,"),
         ({"design": "stream", "up_config": (16, 32, 16, 16, 4, 1, 0)}, r"needs K_SPLITS >= 1, got \(16, 32,"),
     ],
@@ -231,6 +279,22 @@ def test_calibration_sets_batched_max_m_from_the_decode_density(monkeypatch):
     assert decision.layer_config().batched_max_m == 0
 
 
+def test_calibration_sends_9_to_16_token_calls_to_the_batched_decode_where_its_crossover_holds(monkeypatch):
+    """A layer whose calibrated density has a batched crossover row takes the batched decode from
+    decode_max_m + 1 tokens (9-16 included: the decode kernels keep 1-8), from calibration alone; a layer
+    past every row keeps the calibrated decode route up to 16 tokens and no batched route."""
+    real = policy.calibrated_batched_max_m
+    monkeypatch.setattr(policy, "calibrated_batched_max_m", lambda d: real(d, ((0.006, 64),)))
+    sparse = Decision(path="mlp", rewrite=True, reason="", density=0.02, stats={"decode": {"density": 0.005}})
+    config = sparse.layer_config()
+    assert (config.decode_max_m, config.batched_max_m) == (policy.DECODE_MAX_M, 64)
+    assert [policy.route(m, 2048, config) for m in (8, 9, 16, 64, 65)] == ["decode"] + ["batched"] * 3 + ["dense"]
+    denser = Decision(path="mlp", rewrite=True, reason="", density=0.005, stats={"decode": {"density": 0.008}})
+    config = denser.layer_config()
+    assert (config.decode_max_m, config.batched_max_m) == (policy.DECODE_SPARSE_MAX_M, 0)
+    assert [policy.route(m, 2048, config) for m in (16, 17)] == ["decode", "dense"]
+
+
 def test_calibration_sends_9_to_16_token_calls_of_a_sparse_layer_to_the_decode_kernels():
     """A layer calibrated at most DECODE_SPARSE_DENSITY dense takes the decode kernels up to
     decode_sparse_max_m tokens from its first call (no prefill needs to have measured it); a denser or
@@ -271,7 +335,8 @@ from twell.kernels import decode
 def arg_type(name):
     if not name.endswith("_ptr"):
         return "fp32" if name == "threshold" else "i32"
-    return {"ids_ptr": "*i32", "cnt_ptr": "*i32", "sem_ptr": "*i32", "part_ptr": "*fp32"}.get(name, "*bf16")
+    types = {"ids_ptr": "*i32", "cnt_ptr": "*i32", "sem_ptr": "*i32", "part_ptr": "*fp32", "rows_ptr": "*fp32"}
+    return types.get(name, "*bf16")
 
 flags = dict(HAS_UP=True, HAS_UP_BIAS=True, HAS_DOWN_BIAS=True, DRELU=False, SQUARE=False, DOT_PRECISION="tf32",
              SEM_BLOCK=256, NB=32, SPLIT_MIN=0)
@@ -292,6 +357,10 @@ for bucket in decode.STREAM_UP_CONFIG:  # the stream design: its up kernel, the 
     builds.append((decode._stream_up_kernel, up, dict(num_warps=warps, num_stages=stages)))
     down = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=dk, SUPER=group, CHUNK=chunk, UP_SPLITS=k_splits if k_splits > 1 else 0)
     builds += [(decode._decode_down_kernel, {**down, "ARRIVE": a}, dict(num_warps=down_warps)) for a in (True, False)]
+for bucket, (bm, bn, ch, up_k, down_k, _, warps, stages) in decode.ROWS_CONFIG.items():  # the rows design
+    for block_n in (bn, decode.ROWS_MAX_BLOCK_N):  # as configured, and as widest past the partials cap
+        rows = dict(BLOCK_M=bm, BLOCK_N=block_n, CH=ch, UP_K=up_k, DOWN_K=down_k)
+        builds.append((decode._rows_up_down_kernel, rows, dict(num_warps=warps, num_stages=stages)))
 for kernel, consts, options in builds:
     consts = {**{n: v for n, v in flags.items() if n in kernel.arg_names}, **consts}
     # unit strides are specialised to 1 by the launcher (contiguous rows), the rest divisible by 16
@@ -313,11 +382,20 @@ out = compile(ASTSource(decode._sum_parts_kernel, {"part_ptr": "*fp32", "bd_ptr"
 Path("k.cubin").write_bytes(out.asm["cubin"])
 usage = subprocess.run([str(cuobjdump), "-res-usage", "k.cubin"], capture_output=True, text=True).stdout
 assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
+rows, block_k, warps = decode.ROWS_SUM_CONFIG
+out = compile(ASTSource(decode._sum_rows_kernel, {"rows_ptr": "*fp32", "cnt_ptr": "*i32", "bd_ptr": "*bf16",
+              "y_ptr": "*bf16", "M": "i32", "K": "i32", "n_blocks": "i32", "stride_ym": "i32",
+              "stride_yk": "constexpr", "HAS_DOWN_BIAS": "constexpr", "BLOCK_M": "constexpr", "ROWS": "constexpr",
+              "BLOCK_K": "constexpr"}, dict(stride_yk=1, HAS_DOWN_BIAS=True, BLOCK_M=16, ROWS=rows, BLOCK_K=block_k)),
+              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+Path("k.cubin").write_bytes(out.asm["cubin"])
+usage = subprocess.run([str(cuobjdump), "-res-usage", "k.cubin"], capture_output=True, text=True).stdout
+assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
 """
 
 
 def test_batched_kernels_compile_for_hopper_without_spills(tmp_path):
-    """Triton's compiler and ptxas build both batched designs' kernels for sm_90 (no GPU needed) at every
+    """Triton's compiler and ptxas build the batched designs' kernels for sm_90 (no GPU needed) at every
     token bucket's config: no register spills, and their loops pipelined (asynchronous copies)."""
     compile_for_hopper(BATCHED_SM90_COMPILE, tmp_path)
 

@@ -56,9 +56,10 @@ class Decision:
         """The LayerConfig the FFN runs with once rewritten: this decision's layout (the defaults without
         one) and its dense phases' routes turned off, then `changes` (checked by layer_changes)."""
         density = self.stats.get("decode", {}).get("density", self.density)
+        batched = policy.calibrated_batched_max_m(density)
         config = policy.DEFAULT.replace(
-            decode_max_m=policy.calibrated_decode_max_m(density),
-            batched_max_m=policy.calibrated_batched_max_m(density),
+            decode_max_m=policy.calibrated_decode_max_m(density, batched_max_m=batched),
+            batched_max_m=batched,
             train_min_m=policy.calibrated_train_min_m(self.density),
         )
         if self.tile_n is not None:

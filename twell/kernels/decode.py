@@ -29,7 +29,11 @@ in flight, partials summed by the last arrival. Its stream design (design="strea
 counts dependent memory rounds instead: the up kernel gathers each token block's active W_u rows into
 dense tiles, in one or two K steps a program at 16-32 tokens (K split over programs, u's partials
 summed by the down kernel), and writes the list above, which the list down kernel reads in one or
-two chunks a program.
+two chunks a program. Its rows design (design="rows", not yet measured) drops the list: one program per
+(neuron block, token block of 16, K split) takes the token block's active neurons a chunk at a time,
+u over all of K, then writes the block's fp32 row of y's partial sum (the one-token rows path above,
+for token blocks); a second kernel sums the rows of blocks with active neurons. Its dependent rounds:
+g -> (W_u, x) K steps -> W_d steps -> rows; counts -> rows -> y.
 """
 
 from __future__ import annotations
@@ -668,6 +672,117 @@ def _sum_parts_kernel(
     tl.store(y_ptr + (offs // K) * stride_ym + col * stride_yk, total.to(y_ptr.dtype.element_ty), mask=e_ok)
 
 
+@triton.jit
+def _rows_up_down_kernel(
+    g_ptr, x_ptr, wu_ptr, bu_ptr, wd_ptr, rows_ptr, cnt_ptr, M, N, K, k_span, threshold, stride_gm, stride_xm,
+    stride_xk, stride_un, stride_uk, stride_dn, stride_dk, HAS_UP: tl.constexpr, HAS_UP_BIAS: tl.constexpr,
+    DRELU: tl.constexpr, SQUARE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, CH: tl.constexpr, UP_K: tl.constexpr, DOWN_K: tl.constexpr,
+):  # fmt: skip
+    """The rows design, after the gate GEMM g [M, N] (cuBLAS): one program per (block of BLOCK_N neurons,
+    block of BLOCK_M tokens, K split of the down projection). The token block's active neurons of the
+    neuron block (kept for a token of the block) are taken CH at a time: u = x W_u[CH rows]^T over all
+    of K in UP_K-wide steps (the only chain of dependent rounds), h = act(g) * u, then the block's share
+    of y over the split's K range, h W_d[CH rows, range], in DOWN_K-wide steps that depend on nothing but
+    h, added into the block's fp32 row of partials (rows [m_blocks, n_blocks, BLOCK_M, K]); the number of
+    active neurons goes to cnt (the split 0). No list, no ids, no arrival: _sum_rows_kernel sums the
+    rows of blocks with active neurons."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    n_blocks = tl.num_programs(0)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    rows = offs_m.to(tl.int64)
+    dtype = x_ptr.dtype.element_ty
+    ok = m_ok[:, None] & n_ok[None, :]
+    g = tl.load(g_ptr + rows[:, None] * stride_gm + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
+    kept = ((g > threshold) | (g != g)) & ok  # not (g <= t): NaN kept, as by relu
+    active = tl.max(kept.to(tl.int32), axis=0) > 0
+    n_active = tl.sum(active.to(tl.int32), axis=0)
+    slot = tl.cumsum(active.to(tl.int32), axis=0) - 1
+    if pid_s == 0:
+        tl.store(cnt_ptr + pid_m * n_blocks + pid_n, n_active)
+    block_rows = rows_ptr + (pid_m.to(tl.int64) * n_blocks + pid_n) * BLOCK_M * K
+    local_m = tl.arange(0, BLOCK_M)
+    k_lo = pid_s * k_span
+    k_hi = tl.minimum(k_lo + k_span, K)
+    for c0 in range(0, n_active, CH):
+        j = c0 + tl.arange(0, CH)
+        j_ok = j < n_active
+        pick = active[None, :] & (slot[None, :] == j[:, None])  # [CH, BLOCK_N]: slot j's neuron
+        neuron = tl.sum(tl.where(pick, offs_n[None, :], 0), axis=1).to(tl.int64)
+        ok_c = m_ok[:, None] & j_ok[None, :]
+        g_c = tl.load(g_ptr + rows[:, None] * stride_gm + neuron[None, :], mask=ok_c, other=0.0).to(tl.float32)
+        kept_c = ((g_c > threshold) | (g_c != g_c)) & ok_c
+        h = tl.where(kept_c, g_c, 0.0)
+        if SQUARE:
+            h = (h * h).to(dtype).to(tl.float32)
+        if HAS_UP:
+            u = tl.zeros([BLOCK_M, CH], dtype=tl.float32)
+            for k0 in range(0, K, UP_K):
+                offs_k = k0 + tl.arange(0, UP_K)
+                k_ok = offs_k < K
+                xt = tl.load(
+                    x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                    mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0,
+                )
+                wt = tl.load(
+                    wu_ptr + neuron[None, :] * stride_un + offs_k[:, None] * stride_uk,
+                    mask=j_ok[None, :] & k_ok[:, None],
+                    other=0.0,
+                )
+                u = tl.dot(xt, wt, u, input_precision=DOT_PRECISION)
+            if HAS_UP_BIAS:
+                u += tl.load(bu_ptr + neuron, mask=j_ok, other=0.0).to(tl.float32)[None, :]
+            u = u.to(dtype).to(tl.float32)
+            if DRELU:
+                u = tl.where(u <= 0.0, 0.0, u)
+            h = tl.where(kept_c, h * u, 0.0)
+        h = h.to(dtype)
+        for k0 in range(k_lo, k_hi, DOWN_K):
+            offs_k = k0 + tl.arange(0, DOWN_K)
+            k_ok = offs_k < k_hi
+            wd = tl.load(
+                wd_ptr + neuron[:, None] * stride_dn + offs_k[None, :] * stride_dk,
+                mask=j_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            at = block_rows + local_m[:, None] * K + offs_k[None, :]
+            part = tl.dot(h, wd, input_precision=DOT_PRECISION)
+            part += tl.load(at, mask=m_ok[:, None] & k_ok[None, :] & (c0 > 0), other=0.0)
+            tl.store(at, part, mask=m_ok[:, None] & k_ok[None, :])
+        tl.debug_barrier()  # the next chunk reads this one's rows back, maybe from other threads
+
+
+@triton.jit
+def _sum_rows_kernel(
+    rows_ptr, cnt_ptr, bd_ptr, y_ptr, M, K, n_blocks, stride_ym, stride_yk, HAS_DOWN_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The rows design's y: per (K block, token), the sum of the token block's neuron-block rows (+ bias),
+    ROWS blocks a step (one step up to ROWS blocks): their counts, then the rows of those with active
+    neurons, summed in block order (deterministic)."""
+    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    token = tl.program_id(1)
+    k_ok = offs_k < K
+    block_m = token // BLOCK_M
+    base = rows_ptr + (block_m.to(tl.int64) * n_blocks * BLOCK_M + token % BLOCK_M) * K
+    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for r0 in range(0, n_blocks, ROWS):
+        offs_r = r0 + tl.arange(0, ROWS)
+        r_ok = offs_r < n_blocks
+        r_ok &= tl.load(cnt_ptr + block_m * n_blocks + offs_r, mask=r_ok, other=0) > 0
+        at = base + offs_r.to(tl.int64)[:, None] * BLOCK_M * K + offs_k[None, :]
+        acc += tl.sum(tl.load(at, mask=r_ok[:, None] & k_ok[None, :], other=0.0), axis=0)
+    if HAS_DOWN_BIAS:
+        acc += tl.load(bd_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + token * stride_ym + offs_k * stride_yk, acc.to(y_ptr.dtype.element_ty), mask=k_ok)
+
+
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, EACH) of the gate + up kernel for one token and for more;
 # the fastest at both of K=2048/N=5632 and K=4096/N=14336 on an H200 (gpu_check-decode-20261130-161902.json,
 # -230248.json, -231118.json).
@@ -749,10 +864,33 @@ STREAM_DOWN_CONFIG = {
     128: (64, 8, 128, 4, True),
     256: (64, 16, 128, 8, True),
 }
+# The rows design (batched_decode_ffn(design="rows")), by token bucket as above. Not yet measured:
+# chosen by counting dependent memory rounds against the bytes of its partial rows (benchmarks/NOTES.md,
+# "Batched decode v3 (session 4)"). (BLOCK_M, BLOCK_N, CH, UP_K, DOWN_K, SPLITS, num_warps, num_stages): token
+# blocks of 16 (a block's active neurons: ~7.7% of N at 0.5%, whatever the call's size), CH active
+# neurons a chunk (one chunk a program at 0.5%: ~5 / 10 / 20 active in blocks of 64 / 128 / 256), the up
+# over all of K in UP_K-wide steps (4 at K=2048), the down in DOWN_K-wide steps. BLOCK_N doubles (up to
+# ROWS_MAX_BLOCK_N) while the partial rows, n_blocks x M x K x 4 bytes, exceed max_parts_bytes
+# (BATCHED_PARTS_BYTES by default: 11.5 MB at 16-64 tokens, K=2048; 14.7 MB at 16 tokens, K=4096); the
+# down's K range is split over SPLITS programs (0: as many as bring the grid to ROWS_PROGRAMS; each split
+# recomputes its block's u: W_u's active rows and x again, from L2). ptxas (sm_90, Triton 3.9, bf16): 118 / 155
+# / 128 / 140 registers at BLOCK_N 64 / 128 / 256 / 512, no spills, both loops pipelined (cp.async); 4
+# warps or 256-wide down steps took 175-255 registers and spilled at 512-wide up steps.
+ROWS_CONFIG = {
+    16: (16, 64, 32, 512, 128, 0, 8, 3),
+    32: (16, 128, 32, 512, 128, 0, 8, 3),
+    64: (16, 256, 32, 512, 128, 0, 8, 3),
+    128: (16, 256, 32, 512, 128, 0, 8, 3),
+    256: (16, 256, 32, 512, 128, 0, 8, 3),
+}
+ROWS_MAX_BLOCK_N = 512  # the chunk's [CH, BLOCK_N] slot compare stays in registers (140 at 8 warps, sm_90)
+ROWS_PROGRAMS = 264  # two programs an SM of an H200
+# _sum_rows_kernel (ROWS, BLOCK_K, num_warps): one step of counts then rows up to ROWS neuron blocks.
+ROWS_SUM_CONFIG = (128, 64, 4)
 # The design batched_decode_ffn runs when its caller names none (the batched route's): "walk" until the
-# stream design is measured faster (gpu_check.py batched).
+# stream or rows design is measured faster (gpu_check.py batched).
 BATCHED_DESIGN = "walk"
-BATCHED_DESIGNS = ("walk", "stream")
+BATCHED_DESIGNS = ("walk", "stream", "rows")
 
 
 def _check_ffn(caller, x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold):
@@ -997,6 +1135,10 @@ def batched_decode_ffn(
        3. _decode_down_kernel over static groups of neuron blocks, one or two chunks a program;
        (4. _sum_parts_kernel, where the config's ARRIVE is off). Configs: STREAM_UP_CONFIG /
        STREAM_DOWN_CONFIG.
+    "rows": 2. _rows_up_down_kernel: per (neuron block, token block of 16, K split of the down) the
+       token block's active neurons CH at a time, u over all of K, h, and the block's fp32 row of y's
+       partial sum (no list); 3. _sum_rows_kernel: y = the sum of the rows of blocks with active neurons.
+       Configs: ROWS_CONFIG (up_config) / ROWS_SUM_CONFIG (down_config); max_parts_bytes caps the rows.
     Exact at any density (a full union reads every row). The configs override the design's tables
     (tests, benchmarks); max_parts_bytes caps the down kernel's partials (BATCHED_PARTS_BYTES).
     """
@@ -1010,7 +1152,7 @@ def batched_decode_ffn(
         y = torch.zeros_like(x)
         return y + down_bias if down_bias is not None else y
     args = (x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold, drelu, square)
-    launch = _batched_stream if design == "stream" else _batched_walk
+    launch = {"walk": _batched_walk, "stream": _batched_stream, "rows": _batched_rows}[design]
     return launch(*args, m, k, n, up_config, down_config, max_parts_bytes)
 
 
@@ -1104,4 +1246,37 @@ def _batched_stream(
             parts, bias, y, splits, m, k, y.stride(0), y.stride(1), HAS_DOWN_BIAS=down_bias is not None,
             SPLITS=triton.next_power_of_2(splits), BLOCK=block, num_warps=4,
         )  # fmt: skip
+    return y
+
+
+def _batched_rows(
+    x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold, drelu, square, m, k, n,
+    up_config, down_config, max_parts_bytes,
+):  # fmt: skip
+    """The rows design's launches (batched_decode_ffn's arguments, checked, and the call's M, K, N)."""
+    block_m, block_n, ch, up_k, down_k, splits, warps, stages = up_config or ROWS_CONFIG[_batched_bucket(m)]
+    rows_per_step, sum_k, sum_warps = down_config or ROWS_SUM_CONFIG
+    while block_n < ROWS_MAX_BLOCK_N and triton.cdiv(n, block_n) * m * k * 4 > max_parts_bytes:
+        block_n *= 2
+    n_blocks, m_blocks = triton.cdiv(n, block_n), triton.cdiv(m, block_m)
+    splits = min(splits or triton.cdiv(ROWS_PROGRAMS, n_blocks * m_blocks), triton.cdiv(k, down_k))
+    k_span = triton.cdiv(triton.cdiv(k, splits), down_k) * down_k
+    splits = triton.cdiv(k, k_span)  # no empty K splits
+    g = F.linear(x, gate_weight, gate_bias)
+    rows = torch.empty(m_blocks, n_blocks, block_m, k, dtype=torch.float32, device=x.device)
+    counts = torch.empty(m_blocks, n_blocks, dtype=torch.int32, device=x.device)
+    y = torch.empty_like(x)
+    _rows_up_down_kernel[(n_blocks, m_blocks, splits)](
+        g, x, up_weight if up_weight is not None else x, up_bias if up_bias is not None else x, down_weight_t,
+        rows, counts, m, n, k, k_span, threshold_in(threshold, x.dtype), g.stride(0), x.stride(0), x.stride(1),
+        *(up_weight.stride() if up_weight is not None else (0, 0)), down_weight_t.stride(0),
+        down_weight_t.stride(1), HAS_UP=up_weight is not None, HAS_UP_BIAS=up_bias is not None, DRELU=drelu,
+        SQUARE=square, DOT_PRECISION=dot_precision(x.dtype), BLOCK_M=block_m, BLOCK_N=block_n, CH=ch, UP_K=up_k,
+        DOWN_K=down_k, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    _sum_rows_kernel[(triton.cdiv(k, sum_k), m)](
+        rows, counts, down_bias if down_bias is not None else x, y, m, k, n_blocks, y.stride(0), y.stride(1),
+        HAS_DOWN_BIAS=down_bias is not None, BLOCK_M=block_m, ROWS=rows_per_step, BLOCK_K=sum_k,
+        num_warps=sum_warps,
+    )  # fmt: skip
     return y

@@ -77,9 +77,10 @@ REUSE_MAX_SHARE = 0.25  # at most this share of N is dense in one block (its hid
 TRAIN_DENSE_ABOVE: float | None = None
 
 # Batched decode from calibration: (density, tokens) rows, a layer calibrated at most `density` dense
-# serving calls of up to `tokens` by the batched decode (the first row that holds). Empty, so no layer
-# does, until the crossovers are measured (gpu_check.py batched); predicted: ((0.006, 128), (0.012, 64),
-# (0.025, 32), (0.05, 16)) (benchmarks/NOTES.md, "Batched decode").
+# serving calls of up to `tokens` by the batched decode (the first row that holds), from decode_max_m + 1
+# tokens (calibrated_decode_max_m: a row must beat the decode kernels at 9-16 tokens as well). Empty, so
+# no layer does, until the crossovers are measured (gpu_check.py batched, with decode.BATCHED_DESIGN the
+# design measured); the rows design's predicted table is in benchmarks/NOTES.md, "Batched decode v3".
 BATCHED_CROSSOVER: tuple[tuple[float, int], ...] = ()
 
 # Sparse training from calibration: (density, tokens) rows, a layer calibrated at most `density` dense
@@ -254,13 +255,18 @@ def route(m: int, k: int, config: LayerConfig, density: float | None = None) -> 
     return "dense"
 
 
-def calibrated_decode_max_m(density: float | None, config: LayerConfig = DEFAULT) -> int:
+def calibrated_decode_max_m(density: float | None, config: LayerConfig = DEFAULT, batched_max_m: int = 0) -> int:
     """The decode_max_m of a layer calibrated at `density` (mean kept fraction of its decode calls):
     `config`'s decode_sparse_max_m where that is at most DECODE_SPARSE_DENSITY, else its decode_max_m.
     What a prefill call's measured density does at run time, decided once from calibration instead, so
     a served model whose prompts are short takes the decode kernels too (9-16 tokens at 0.5% / 1%:
     1.30x / 1.21x at K=2048, 1.51x / 1.43x at K=4096 against the module's 1.03-1.09x;
-    gpu_check-batched-20261201-213212.json)."""
+    gpu_check-batched-20261201-213212.json). batched_max_m: the layer's calibrated one; where it
+    exceeds config's decode_max_m, the batched decode takes every call past decode_max_m (route tries
+    decode_max_m first), so BATCHED_CROSSOVER lists a density only where the batched decode beats the
+    decode kernels at 9-16 tokens too."""
+    if batched_max_m > config.decode_max_m:
+        return config.decode_max_m
     if density is not None and density <= DECODE_SPARSE_DENSITY:
         return max(config.decode_max_m, config.decode_sparse_max_m)
     return config.decode_max_m
