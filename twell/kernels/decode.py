@@ -679,18 +679,19 @@ def _rows_up_down_kernel(
     DRELU: tl.constexpr, SQUARE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, CH: tl.constexpr, UP_K: tl.constexpr, DOWN_K: tl.constexpr,
 ):  # fmt: skip
-    """The rows design, after the gate GEMM g [M, N] (cuBLAS): one program per (block of BLOCK_N neurons,
-    block of BLOCK_M tokens, K split of the down projection). The token block's active neurons of the
+    """The rows design, after the gate GEMM g [M, N] (cuBLAS): one program per (block of BLOCK_M tokens,
+    block of BLOCK_N neurons, K split of the down projection; token blocks of a neuron block run together,
+    sharing its W_u / W_d rows in L2). The token block's active neurons of the
     neuron block (kept for a token of the block) are taken CH at a time: u = x W_u[CH rows]^T over all
     of K in UP_K-wide steps (the only chain of dependent rounds), h = act(g) * u, then the block's share
     of y over the split's K range, h W_d[CH rows, range], in DOWN_K-wide steps that depend on nothing but
     h, added into the block's fp32 row of partials (rows [m_blocks, n_blocks, BLOCK_M, K]); the number of
     active neurons goes to cnt (the split 0). No list, no ids, no arrival: _sum_rows_kernel sums the
     rows of blocks with active neurons."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
-    n_blocks = tl.num_programs(0)
+    n_blocks = tl.num_programs(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
@@ -763,11 +764,11 @@ def _sum_rows_kernel(
     rows_ptr, cnt_ptr, bd_ptr, y_ptr, M, K, n_blocks, stride_ym, stride_yk, HAS_DOWN_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """The rows design's y: per (K block, token), the sum of the token block's neuron-block rows (+ bias),
+    """The rows design's y: per (token, K block), the sum of the token block's neuron-block rows (+ bias),
     ROWS blocks a step (one step up to ROWS blocks): their counts, then the rows of those with active
     neurons, summed in block order (deterministic)."""
-    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
-    token = tl.program_id(1)
+    token = tl.program_id(0)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = offs_k < K
     block_m = token // BLOCK_M
     base = rows_ptr + (block_m.to(tl.int64) * n_blocks * BLOCK_M + token % BLOCK_M) * K
@@ -1266,7 +1267,7 @@ def _batched_rows(
     rows = torch.empty(m_blocks, n_blocks, block_m, k, dtype=torch.float32, device=x.device)
     counts = torch.empty(m_blocks, n_blocks, dtype=torch.int32, device=x.device)
     y = torch.empty_like(x)
-    _rows_up_down_kernel[(n_blocks, m_blocks, splits)](
+    _rows_up_down_kernel[(m_blocks, n_blocks, splits)](
         g, x, up_weight if up_weight is not None else x, up_bias if up_bias is not None else x, down_weight_t,
         rows, counts, m, n, k, k_span, threshold_in(threshold, x.dtype), g.stride(0), x.stride(0), x.stride(1),
         *(up_weight.stride() if up_weight is not None else (0, 0)), down_weight_t.stride(0),
@@ -1274,7 +1275,7 @@ def _batched_rows(
         SQUARE=square, DOT_PRECISION=dot_precision(x.dtype), BLOCK_M=block_m, BLOCK_N=block_n, CH=ch, UP_K=up_k,
         DOWN_K=down_k, num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    _sum_rows_kernel[(triton.cdiv(k, sum_k), m)](
+    _sum_rows_kernel[(m, triton.cdiv(k, sum_k))](
         rows, counts, down_bias if down_bias is not None else x, y, m, k, n_blocks, y.stride(0), y.stride(1),
         HAS_DOWN_BIAS=down_bias is not None, BLOCK_M=block_m, ROWS=rows_per_step, BLOCK_K=sum_k,
         num_warps=sum_warps,
