@@ -318,7 +318,7 @@ def test_fsdp2_takes_the_sparse_routes_on_one_gpu(monkeypatch):
             assert len(trained) == LAYERS, (order, trained)
             assert_close(f"{order}: loss", got.loss.detach().float(), want.loss.detach().float(), tol=2e-2)
             for name, p in model.named_parameters():
-                assert_close(f"{order}: grad of {name}", p.grad.float(), grads[name].float(), tol=3e-2)
+                assert_close(f"{order}: grad of {name}", p.grad.float(), grads[name].float(), tol=5e-2)
             model.eval()
             for route, path in (("prefill", "prefill"), (None, "dense")):
                 paths.clear()

@@ -177,6 +177,8 @@ def rows_for_call(weights, x: torch.Tensor, config):
     )
     if not training and policy.route(m, k, config) != "prefill":
         return weights
+    if type(down) not in (torch.Tensor, nn.Parameter):  # a tensor subclass (quantised): its own way
+        return weights
     return dataclasses.replace(weights, down=down.t().contiguous().t())
 
 
