@@ -401,7 +401,7 @@ def decode_part(args, mesh, device, dtype) -> dict:
         for kind in kinds:
             try:
                 fn = call_of if kind == "eager" else graphed(call_of, inputs[0])
-            except RuntimeError as e:  # a capture that fails is recorded, not fatal
+            except Exception as e:  # a capture that fails is recorded, not fatal (DTensor or NCCL in a graph)
                 out[kind] = {"error": f"{type(e).__name__}: {e}"[:500]}
                 continue
 
