@@ -490,3 +490,20 @@ def test_rows_for_call_copies_for_the_prefill_and_training_paths_only():
     assert torch.equal(down.grad, dy)
     with torch.no_grad():
         assert rows_for_call(weights, decode, training) is weights  # no autograd recording
+
+
+def test_sparsify_leaves_down_weights_contiguous_in_a_process_group():
+    """With the default process group initialised, sparsify stores plain down weights as they are (so
+    that fully_shard can follow); without one, it re-lays them for the kernels."""
+    alone = twell.sparsify(build())
+    assert down_rows_plain(alone)
+    with one_rank_group("gloo"):
+        grouped = twell.sparsify(build())
+        assert not down_rows_plain(grouped)
+        ids = batch(0)
+        with torch.no_grad():
+            assert_close("logits in a process group", grouped(ids).logits, build()(ids).logits)
+
+
+def down_rows_plain(model) -> bool:
+    return all(layer.mlp.down_proj.weight.t().is_contiguous() for layer in model.model.layers)
