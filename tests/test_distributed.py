@@ -8,6 +8,7 @@ that fails raises; torch.multiprocessing.spawn then stops the other and re-raise
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import faulthandler
 import gc
@@ -71,25 +72,26 @@ def _bootstrap(rank: int, worker, port: int) -> None:
 
 @contextlib.contextmanager
 def op_calls():
-    """The gate weight shape of every twell.ops call made inside (each rewritten FFN calls one)."""
+    """(gate weight shape, whether the down weight has the rows layout the kernels read) of every
+    twell.ops call made inside (each rewritten FFN calls one)."""
     import twell.ops
 
-    shapes = []
+    calls = []
     originals = twell.ops.gated_ffn, twell.ops.ffn
 
-    def recording(fn):
+    def recording(fn, down_index):
         def call(x, gate_weight, *args, **kwargs):
             from torch.distributed.tensor import DTensor
 
             assert not isinstance(gate_weight, DTensor), "the op must see this rank's tensors"
-            shapes.append(tuple(gate_weight.shape))
+            calls.append((tuple(gate_weight.shape), args[down_index].t().is_contiguous()))
             return fn(x, gate_weight, *args, **kwargs)
 
         return call
 
-    twell.ops.gated_ffn, twell.ops.ffn = map(recording, originals)
+    twell.ops.gated_ffn, twell.ops.ffn = recording(originals[0], 1), recording(originals[1], 0)
     try:
-        yield shapes
+        yield calls
     finally:
         twell.ops.gated_ffn, twell.ops.ffn = originals
 
@@ -203,43 +205,48 @@ def fully_shard_layers(model, mesh):
     fully_shard(model, mesh=mesh)
 
 
-def fsdp_worker(rank, mesh):
-
-    reference = fsdp_reference()
+def sharded_first(mesh):
     model = build().train()
     fully_shard_layers(model, mesh)
-    twell.sparsify(model)  # after fully_shard: its weights are FSDP's shards
-    assert rewritten(model) == [f"model.layers.{i}.mlp" for i in range(LAYERS)]
-    l1 = L1(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    for step, (losses, grads) in enumerate(reference):
-        optimizer.zero_grad()
-        ids = batch(rank)
-        with op_calls() as shapes:
-            loss = model(ids, labels=ids).loss + L1_COEFF * l1.take()
-            loss.backward()
-        # every FFN ran the twell op, on the whole weight FSDP gathered
-        assert shapes == [(64, 32)] * LAYERS, shapes
-        assert_close(f"step {step} loss", loss.detach(), losses[rank])
-        for name, p in model.named_parameters():
-            assert_close(f"step {step} grad of {name}", p.grad, grads[name])
-        optimizer.step()
+    return twell.sparsify(model, layer_config={"train_min_m": 1})
 
-    # The other order: sparsify re-lays the down weights, which fully_shard refuses (documented).
-    from torch.distributed.fsdp import fully_shard
 
-    other = twell.sparsify(build())
-    with pytest.raises(NotImplementedError, match="non-contiguous"):
-        fully_shard(other.model.layers[0], mesh=mesh)
-    # restore, shard, sparsify: the documented way out
-    other = build()
-    twell.sparsify(other)
-    twell.restore(other)
-    fully_shard_layers(other, mesh)
-    twell.sparsify(other)
-    assert_close(
-        "logits after restore, shard, sparsify", other(batch(rank)).logits.detach(), build()(batch(rank)).logits
-    )
+def sparsified_first(mesh):
+    model = twell.sparsify(build().train(), layer_config={"train_min_m": 1})
+    fully_shard_layers(model, mesh)  # sparsify left the down weights contiguous: FSDP takes them
+    return model
+
+
+def fsdp_worker(rank, mesh):
+    reference = fsdp_reference()
+    for order in (sharded_first, sparsified_first):
+        model = order(mesh)
+        assert rewritten(model) == [f"model.layers.{i}.mlp" for i in range(LAYERS)], order.__name__
+        l1 = L1(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        for step, (losses, grads) in enumerate(reference):
+            optimizer.zero_grad()
+            ids = batch(rank)
+            with op_calls() as calls:
+                loss = model(ids, labels=ids).loss + L1_COEFF * l1.take()
+                loss.backward()
+            # every FFN ran the twell op on the whole weight FSDP gathered, in the rows layout: a training
+            # call of at least train_min_m tokens gets its copy (twell.distributed.rows_for_call)
+            assert calls == [((64, 32), True)] * LAYERS, (order.__name__, calls)
+            where = f"{order.__name__}, step {step}"
+            assert_close(f"{where} loss", loss.detach(), losses[rank])
+            for name, p in model.named_parameters():
+                assert_close(f"{where} grad of {name}", p.grad, grads[name])
+            optimizer.step()
+
+    # Without gradients: a prefill-sized call gets the rows layout, a decode-sized one keeps FSDP's
+    # (and runs dense on a GPU); both compute what the dense model does.
+    dense, model = build(), sparsified_first(mesh).eval()
+    ids = batch(rank)
+    for route, rows in (("prefill", True), ("decode", False)):
+        with torch.no_grad(), twell.configure(model, route=route), op_calls() as calls:
+            assert_close(f"logits, {route} route", model(ids).logits, dense(ids).logits)
+        assert calls == [((64, 32), rows)] * LAYERS, (route, calls)
 
     # Calibration with each rank's own data and a cost model that differs by rank: one decision.
     calibrated = build()
@@ -250,9 +257,77 @@ def fsdp_worker(rank, mesh):
 
 
 def test_fsdp2_training_matches_one_process():
-    """fully_shard then sparsify: two SGD steps with the L1 penalty give the losses and gradients of
-    the dense model in one process; sparsify before fully_shard fails in fully_shard."""
+    """fully_shard then sparsify, and sparsify then fully_shard: two SGD steps with the L1 penalty give
+    the losses and gradients of the dense model in one process, every op call reading the gathered
+    down weight in the rows layout."""
     _spawn(fsdp_worker)
+
+
+@contextlib.contextmanager
+def one_rank_group(backend: str):
+    """The default process group with this process as its only rank (FSDP2 with a world size of 1 runs
+    the layouts and kernel paths of several ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cuda" if backend == "nccl" else "cpu", (1,))
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_fsdp2_takes_the_sparse_routes_on_one_gpu(monkeypatch):
+    """FSDP2 (world size 1, NCCL), in both orders of sparsify and fully_shard: a prefill-sized call takes
+    the prefill kernels and a training call the sparse training path, on the weights FSDP gathered;
+    a decode-sized call runs dense (its down weight keeps FSDP's nn.Linear layout); loss and gradients
+    are the dense model's within bf16 rounding."""
+    from twell.kernels import backward, dispatch
+
+    paths, trained = [], []
+    choose, train_forward = dispatch._choose, backward.train_forward
+
+    def spied_choose(*args):
+        path, state = choose(*args)
+        paths.append(path)
+        return path, state
+
+    monkeypatch.setattr(dispatch, "_choose", spied_choose)
+    monkeypatch.setattr(backward, "train_forward", lambda *a, **kw: trained.append(1) or train_forward(*a, **kw))
+
+    def on_gpu(model):
+        return model.to("cuda", torch.bfloat16)
+
+    ids = batch(0).cuda()
+    dense = on_gpu(build()).train()
+    want = dense(ids, labels=ids)
+    want.loss.backward()
+    grads = {name: p.grad for name, p in dense.named_parameters()}
+    with one_rank_group("nccl") as mesh:
+        for order in ("sharded first", "sparsified first"):
+            model = on_gpu(build()).train()
+            if order == "sharded first":
+                fully_shard_layers(model, mesh)
+            twell.sparsify(model, layer_config={"train_min_m": 1})
+            if order == "sparsified first":
+                fully_shard_layers(model, mesh)
+            trained.clear()
+            got = model(ids, labels=ids)
+            got.loss.backward()
+            assert len(trained) == LAYERS, (order, trained)
+            assert_close(f"{order}: loss", got.loss.detach().float(), want.loss.detach().float(), tol=2e-2)
+            for name, p in model.named_parameters():
+                assert_close(f"{order}: grad of {name}", p.grad.float(), grads[name].float(), tol=5e-2)
+            model.eval()
+            for route, path in (("prefill", "prefill"), (None, "dense")):
+                paths.clear()
+                x = ids if route else ids[:1, :1]
+                with torch.no_grad(), twell.configure(model, **({"route": route} if route else {})):
+                    logits = model(x).logits
+                assert paths == [path] * LAYERS, (order, route, paths)
+                with torch.no_grad():
+                    assert_close(f"{order}: logits, {path}", logits.float(), dense(x).logits.float(), tol=2e-2)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -293,18 +368,18 @@ def tp_worker(rank, mesh):
     twell.sparsify(model)
     assert rewritten(model) == all_ffns
     assert down_rows(model)
-    with op_calls() as shapes:
+    with op_calls() as calls:
         got = model(ids, labels=ids)
         got.loss.backward()
-    assert shapes == [(32, 32)] * LAYERS, shapes  # each rank: its 32 of the 64 neurons
+    assert calls == [((32, 32), True)] * LAYERS, calls  # each rank: its 32 of the 64 neurons, in place
     assert_close("logits", got.logits.detach(), out.logits)
     for name, p in model.named_parameters():
         assert_close(f"grad of {name}", p.grad, dict(reference.named_parameters())[name].grad)
     # a hook of someone else's on a linear: the FFN runs its original forward (PyTorch's TP)
     handle = model.model.layers[0].mlp.gate_proj.register_forward_hook(lambda *args: None)
-    with op_calls() as shapes:
+    with op_calls() as calls:
         assert_close("logits, extra hook", model(ids).logits.detach(), out.logits)
-    assert shapes == [(32, 32)] * (LAYERS - 1), shapes
+    assert calls == [((32, 32), True)] * (LAYERS - 1), calls
     handle.remove()
     twell.restore(model)
     assert not down_rows(model)
@@ -324,12 +399,20 @@ def tp_worker(rank, mesh):
     assert all("tensor-parallel" in r.reason for r in twell.report(opt)), twell.report(opt).to_dict()
     assert_close("OPT logits", opt(ids).logits.detach(), opt_reference(ids).logits.detach())
 
-    # sparsify, then parallelize_module: exact too; the shards keep the nn.Linear layout (documented)
+    # sparsify, then parallelize_module: exact too; the shards have the nn.Linear layout, so a
+    # decode-sized call keeps it (dense on a GPU) and a prefill-sized one gets a copy in the rows layout
     model = parallelize(twell.sparsify(build()), mesh)
-    with op_calls() as shapes:
-        assert_close("logits, sparsified first", model(ids).logits.detach(), out.logits)
-    assert shapes == [(32, 32)] * LAYERS, shapes
     assert not down_rows(model)
+    for route, rows in (("decode", False), ("prefill", True)):
+        with twell.configure(model, route=route), op_calls() as calls:
+            got = model(ids, labels=ids)
+            got.loss.backward()
+        assert calls == [((32, 32), rows)] * LAYERS, (route, calls)
+        assert_close(f"logits, sparsified first, {route}", got.logits.detach(), out.logits)
+        for name, p in model.named_parameters():
+            want = dict(reference.named_parameters())[name].grad
+            assert_close(f"grad of {name}, sparsified first, {route}", p.grad, want)
+        model.zero_grad(set_to_none=True)
 
     # Sequence parallelism: the plan's layouts are honoured (sequence-sharded input and output)
 
@@ -342,9 +425,9 @@ def tp_worker(rank, mesh):
     parallelize_module(layer, mesh, plan)
     twell.sparsify(layer)
     x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(5))
-    with op_calls() as shapes:
+    with op_calls() as calls:
         y = layer.mlp(x.chunk(WORLD, dim=1)[rank])
-    assert shapes == [(32, 32)], shapes
+    assert calls == [((32, 32), True)], calls
     with torch.no_grad():
         want = reference.model.layers[0].mlp(x).chunk(WORLD, dim=1)[rank]
     assert_close("sequence-parallel FFN output", y.detach(), want)
@@ -377,3 +460,50 @@ def test_tensor_parallel_matches_one_process():
     """gate/up column-wise, down row-wise: each rank runs the twell op on its neurons; logits and every
     gradient equal the unsharded model's; calibration measures all neurons and decides once."""
     _spawn(tp_worker)
+
+
+def test_rows_for_call_copies_for_the_prefill_and_training_paths_only():
+    """A down weight in the nn.Linear layout gets a transposed copy for a call that takes the prefill
+    path or may take the sparse training path, none for a decode-sized call or one stored as rows;
+    the copy's gradient reaches the weight."""
+    from twell.distributed import rows_for_call
+    from twell.kernels.policy import DEFAULT
+    from twell.passes.modules import FFNWeights
+
+    g = torch.Generator().manual_seed(7)
+    k, n = 24, 40
+    down = torch.randn(k, n, generator=g, requires_grad=True)
+    weights = FFNWeights(torch.randn(n, k, generator=g), None, torch.randn(n, k, generator=g), None, down, None)
+    prefill, decode = torch.randn(DEFAULT.prefill_min_m, k), torch.randn(3, k)
+    with torch.no_grad():
+        assert rows_for_call(weights, decode, DEFAULT) is weights
+        got = rows_for_call(weights, prefill, DEFAULT).down
+        assert got.t().is_contiguous() and torch.equal(got, down)
+        rows = dataclasses.replace(weights, down=down.detach().t().contiguous().t())
+        assert rows_for_call(rows, prefill, DEFAULT) is rows
+    training = DEFAULT.replace(train_min_m=3)
+    assert rows_for_call(weights, decode, DEFAULT) is weights  # train_min_m None: no sparse training
+    got = rows_for_call(weights, decode, training).down
+    assert got.t().is_contiguous()
+    dy = torch.randn(k, n, generator=g)
+    (got * dy).sum().backward()
+    assert torch.equal(down.grad, dy)
+    with torch.no_grad():
+        assert rows_for_call(weights, decode, training) is weights  # no autograd recording
+
+
+def test_sparsify_leaves_down_weights_contiguous_in_a_process_group():
+    """With the default process group initialised, sparsify stores plain down weights as they are (so
+    that fully_shard can follow); without one, it re-lays them for the kernels."""
+    alone = twell.sparsify(build())
+    assert down_rows_plain(alone)
+    with one_rank_group("gloo"):
+        grouped = twell.sparsify(build())
+        assert not down_rows_plain(grouped)
+        ids = batch(0)
+        with torch.no_grad():
+            assert_close("logits in a process group", grouped(ids).logits, build()(ids).logits)
+
+
+def down_rows_plain(model) -> bool:
+    return all(layer.mlp.down_proj.weight.t().is_contiguous() for layer in model.model.layers)

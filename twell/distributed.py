@@ -1,16 +1,36 @@
 """twell inside PyTorch's distributed stack: FSDP2 (fully_shard) and tensor parallelism (DTensor).
 
+The down weight's layout. The kernels gather rows of down_weight^T ([N, K], one row per hidden neuron);
+on one GPU sparsify re-lays the weight once so that its transpose is contiguous. Under FSDP2 that
+cannot hold: FSDP accepts contiguous parameters only and all-gathers them contiguous in the nn.Linear
+layout ([K, N] row-major) before every forward and backward, into a tensor it frees again after. So
+- in a program whose process group is initialised (as fully_shard needs), sparsify leaves plain down
+  weights in the nn.Linear layout (store_down_rows), and fully_shard takes the model in either order;
+- a call whose down weight lacks the rows layout (FSDP's gathered weight, a tensor-parallel shard laid
+  out by parallelize_module after sparsify) gets a transposed copy for that call where it takes the
+  prefill or the sparse training path (rows_for_call): 2 * N * K * itemsize bytes of DRAM traffic,
+  K=2048 N=5632 bf16: 46 MB, ~11 us at 4 TB/s, against 1-10 ms for such a call; its backward passes
+  the gradient through the transpose (AccumulateGrad lays it out as FSDP's parameter: one more such
+  copy). Decode calls run dense there, as they do for any weight in that layout: a copy would cost
+  about what the sparse decode saves (dense reads 3 * N * K * 2 bytes, the sparse decode about a
+  third of that; the copy moves two thirds), and under FSDP each call already waits for the gather.
+The other way, a parameter stored transposed ([N, K], sharded on neurons) so that FSDP gathers the
+rows layout itself, would change the parameter's shape for named_parameters, optimizers and gradients,
+and could not follow fully_shard applied before sparsify (FSDP has sharded the nn.Linear parameter
+then); decode under FSDP2 is what it would add.
+
 FSDP2: fully_shard all-gathers a module's parameters before its forward, so a rewritten FFN inside a
-sharded module sees ordinary tensors and needs nothing from here. The all-gathered weights have the
-nn.Linear layout (FSDP requires contiguous parameters and rebuilds them contiguous), so on a GPU the
-ops take their dense route for the down projection's layout (twell.kernels.dispatch).
+sharded module sees ordinary tensors: the layout above is all it needs from here.
 
 Tensor parallelism (torch.distributed.tensor.parallel, gate and up ColwiseParallel, down
 RowwiseParallel): each rank holds a slice of the hidden neurons. The rewritten FFN runs the gate
 linear's input hook (the plan's input layout, made replicated), calls the twell op on the local
 shards (its slice of the neurons: an exact partial sum of the output), and hands that partial sum as
 a DTensor to the down linear's output hook, which reduces it as the plan says (all-reduce, or
-reduce-scatter for sequence parallelism). Gradients flow through the same DTensor conversions.
+reduce-scatter for sequence parallelism). Gradients flow through the same DTensor conversions. The
+rank's down shard [K, N / ranks] is kept for good, so sparsify re-lays it in place (store_local_rows)
+when the model is parallelized first; parallelized after sparsify, the shard is contiguous again
+(distribute_tensor lays shards out so) and its calls take rows_for_call's copy.
 
 Calibration of a sharded model: each gate's output slices are gathered so that every layer is
 measured over all its neurons (TwELL tiles counted within each rank's slice, as the kernels run
@@ -127,6 +147,41 @@ def run_tensor_parallel(spec, gate: nn.Module, up: nn.Module | None, down: nn.Mo
     return _output_hooks(down, y)
 
 
+def process_group_initialised() -> bool:
+    """Whether the program has initialised torch.distributed's default process group (then sparsify
+    leaves plain down weights in the nn.Linear layout: the module docstring)."""
+    api = sys.modules.get("torch.distributed")
+    return api is not None and api.is_available() and api.is_initialized()
+
+
+def rows_for_call(weights, x: torch.Tensor, config):
+    """`weights` (twell.passes.modules.FFNWeights) for the op's call on x [..., K] with the layer's
+    LayerConfig: as given where the down weight [K, N] is stored as the kernels read it (its transpose
+    contiguous), else with a transposed copy of it (differentiable) where the call takes the prefill
+    path (policy.route) or may take the sparse training path (autograd recording, at least
+    config.train_min_m tokens); decode-sized calls keep the nn.Linear layout and run dense."""
+    from twell.kernels import policy
+
+    down = weights.down
+    if down.dim() != 2 or down.stride(0) == 1 or x.dim() < 1 or x.shape[-1] == 0:
+        return weights
+    k = x.shape[-1]
+    m = x.numel() // k
+    tensors = (x, *(getattr(weights, f.name) for f in dataclasses.fields(weights)))
+    training = (
+        config.train_min_m is not None
+        and m >= config.train_min_m
+        and k <= policy.MAX_K
+        and torch.is_grad_enabled()
+        and any(t is not None and t.requires_grad for t in tensors)
+    )
+    if not training and policy.route(m, k, config) != "prefill":
+        return weights
+    if type(down) not in (torch.Tensor, nn.Parameter):  # a tensor subclass (quantised): its own way
+        return weights
+    return dataclasses.replace(weights, down=down.t().contiguous().t())
+
+
 def store_local_rows(weight: torch.Tensor) -> bool:
     """store_down_rows for a row-wise sharded (Shard(1), 1-D mesh) DTensor down weight: re-lay this
     rank's shard [K, N / ranks] so that its transpose is contiguous. Other DTensors (FSDP's shards,
@@ -206,6 +261,8 @@ __all__ = [
     "agree",
     "full_hidden",
     "is_dtensor",
+    "process_group_initialised",
+    "rows_for_call",
     "run_tensor_parallel",
     "sharded",
     "store_local_contiguous",

@@ -60,9 +60,14 @@ def store_down_rows(weight: torch.Tensor) -> bool:
     so that weight.t() ([N, K], one row per hidden neuron) is contiguous: the kernels gather whole rows
     of it for the active neurons, and a copy per call would cost more than the whole sparse FFN at
     decode sizes. Same tensor object, shape and values; only the strides change (.to()/.half() keep
-    them). Returns whether it re-laid the weight."""
+    them). Returns whether it re-laid the weight. A row-wise tensor-parallel shard is re-laid in place
+    (twell.distributed.store_local_rows); in a program whose process group is initialised, a plain
+    [K, N] weight is not, so that fully_shard (which takes contiguous parameters only) can follow
+    sparsify: sharded, its calls get twell.distributed.rows_for_call's copy."""
     if distributed.is_dtensor(weight):
         return distributed.store_local_rows(weight)
+    if weight.dim() == 2 and distributed.process_group_initialised():
+        return False
     if type(weight.data) is not torch.Tensor or weight.dim() < 2 or weight.transpose(-2, -1).is_contiguous():
         return False
     with torch.no_grad():
@@ -123,6 +128,7 @@ def hidden_activation(spec: FFNSpec, weights: FFNWeights, x: torch.Tensor) -> to
 
 def call_op(spec: FFNSpec, weights: FFNWeights, x: torch.Tensor, config: LayerConfig, return_l1=False):
     """twell.ops.(gated_)ffn of `spec` on x [..., K] with `weights` and the layer's `config`."""
+    weights = distributed.rows_for_call(weights, x, config)
     shared = {"down_bias": weights.down_bias, "threshold": spec.threshold, "return_l1": return_l1, "config": config}
     if spec.kind == "plain":
         return ops.ffn(x, weights.gate, weights.down, up_bias=weights.gate_bias, squared=spec.squared, **shared)
