@@ -160,13 +160,12 @@ def shape_rows(k: int, n: int, m: int, pattern: str) -> list[dict]:
         print(f"  {route:12s} {str(config):22s} {ms:7.3f} ms  gate+pack {total:7.3f} ({total / cublas:.3f}x cuBLAS)"
               f"  counts agree {agree:.6f} exact {same}{flag}", flush=True)  # fmt: skip
 
-    for by_bits in (False, True):
-        for config in gate.PACK_CONFIGS:
-            if (config[0] >= gate.BITS_MIN_ROWS) if by_bits else (config[0] <= 32):
-                record(
-                    "pack-bits" if by_bits else "pack-scan", config,
-                    lambda c=config, b=by_bits: gate.pack_dense(pre, 0.0, 128, 16, config=c, by_bits=b),
-                )  # fmt: skip
+    for by_bits, table in ((False, gate.PACK_CONFIGS), (True, gate.PACK_BITS_CONFIGS)):
+        for config in table:
+            record(
+                "pack-bits" if by_bits else "pack-scan", config,
+                lambda c=config, b=by_bits: gate.pack_dense(pre, 0.0, 128, 16, config=c, by_bits=b),
+            )  # fmt: skip
     for config in gate.GATE_CONFIGS:
         try:
             record("fused", config, lambda c=config: gate.gate_twell(x, wg, bg, 0.0, 128, 16, config=c), exact=False)

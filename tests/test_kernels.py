@@ -80,6 +80,22 @@ def test_pack_dense_matches_the_spec(m, n, tile_n, slots, square, dtype, config,
     assert got.values.isnan().sum() == 1
 
 
+def test_pack_configs_are_pruned_to_the_formulation(monkeypatch):
+    """The pack's autotuner holds both formulations' rows and tunes each over its own table (and within a
+    reuse block); the interpreter's one config is a row of both."""
+    monkeypatch.setattr(gate, "interpreting", lambda: False)
+    configs = gate._pack_configs()
+
+    def kept(by_bits, rows):
+        pruned = gate._prune_pack(configs, {}, REUSE_ROWS=rows, BY_BITS=by_bits)
+        return [(c.kwargs["BLOCK_M"], c.num_warps, c.num_stages) for c in pruned]
+
+    assert sorted(kept(False, 0)) == sorted(gate.PACK_CONFIGS)
+    assert sorted(kept(True, 0)) == sorted(gate.PACK_BITS_CONFIGS)
+    assert kept(True, 16) == [(16, 4, 1)] and all(bm <= 16 for bm, _, _ in kept(False, 16))
+    assert gate.PACK_CONFIGS[0] in gate.PACK_BITS_CONFIGS
+
+
 @pytest.mark.parametrize("by_bits", [False, True], ids=["scan", "bits"])
 def test_pack_dense_hands_over_hot_columns(by_bits):
     """Hot neurons' columns go to hot_values whole (pre-activations, NaN included) and never into TwELL;
@@ -251,12 +267,11 @@ def stack(kernel, consts, options):
 
 cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
 pack = dict(HAS_HOT=False, REUSE_ROWS=0, SQUARE=False, TILE_N=128, SLOTS=16, stride_hn=1)
-for bm, warps, stages in gate.PACK_CONFIGS:
-    for by_bits in (False, True):
-        if (bm >= gate.BITS_MIN_ROWS) if by_bits else (bm <= 32):
-            consts = dict(pack, BLOCK_M=bm, BY_BITS=by_bits)
-            spilled, usage = stack(gate._pack_dense_kernel.fn, consts, dict(num_warps=warps, num_stages=stages))
-            assert spilled == 0 and "LOCAL:0 " in usage, (consts, usage)
+for by_bits, table in ((False, gate.PACK_CONFIGS), (True, gate.PACK_BITS_CONFIGS)):
+    for bm, warps, stages in table:
+        consts = dict(pack, BLOCK_M=bm, BY_BITS=by_bits)
+        spilled, usage = stack(gate._pack_dense_kernel.fn, consts, dict(num_warps=warps, num_stages=stages))
+        assert spilled == 0 and "LOCAL:0 " in usage, (consts, usage)
 fused = dict(HAS_BIAS=True, HAS_HOT=False, SQUARE=False, EVEN_N=True, DOT_PRECISION="tf32", VALUE=tl.bfloat16,
              TILE_N=128, SLOTS=16, PROGRAMS=132, GROUP_M=8)
 bm, bk, warps, stages = gate.GATE_CONFIGS[0]
@@ -290,12 +305,11 @@ def test_gate_and_pack_routes_agree_at_real_shapes(k, n, m):
     pre[3, 100] = float("nan")
     ref_words, ref_counts = pack_dense(pre, 0.0, 128, 16, config=gate.PACK_CONFIGS[0])
     assert (ref_counts > 16).any() and 0.002 < ref_counts.sum().item() / (m * n) < 0.02
-    for by_bits in (False, True):
-        for config in gate.PACK_CONFIGS:
-            if (config[0] >= gate.BITS_MIN_ROWS) if by_bits else (config[0] <= 32):
-                words, counts = pack_dense(pre, 0.0, 128, 16, config=config, by_bits=by_bits)
-                assert torch.equal(counts, ref_counts), (config, by_bits)
-                assert torch.equal(_counted(words, counts), _counted(ref_words, ref_counts)), (config, by_bits)
+    for by_bits, table in ((False, gate.PACK_CONFIGS), (True, gate.PACK_BITS_CONFIGS)):
+        for config in table:
+            words, counts = pack_dense(pre, 0.0, 128, 16, config=config, by_bits=by_bits)
+            assert torch.equal(counts, ref_counts), (config, by_bits)
+            assert torch.equal(_counted(words, counts), _counted(ref_words, ref_counts)), (config, by_bits)
     cublas_words, cublas_counts = pack_dense(torch.nn.functional.linear(x, w, b), 0.0, 128, 16)
     for config in gate.GATE_CONFIGS:
         words, counts = gate_twell(x, w, b, 0.0, 128, 16, config=config)

@@ -29,7 +29,6 @@ import triton.language as tl
 from twell.format import word_dtype
 from twell.kernels.common import (
     TunedLaunch,
-    autotune_configs,
     check_bias,
     check_input,
     check_operand,
@@ -288,41 +287,49 @@ def _gate_twell_kernel(
 
 
 PACK_CONFIGS = [
-    # (BLOCK_M, num_warps, num_stages). The prefix-sum pack: 1.12-1.27 ms at M=131072, N=5632 whatever
+    # (BLOCK_M, num_warps, num_stages) of the prefix-sum pack. 1.12-1.27 ms at M=131072, N=5632 whatever
     # the row block (16 rows, 4 warps best; gpu_check-prefill-20261201-205835.json) against 0.35 for its
-    # bytes (the gate read once): bound by instructions (ptxas, sm_90: ~38 a value at 16 rows, a third
-    # of them the store's layout conversion), not by memory. Rows of 64 and 128 are for the pack by
-    # bits (BY_BITS), whose per-row rounds want many rows a program; _prune_pack keeps each
-    # formulation's rows.
+    # bytes (the gate read once): bound by instructions (ptxas, sm_90: ~35 a value at 16 rows, a third
+    # of them the store's layout conversion), not by memory
     (16, 4, 1),
     (32, 4, 1),
     (4, 2, 1),
     (8, 4, 1),
     (16, 8, 1),
-    (64, 4, 1),
-    (128, 4, 1),
-    (128, 8, 1),
 ]
-BITS_MIN_ROWS = 16  # the pack by bits' smallest row block: its rounds' per-row work is spread over the threads
+# the pack by bits (BY_BITS): its rounds' per-row work wants many rows a program, one row a thread
+# (ptxas, sm_90: ~3 instructions a value and ~25 a round a thread at 128 rows, 4 warps; no spills);
+# rows down to 16 for reuse blocks of 16 rows
+PACK_BITS_CONFIGS = [
+    (128, 4, 1),
+    (64, 4, 1),
+    (128, 8, 1),
+    (32, 4, 1),
+    (16, 4, 1),
+]
+
+
+def _pack_configs() -> list[triton.Config]:
+    """Both formulations' configs; the first alone when interpreting (a row of both tables: with one
+    config the autotuner neither prunes nor tunes, which the interpreter cannot)."""
+    rows = PACK_CONFIGS[:1] if interpreting() else PACK_CONFIGS + PACK_BITS_CONFIGS
+    return [triton.Config({"BLOCK_M": bm}, num_warps=w, num_stages=s) for bm, w, s in dict.fromkeys(rows)]
 
 
 def _prune_pack(configs, named_args, **kwargs):
-    """With reuse, a program's rows lie in one reuse block: BLOCK_M must divide REUSE_ROWS (both powers
-    of two, so BLOCK_M <= REUSE_ROWS). The prefix-sum pack takes rows up to 32 (32 measured 2.3 ms
-    against 1.6 for 16: ffn-20261201-094521.json), the pack by bits from BITS_MIN_ROWS."""
+    """The configs of the formulation being run (BY_BITS). With reuse, a program's rows lie in one reuse
+    block: BLOCK_M must divide REUSE_ROWS (both powers of two, so BLOCK_M <= REUSE_ROWS)."""
     rows = kwargs["REUSE_ROWS"]
-    by_bits = kwargs["BY_BITS"]
-    kept = [
+    table = PACK_BITS_CONFIGS if kwargs["BY_BITS"] else PACK_CONFIGS
+    return [
         c
         for c in configs
-        if (rows == 0 or c.kwargs["BLOCK_M"] <= rows)
-        and (c.kwargs["BLOCK_M"] >= BITS_MIN_ROWS if by_bits else c.kwargs["BLOCK_M"] <= 32)
+        if (c.kwargs["BLOCK_M"], c.num_warps, c.num_stages) in table and (rows == 0 or c.kwargs["BLOCK_M"] <= rows)
     ]
-    return kept
 
 
 @triton.autotune(
-    configs=autotune_configs(PACK_CONFIGS, lambda bm, w, s: {"BLOCK_M": bm}),
+    configs=_pack_configs(),
     key=["M_BUCKET", "N", "TILE_N", "SLOTS", "REUSE_ROWS", "BY_BITS"],
     cache_results=True,
     prune_configs_by={"early_config_prune": _prune_pack},
