@@ -27,11 +27,102 @@ def autotune_configs(table, to_meta) -> list[triton.Config]:
     return [triton.Config(to_meta(*row), num_warps=row[-2], num_stages=row[-1]) for row in rows]
 
 
+# Lean launches: a kernel's compiled binary, once Triton's own launch (JITFunction.run: binder,
+# specialization, cache key, lookup) has chosen it for a call, is launched directly by later calls whose
+# arguments specialise the same way (Launch). Off until measured on the GPU (benchmarks/host_time.py
+# reports both; benchmarks/NOTES.md, "Prefill host v2").
+LEAN_LAUNCH = False
+# the guard below reproduces the NVIDIA backend's specialization (AMD's also keys on pointer ranges)
+_NVIDIA = torch.version.hip is None
+_I32, _I64 = 1 << 31, 1 << 63
+
+
+def _current_device() -> int:
+    """The device Triton launches on (its compiled binaries are loaded per device)."""
+    return triton.runtime.driver.active.get_current_device()
+
+
+def _capturing() -> bool:
+    """True while the current CUDA stream is being captured into a graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _spec_key(value):
+    """What Triton's specialization of a non-constexpr argument depends on, at least as finely as
+    Triton (Triton 3.6 and 3.9 alike): a tensor's dtype and 16-byte alignment; an int's equality to 1,
+    divisibility by 16 and width (i32, i64, u64); the type of a bool, float or None. None for any other
+    kind (a TMA descriptor, whose block shape is specialised too): such a call is never launched lean."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype, value.data_ptr() % 16 == 0
+    kind = type(value)
+    if kind is int:
+        return value == 1, value % 16 == 0, -_I32 <= value < _I32, -_I64 <= value < _I64
+    if kind is bool or kind is float or value is None:
+        return kind
+    return None
+
+
+class Launch:
+    """Launches a @triton.jit kernel (kernel[grid](*args, **kwargs)) through the binary Triton compiled
+    for the same specialization, without Triton's per-call binding (tens to a hundred and more us of
+    host time for a kernel of ~40 arguments), where LEAN_LAUNCH is on.
+
+    Guard: the binary is kept per specialization key (the current device, each non-constexpr
+    argument's _spec_key, each constexpr's and launch option's value); a call whose key was not seen
+    yet, or that has an argument _spec_key cannot key, goes through Triton's launch, which specialises
+    (and compiles) for it: a call never runs a binary specialised for other arguments. The kernel's
+    globals, pre-run hooks and Triton's debug knobs are taken as fixed after the first launch. Under
+    TRITON_INTERPRET=1 every call is Triton's launch (the interpreter compiles nothing).
+    """
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        params = kernel.params
+        self.names = [p.name for p in params]
+        self.constexpr = [p.is_constexpr for p in params]
+        self.keyed = {p.name for p in params if not p.is_constexpr}  # by _spec_key, also as keywords
+        self.defaults = {p.name: p.default for p in params if p.has_default}
+        self.binaries: dict[tuple, object] = {}
+
+    def _key(self, args, kwargs) -> tuple | None:
+        key = [_current_device()]
+        for value, constexpr in zip(args, self.constexpr, strict=False):
+            spec = value if constexpr else _spec_key(value)
+            if spec is None and not constexpr:
+                return None
+            key.append(spec)
+        for name, value in kwargs.items():
+            spec = _spec_key(value) if name in self.keyed else value
+            if spec is None and name in self.keyed:
+                return None
+            key.append((name, spec))
+        return tuple(key)
+
+    def __call__(self, grid, *args, **kwargs) -> None:
+        key = self._key(args, kwargs) if LEAN_LAUNCH and _NVIDIA and not interpreting() else None
+        binary = self.binaries.get(key) if key is not None else None
+        if binary is None:
+            compiled = self.kernel[grid](*args, **kwargs)
+            if key is not None and not self.kernel.pre_run_hooks:
+                self.binaries[key] = compiled
+            return
+        values = [*args, *(kwargs[n] if n in kwargs else self.defaults[n] for n in self.names[len(args) :])]
+        if callable(grid):
+            grid = grid(dict(zip(self.names, values, strict=True)))
+        binary[(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)](*values)
+
+
 class TunedLaunch:
     """Launches an autotuned kernel with the config its autotuner chose for a key, without the
     autotuner's per-call work (its key built from every argument, the lookup, the config's kwargs):
-    tens of us of host time a launch. The first launch of a key goes through the autotuner (which
-    benchmarks, or reads its disk cache), and its choice is kept for the key.
+    tens of us of host time a launch; with LEAN_LAUNCH, through Launch (Triton's binding skipped too).
+    The first launch of a key goes through the autotuner (which benchmarks, or reads its disk cache),
+    and its choice is kept for the key.
+
+    Under CUDA-graph capture the autotuner cannot run (benchmarking synchronises): a key not tuned yet
+    launches the first of the autotuner's configs that its pruning keeps (the tables list the
+    measured best first), kept for no key, so the next call outside a capture tunes it
+    (untuned_captures counts them).
 
     key: what selects the autotuner's config, as the caller knows it: the autotune key's values and
     whatever sets the dtypes of the tensor arguments (the autotuner keys by those too); a key must
@@ -40,20 +131,40 @@ class TunedLaunch:
 
     def __init__(self, kernel):
         self.kernel = kernel
+        self.launch = Launch(kernel.fn) if not interpreting() else None
         self.configs: dict[tuple, triton.Config] = {}
+        self.meta: dict[tuple, dict] = {}  # a key's config as launch arguments
         self.best_config: triton.Config | None = None  # the latest launch's (benchmarks record it)
+        self.untuned_captures = 0
 
     def __call__(self, key: tuple, grid, *args, **kwargs) -> None:
         config = self.configs.get(key)
         if config is None:
-            self.kernel[grid](*args, **kwargs)
-            self.configs[key] = self.best_config = self.kernel.best_config
-            return
+            if not _capturing():
+                self.kernel[grid](*args, **kwargs)
+                self.configs[key] = self.best_config = self.kernel.best_config
+                self.meta[key] = self.best_config.all_kwargs()
+                return
+            config = self._untuned(args, kwargs)
+            self.untuned_captures += 1
+            meta = config.all_kwargs()
+        else:
+            meta = self.meta[key]
         self.best_config = config
-        meta = config.all_kwargs()
         if config.pre_hook is not None:
             config.pre_hook({**dict(zip(self.kernel.arg_names, args, strict=False)), **kwargs, **meta})
-        self.kernel.fn[grid](*args, **kwargs, **meta)
+        if self.launch is None or config.pre_hook is not None:  # a pre-hook may change what specialises
+            self.kernel.fn[grid](*args, **kwargs, **meta)
+        else:
+            self.launch(grid, *args, **kwargs, **meta)
+
+    def _untuned(self, args, kwargs) -> triton.Config:
+        """The config of a key first launched under capture: the first the autotuner's pruning keeps."""
+        configs = self.kernel.configs
+        prune = getattr(self.kernel, "early_config_prune", None)
+        if prune is not None:
+            configs = prune(configs, dict(zip(self.kernel.arg_names, args, strict=False)), **kwargs)
+        return configs[0]
 
 
 @functools.cache
