@@ -8,8 +8,9 @@ import torch
 import triton
 import triton.language as tl
 from conftest import DEVICE, rel_err
-from ffn_cases import gated_ref, make_ffn
+from ffn_cases import GatedBlock, gated_ref, make_ffn
 
+import twell
 from twell.kernels import checks, common, dispatch, gate, policy, updown
 from twell.kernels.policy import LayerConfig
 
@@ -152,13 +153,20 @@ def _toy_kernel(x_ptr, y_ptr, n, scale, flag, BLOCK: tl.constexpr, EVEN: tl.cons
 
 
 class _Binary:
-    """What Triton's launch returns (a compiled kernel): binary[grid](*every argument) launches it."""
+    """What Triton's launch returns (a compiled kernel): binary.run(grid, stream, function, metadata,
+    launch hooks, every argument) launches it."""
+
+    function = packed_metadata = None
 
     def __init__(self, spec):
         self.spec, self.launches = spec, []
 
-    def __getitem__(self, grid):
-        return lambda *values: self.launches.append((grid, values))
+    def launch_metadata(self, grid, stream, *values):
+        return ("metadata", stream)
+
+    def run(self, grid_0, grid_1, grid_2, stream, function, packed_metadata, metadata, enter, leave, *values):
+        assert stream == 7 and metadata == ("metadata", 7)
+        self.launches.append(((grid_0, grid_1, grid_2), values))
 
 
 @pytest.fixture
@@ -178,6 +186,7 @@ def toy(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(common, "LEAN_LAUNCH", True)
     monkeypatch.setattr(common, "_current_device", lambda: 0)
+    monkeypatch.setattr(common, "_current_stream", lambda device: 7)
     return common.Launch(kernel), normal
 
 
@@ -356,3 +365,147 @@ def test_the_warm_up_call_is_exact():
         y = dispatch.gated_ffn_cuda(case["x"], *args, 0.0, False, config)
         assert rel_err(y, gated_ref(case)) <= 1e-5
     assert dispatch.layer_state(args[0], 80).prefilled
+
+
+def _block_8192() -> GatedBlock:
+    """K=2048 N=5632 in bf16 on the GPU, ~0.5% of its neurons firing on random inputs."""
+    torch.manual_seed(0)
+    block = GatedBlock(2048, 5632).to("cuda", torch.bfloat16).eval()
+    torch.nn.init.constant_(block.mlp.gate_proj.bias, -1.49)  # pre-activations ~N(0, 0.58): 2.58 sigma
+    return block
+
+
+def _counting(monkeypatch, kernel, calls: list) -> None:
+    """Record each run of `kernel` (an autotuner or a JITFunction): whether a capture was under way."""
+    run = kernel.run
+    monkeypatch.setattr(
+        kernel, "run", lambda *a, **k: calls.append(torch.cuda.is_current_stream_capturing()) or run(*a, **k)
+    )
+
+
+@pytest.mark.gpu
+def test_lean_launch_matches_triton_launch_bit_for_bit(monkeypatch):
+    """8192 tokens through the prefill path: the same bits with LEAN_LAUNCH on as off, for an aligned x
+    and one 2 bytes off (Triton's launch specialises for it), and the lean calls after the first of
+    each skip Triton's launch of the up+down kernel."""
+    _fresh_launchers(monkeypatch)  # no binary kept from another test
+    block = _block_8192()
+    twell.sparsify(block)
+    base = torch.randn(8192 * 2048 + 1, device="cuda", dtype=torch.bfloat16)
+    xs = (base[:-1].view(8192, 2048), base[1:].view(8192, 2048))
+    triton_runs = []
+    _counting(monkeypatch, updown._twell_up_down_kernel.fn, triton_runs)
+    results = {}
+    with torch.no_grad(), twell.configure(block, route="prefill", hot_rate=None):
+        for lean in (False, True):
+            monkeypatch.setattr(common, "LEAN_LAUNCH", lean)
+            results[lean], runs = [], []
+            for x in xs:
+                for _ in range(3):
+                    before = len(triton_runs)
+                    results[lean].append(block(x))
+                    torch.cuda.synchronize()
+                    runs.append(len(triton_runs) - before)
+            if lean:
+                assert runs[2] == runs[5] == 0 and runs[0] == runs[3] == 1
+    assert updown._up_down_launch.launch.binaries and gate._pack_dense_launch.launch.binaries
+    for off, on in zip(results[False], results[True], strict=True):
+        assert torch.equal(off, on)
+    assert not torch.equal(results[True][0], results[True][3])  # the two inputs differ
+
+
+def _fresh_launchers(monkeypatch) -> None:
+    """The prefill launchers with no key tuned (the autotuners' own caches are bypassed by them)."""
+    monkeypatch.setattr(gate, "_pack_dense_launch", common.TunedLaunch(gate._pack_dense_kernel))
+    monkeypatch.setattr(updown, "_up_down_launch", common.TunedLaunch(updown._twell_up_down_kernel))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lean", [False, True], ids=["triton-launch", "lean"])
+def test_a_captured_8192_token_call_prefills_after_an_eager_one(monkeypatch, lean):
+    """prefill_min_m_captured=8192: a capture of a layer never run at that size runs dense (no crash,
+    nothing tuned inside it); after one eager call (which prefills and tunes), the capture prefills,
+    tunes nothing, and its replay gives the eager prefill call's bits."""
+    monkeypatch.setattr(common, "LEAN_LAUNCH", lean)
+    _fresh_launchers(monkeypatch)
+    tuning, paths = [], []
+    _counting(monkeypatch, gate._pack_dense_kernel, tuning)
+    _counting(monkeypatch, updown._twell_up_down_kernel, tuning)
+    launch_up_down = dispatch.launch_up_down
+    monkeypatch.setattr(dispatch, "launch_up_down", lambda *a, **k: paths.append("prefill") or launch_up_down(*a, **k))
+    block = _block_8192()
+    twell.sparsify(block, layer_config={"hot_rate": None})
+    x = torch.randn(8192, 2048, device="cuda", dtype=torch.bfloat16)
+
+    def captured():
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = block(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        return y
+
+    with torch.no_grad():
+        dispatch.forget_layers()
+        dense = block(x)  # the dense route's kernels compile outside the captures
+        twell.configure(block, prefill_min_m_captured=8192)
+        dispatch.forget_layers()
+        assert rel_err(captured(), dense) <= 1e-6 and paths == [] and tuning == []
+        warm = block(x)  # the first eager call at this size: prefill, tuned
+        torch.cuda.synchronize()
+        assert paths == ["prefill"] and tuning == [False, False]
+        assert torch.equal(block(x), dense) and paths == ["prefill"]  # later eager calls: dense
+        y = captured()
+        assert paths == ["prefill"] * 2 and tuning == [False, False]
+        assert torch.equal(y, warm)
+        assert rel_err(warm, dense) <= 2e-2
+
+
+@pytest.mark.gpu
+def test_torch_compile_cuda_graphs_prefill_8192_tokens(monkeypatch):
+    """torch.compile(mode="reduce-overhead"): its warm-up call runs eagerly (here: the prefill kernels,
+    tuned), its recording captures the prefill path without tuning, the replays match."""
+    _fresh_launchers(monkeypatch)
+    tuning, paths = [], []
+    _counting(monkeypatch, gate._pack_dense_kernel, tuning)
+    _counting(monkeypatch, updown._twell_up_down_kernel, tuning)
+    launch_up_down = dispatch.launch_up_down
+    monkeypatch.setattr(dispatch, "launch_up_down", lambda *a, **k: paths.append("prefill") or launch_up_down(*a, **k))
+    block = _block_8192()
+    twell.sparsify(block, layer_config={"hot_rate": None, "prefill_min_m_captured": 8192})
+    x = torch.randn(8192, 2048, device="cuda", dtype=torch.bfloat16)
+    dispatch.forget_layers()
+    compiled = torch.compile(block, mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad():
+        outs = [compiled(x).clone() for _ in range(4)]
+        torch.cuda.synchronize()
+        with twell.configure(block, route="prefill"):
+            ref = block(x)
+    assert paths.count("prefill") >= 2 and True not in tuning
+    for out in outs:
+        assert rel_err(out, ref) <= 1e-2
+
+
+@pytest.mark.gpu
+def test_an_untuned_key_under_a_real_capture_launches_its_first_config(monkeypatch):
+    """The pack launcher's key never tuned, inside torch.cuda.graph: no autotuning, the first config
+    that the pruning keeps (its binary loaded by an eager launch of the same config first: a capture
+    cannot load one), and the replay gives that launch's bits."""
+    launch = common.TunedLaunch(gate._pack_dense_kernel)
+    monkeypatch.setattr(gate, "_pack_dense_launch", launch)
+    tuning = []
+    _counting(monkeypatch, gate._pack_dense_kernel, tuning)
+    h = torch.randn(8192, 5632, device="cuda", dtype=torch.bfloat16) - 2.58
+    monkeypatch.setattr(common, "_capturing", lambda: True)
+    eager = gate.launch_pack_dense(h, 0.0, 128, 16)  # as under a capture: the first config, eagerly
+    monkeypatch.undo()
+    monkeypatch.setattr(gate, "_pack_dense_launch", launch)
+    _counting(monkeypatch, gate._pack_dense_kernel, tuning)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        words, counts = gate.launch_pack_dense(h, 0.0, 128, 16)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert tuning == [] and launch.configs == {} and launch.untuned_captures == 2
+    assert torch.equal(counts, eager[1]) and torch.equal(_counted(words, counts), _counted(*eager))

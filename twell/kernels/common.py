@@ -8,6 +8,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 
 # the launchers' checks, defined once: the layout by policy (it owns the limits), dtypes and threshold
 # by the op boundary (twell.kernels.library)
@@ -42,16 +43,24 @@ def _current_device() -> int:
     return triton.runtime.driver.active.get_current_device()
 
 
+def _current_stream(device: int) -> int:
+    """The stream Triton launches on: torch's current one."""
+    return triton.runtime.driver.active.get_current_stream(device)
+
+
 def _capturing() -> bool:
     """True while the current CUDA stream is being captured into a graph."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+_UNKEYED = object()  # an argument _spec_key does not key
+
+
 def _spec_key(value):
     """What Triton's specialization of a non-constexpr argument depends on, at least as finely as
     Triton (Triton 3.6 and 3.9 alike): a tensor's dtype and 16-byte alignment; an int's equality to 1,
-    divisibility by 16 and width (i32, i64, u64); the type of a bool, float or None. None for any other
-    kind (a TMA descriptor, whose block shape is specialised too): such a call is never launched lean."""
+    divisibility by 16 and width (i32, i64, u64); the type of a bool, float or None. _UNKEYED for any
+    other kind (a TMA descriptor, whose block shape is specialised too): such a call is never lean."""
     if isinstance(value, torch.Tensor):
         return value.dtype, value.data_ptr() % 16 == 0
     kind = type(value)
@@ -59,19 +68,21 @@ def _spec_key(value):
         return value == 1, value % 16 == 0, -_I32 <= value < _I32, -_I64 <= value < _I64
     if kind is bool or kind is float or value is None:
         return kind
-    return None
+    return _UNKEYED
 
 
 class Launch:
     """Launches a @triton.jit kernel (kernel[grid](*args, **kwargs)) through the binary Triton compiled
-    for the same specialization, without Triton's per-call binding (tens to a hundred and more us of
-    host time for a kernel of ~40 arguments), where LEAN_LAUNCH is on.
+    for the same specialization, where LEAN_LAUNCH is on: the launcher call of Triton's own launch
+    (CompiledKernel.run with the stream, the launch hooks and every argument, constexprs included, as
+    JITFunction.run passes them in Triton 3.6 and 3.9) without its binding, specialization key and
+    lookup.
 
-    Guard: the binary is kept per specialization key (the current device, each non-constexpr
-    argument's _spec_key, each constexpr's and launch option's value); a call whose key was not seen
-    yet, or that has an argument _spec_key cannot key, goes through Triton's launch, which specialises
-    (and compiles) for it: a call never runs a binary specialised for other arguments. The kernel's
-    globals, pre-run hooks and Triton's debug knobs are taken as fixed after the first launch. Under
+    Guard: the binary is kept per key (the current device, each non-constexpr argument's _spec_key,
+    each constexpr's and launch option's value); a call whose key was not seen yet, or with an argument
+    _spec_key does not key, goes through Triton's launch, which specialises (and compiles) for it: a
+    call never runs a binary specialised for other arguments. The kernel's globals and pre-run hooks
+    and Triton's debug and instrumentation knobs are taken as fixed after the first launch. Under
     TRITON_INTERPRET=1 every call is Triton's launch (the interpreter compiles nothing).
     """
 
@@ -80,36 +91,47 @@ class Launch:
         params = kernel.params
         self.names = [p.name for p in params]
         self.constexpr = [p.is_constexpr for p in params]
+        # positional arguments up to the first constexpr are keyed by kind alone
+        self.by_kind = self.constexpr.index(True) if True in self.constexpr else len(params)
         self.keyed = {p.name for p in params if not p.is_constexpr}  # by _spec_key, also as keywords
         self.defaults = {p.name: p.default for p in params if p.has_default}
         self.binaries: dict[tuple, object] = {}
 
-    def _key(self, args, kwargs) -> tuple | None:
-        key = [_current_device()]
-        for value, constexpr in zip(args, self.constexpr, strict=False):
-            spec = value if constexpr else _spec_key(value)
-            if spec is None and not constexpr:
-                return None
-            key.append(spec)
-        for name, value in kwargs.items():
-            spec = _spec_key(value) if name in self.keyed else value
-            if spec is None and name in self.keyed:
-                return None
-            key.append((name, spec))
-        return tuple(key)
+    def _key(self, device: int, args, kwargs) -> tuple | None:
+        if len(args) <= self.by_kind:
+            spec = tuple(map(_spec_key, args))
+        else:
+            spec = tuple(v if c else _spec_key(v) for v, c in zip(args, self.constexpr, strict=False))
+        if self.keyed.isdisjoint(kwargs):
+            named = tuple(kwargs.items())
+        else:
+            named = tuple((n, _spec_key(v) if n in self.keyed else v) for n, v in kwargs.items())
+        if any(s is _UNKEYED for s in spec) or any(s is _UNKEYED for _, s in named):
+            return None
+        return device, spec, named
 
     def __call__(self, grid, *args, **kwargs) -> None:
-        key = self._key(args, kwargs) if LEAN_LAUNCH and _NVIDIA and not interpreting() else None
+        if not LEAN_LAUNCH or not _NVIDIA or interpreting():
+            self.kernel[grid](*args, **kwargs)
+            return
+        device = _current_device()
+        key = self._key(device, args, kwargs)
         binary = self.binaries.get(key) if key is not None else None
         if binary is None:
             compiled = self.kernel[grid](*args, **kwargs)
-            if key is not None and not self.kernel.pre_run_hooks:
+            if key is not None and compiled is not None and not self.kernel.pre_run_hooks:
                 self.binaries[key] = compiled
             return
         values = [*args, *(kwargs[n] if n in kwargs else self.defaults[n] for n in self.names[len(args) :])]
         if callable(grid):
             grid = grid(dict(zip(self.names, values, strict=True)))
-        binary[(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)](*values)
+        stream = _current_stream(device)
+        metadata = binary.launch_metadata(grid, stream, *values)  # the launch hooks' (profilers')
+        size = len(grid)
+        binary.run(
+            grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, stream, binary.function,
+            binary.packed_metadata, metadata, knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *values,
+        )  # fmt: skip
 
 
 class TunedLaunch:
