@@ -7,7 +7,8 @@ queued first, so no call waits for the device), the GPU time per call (CUDA-grap
 eager time per call (what a user's eager call takes: the larger of the two, roughly), each with
 twell.kernels.common.LEAN_LAUNCH off and on (twell_lean_*: compiled binaries launched directly), and
 the host time of the dispatcher called directly (*_dispatch_host_ms: the module, twell.ops and the
-custom op's layers left out, the rest of twell_host_ms); the
+custom op's layers left out, the rest of twell_host_ms; twell_op_host_ms: torch.ops.twell.gated_ffn
+called directly, the module and twell.ops left out); the
 same three for the dense module; the GPU time of the module's default route with
 prefill_min_m_captured at the call's size (twell_captured_gpu_ms: its capture after the usual
 warm-up calls takes the prefill path, which captured_prefill checks); the GPU operations of one call
@@ -108,6 +109,8 @@ def point(m: int, k: int, n: int, pattern: str) -> dict:
             finally:
                 dispatch.gated_ffn_cuda = gated_ffn_cuda
             direct = lambda: gated_ffn_cuda(*seen[0])  # noqa: E731
+            op_args = (*seen[0][:-1], *seen[0][-1].op_args())  # the FFN's arguments, then its config's
+            row["twell_op_host_ms"] = host_ms(lambda: torch.ops.twell.gated_ffn(*op_args))
             for lean in (False, True):
                 common.LEAN_LAUNCH = lean
                 name = "twell_lean" if lean else "twell"
