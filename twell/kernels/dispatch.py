@@ -7,7 +7,10 @@ and TwELL layout; policy.route decides.
   most DECODE_SPARSE_DENSITY: the two decode kernels (gate + up, then down; only active rows of W_u /
   W_d are read); decode_max_m < M <= batched_max_m: the batched decode (cuBLAS gate, then the union's
   W_u / W_d rows).
-- M >= prefill_min_m: the gate packed to TwELL at the layer's tile_n / slots (fused_gate: the
+- M >= prefill_min_m (prefill_min_m_captured for a call being captured into a CUDA graph, where the
+  host time is paid once; a captured call below prefill_min_m prefills only on a layer whose prefill
+  kernels ran eagerly at its token bucket, and the first eager call of a bucket in that range does:
+  nothing tunes or compiles inside a capture): the gate packed to TwELL at the layer's tile_n / slots (fused_gate: the
   persistent TMA GEMM packing in its epilogue, where the operands allow; otherwise cuBLAS + a pack
   pass), then the fused up+down kernels, which recompute the gate of tiles that overflow their slots:
   exact at any sparsity.
@@ -68,6 +71,7 @@ class _LayerState:
     hot: _Hot | None = None
     hot_pending: tuple | None = None  # (event or None, neuron counts on the host, the same on the device, rows)
     hot_calls_left: int = 0  # prefill calls before the hot neurons are measured again
+    prefilled: bool = False  # a prefill call ran outside a capture (its kernels are compiled and tuned)
 
     def update(self, config: policy.LayerConfig) -> None:
         """Take landed probes into account: a landed neuron count sets the hot neurons; past dense_above,
@@ -181,18 +185,29 @@ def _choose(x2, gate_weight, wd_t, config, capturing) -> tuple[str, _LayerState 
     The kernels gather rows of down_weight^T [N, K] (wd_t); a per-call transposed copy would cost more
     than the sparse FFN saves at decode sizes, so weights in the plain nn.Linear layout run dense
     (sparsify re-lays them once: twell.passes.modules.store_down_rows)."""
-    m = x2.shape[0]
+    m, k = x2.shape
     sparse_decode = max(config.decode_max_m, config.batched_max_m) < m <= config.decode_sparse_max_m
     density = layer_density(gate_weight, capturing, config) if sparse_decode else None
-    path = policy.route(m, x2.shape[1], config, density) if wd_t.stride(1) == 1 else "dense"
-    if path != "prefill":
+    routed = wd_t.stride(1) == 1
+    path = policy.route(m, k, config, density, capturing) if routed else "dense"
+    # where captured calls have a prefill threshold of their own: the path of this call in the other mode
+    other = path
+    if routed and config.prefill_min_m_captured is not None:
+        other = policy.route(m, k, config, density, not capturing)
+    if path != "prefill" and other != "prefill":
         return path, None
     state = layer_state(gate_weight, m)
+    if path != "prefill":  # an eager call where a capture would prefill: the first one tunes the kernels
+        if capturing or state.prefilled:
+            return path, None
+    elif capturing and other != "prefill" and not state.prefilled:
+        return "dense", None  # no kernel of this size ran eagerly: none may tune or compile inside the capture
     if not capturing:
         state.update(config)
     if state.dense_calls_left > 0:
         state.dense_calls_left -= 1
         return "dense", None
+    state.prefilled = state.prefilled or not capturing
     return "prefill", state
 
 

@@ -7,7 +7,7 @@ that dispatches to Triton (twell.kernels.dispatch, imported on first CUDA call, 
 compiles nothing).
 
 Route arguments: gated_ffn and ffn take the fields of the layer's twell.kernels.policy.LayerConfig
-(tile_n ... reuse_min, in LayerConfig.op_args' order, defaulting to its defaults): the CUDA dispatcher
+(tile_n ... prefill_min_m_captured, in LayerConfig.op_args' order, defaulting to its defaults): the CUDA dispatcher
 routes by them; every implementation checks them, so a bad value fails the same on any device.
 
 Training: twell::ffn_train (a forward that also returns the compact record of the hidden layer) and
@@ -62,6 +62,7 @@ def gated_ffn(
     batched_max_m: int = _D.batched_max_m,
     reuse_rows: int = _D.reuse_rows,
     reuse_min: int = _D.reuse_min,
+    prefill_min_m_captured: Optional[int] = _D.prefill_min_m_captured,
 ) -> torch.Tensor:
     check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold)
     route_config(
@@ -76,6 +77,7 @@ def gated_ffn(
         batched_max_m,
         reuse_rows,
         reuse_min,
+        prefill_min_m_captured,
     )
     return reference.gated_ffn_reference(
         x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu
@@ -120,6 +122,7 @@ def ffn(
     batched_max_m: int = _D.batched_max_m,
     reuse_rows: int = _D.reuse_rows,
     reuse_min: int = _D.reuse_min,
+    prefill_min_m_captured: Optional[int] = _D.prefill_min_m_captured,
 ) -> torch.Tensor:
     check_plain(x, up_weight, down_weight, up_bias, down_bias, threshold)
     route_config(
@@ -134,6 +137,7 @@ def ffn(
         batched_max_m,
         reuse_rows,
         reuse_min,
+        prefill_min_m_captured,
     )
     return reference.ffn_reference(x, up_weight, down_weight, up_bias, down_bias, threshold, squared)
 

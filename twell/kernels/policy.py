@@ -75,6 +75,11 @@ REUSE_MAX_SHARE = 0.25  # at most this share of N is dense in one block (its hid
 # train-model-20261201-230531.json). None: every call sparse, the pass at 1 row in BACKUP_SHARE. Off
 # until measured on the GPU (benchmarks/NOTES.md, "Training v3").
 TRAIN_DENSE_ABOVE: float | None = None
+# Prefill threshold of calls captured into a CUDA graph (their host time is paid once, at capture): the
+# kernels' GPU time wins from 8192 tokens (1.12x at 0.5%, 1.02x at 4096; host_time-20261202-005619.json)
+# where an eager call is host-bound. None (the same as prefill_min_m) until a captured model's calls are
+# measured (benchmarks/NOTES.md, "Prefill host v2").
+PREFILL_MIN_M_CAPTURED: int | None = None
 
 # Batched decode from calibration: (density, tokens) rows, a layer calibrated at most `density` dense
 # serving calls of up to `tokens` by the batched decode (the first row that holds), from decode_max_m + 1
@@ -149,6 +154,12 @@ class LayerConfig:
     train_dense_above: on the sparse training path, a layer whose last measured call was denser than
         this, or had more than 1/8 of its rows past the record width, trains its next call dense, and
         its backward's dense pass is sized by the rows it measured past the width (None: never).
+    prefill_min_m_captured: calls being captured into a CUDA graph take the prefill kernels from this
+        many tokens (None: from prefill_min_m). A layer whose prefill kernels never ran outside a
+        capture at the call's token bucket runs such a call dense (autotuning and first compilation
+        cannot happen inside a capture): its first eager call of that size in the captured range runs
+        the prefill kernels instead of dense (what torch.compile's CUDA-graph warm-up runs), so the
+        capture after it has them tuned.
     Every other call runs dense, as do all calls with K > MAX_K.
     """
 
@@ -166,12 +177,14 @@ class LayerConfig:
     reuse_rows: int = REUSE_ROWS
     reuse_min: int = REUSE_MIN
     train_dense_above: float | None = TRAIN_DENSE_ABOVE
+    prefill_min_m_captured: int | None = PREFILL_MIN_M_CAPTURED
 
     def __post_init__(self):
         check_tile(self.tile_n, self.slots)
-        for name in ("decode_max_m", "decode_sparse_max_m", "batched_max_m", "prefill_min_m", "train_min_m"):
+        limits = ("decode_max_m", "decode_sparse_max_m", "batched_max_m", "prefill_min_m", "train_min_m")
+        for name in (*limits, "prefill_min_m_captured"):
             value = getattr(self, name)
-            optional = name in ("prefill_min_m", "train_min_m")
+            optional = name in ("prefill_min_m", "train_min_m", "prefill_min_m_captured")
             if (value is None and optional) or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
                 continue
             expected = "a non-negative int or None" if optional else "a non-negative int"
@@ -208,6 +221,7 @@ class LayerConfig:
             limits = {"decode_max_m": decode, "decode_sparse_max_m": decode}
             limits["batched_max_m"] = EVERY if route == "batched" else 0
             limits["prefill_min_m"] = 1 if route == "prefill" else None
+            limits["prefill_min_m_captured"] = None  # captured calls take the forced route too
             if route == "prefill":
                 limits["dense_above"] = 1.0  # no density exceeds 1
             changes = {**limits, **changes}
@@ -224,7 +238,7 @@ DEFAULT = LayerConfig()
 # the fields op_args passes, in its order
 OP_FIELDS = (
     "tile_n", "slots", "decode_max_m", "decode_sparse_max_m", "prefill_min_m", "dense_above", "fused_gate",
-    "hot_rate", "batched_max_m", "reuse_rows", "reuse_min",
+    "hot_rate", "batched_max_m", "reuse_rows", "reuse_min", "prefill_min_m_captured",
 )  # fmt: skip
 
 
@@ -239,9 +253,10 @@ def from_op_args(*args) -> LayerConfig:
     return op_config(*args)
 
 
-def route(m: int, k: int, config: LayerConfig, density: float | None = None) -> str:
+def route(m: int, k: int, config: LayerConfig, density: float | None = None, capturing: bool = False) -> str:
     """ "decode", "batched", "prefill" or "dense" for a call of m tokens of width k on a layer with `config`;
-    density: the layer's, where measured."""
+    density: the layer's, where measured; capturing: the call is being captured into a CUDA graph (its
+    prefill threshold: prefill_min_m_captured where set)."""
     if m == 0 or k > MAX_K:
         return "dense"
     if m <= config.decode_max_m:
@@ -250,7 +265,10 @@ def route(m: int, k: int, config: LayerConfig, density: float | None = None) -> 
         return "batched"
     if m <= config.decode_sparse_max_m and density is not None and density <= DECODE_SPARSE_DENSITY:
         return "decode"
-    if config.prefill_min_m is not None and m >= config.prefill_min_m:
+    prefill_min_m = config.prefill_min_m
+    if capturing and config.prefill_min_m_captured is not None:
+        prefill_min_m = config.prefill_min_m_captured
+    if prefill_min_m is not None and m >= prefill_min_m:
         return "prefill"
     return "dense"
 
