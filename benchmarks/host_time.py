@@ -4,8 +4,7 @@ Run on a GPU:  PYTHONPATH=. python benchmarks/host_time.py [--ms 4096,8192,16384
 For each token count, on ffn.py's FFN module (uniform 0.5%) after twell.sparsify with the prefill
 path forced: the host time per call (calls issued back to back, the GPU kept busy by a long kernel
 queued first, so no call waits for the device), the GPU time per call (CUDA-graph replay) and the
-eager time per call (what a user's eager call takes: the larger of the two, roughly), each with
-twell.kernels.common.LEAN_LAUNCH off and on (twell_lean_*: compiled binaries launched directly), and
+eager time per call (what a user's eager call takes: the larger of the two, roughly), and
 the host time of the dispatcher called directly (*_dispatch_host_ms: the module, twell.ops and the
 custom op's layers left out, the rest of twell_host_ms; twell_op_host_ms: torch.ops.twell.gated_ffn
 called directly, the module and twell.ops left out); the
@@ -40,7 +39,7 @@ import torch
 from ffn import environment, make_inputs, result_path, timed
 
 import twell
-from twell.kernels import common, dispatch, library  # library: registers torch.ops.twell.*
+from twell.kernels import dispatch, library  # library: registers torch.ops.twell.*
 from twell.kernels.policy import LayerConfig
 
 CALLS = 20
@@ -111,17 +110,11 @@ def point(m: int, k: int, n: int, pattern: str) -> dict:
             direct = lambda: gated_ffn_cuda(*seen[0])  # noqa: E731
             op_args = (*seen[0][:-1], *seen[0][-1].op_args())  # the FFN's arguments, then its config's
             row["twell_op_host_ms"] = host_ms(lambda: torch.ops.twell.gated_ffn(*op_args))
-            for lean in (False, True):
-                common.LEAN_LAUNCH = lean
-                name = "twell_lean" if lean else "twell"
-                call()  # the lean launch keeps its binaries from here
-                torch.cuda.synchronize()
-                row[f"{name}_host_ms"] = host_ms(call)
-                row[f"{name}_dispatch_host_ms"] = host_ms(direct)  # the dispatcher alone, no op layers
-                row[f"{name}_gpu_ms"] = timed(call, True)
-                row[f"{name}_eager_ms"] = timed(call, False)
-                row[f"{name}_profile"] = profile(call)
-            common.LEAN_LAUNCH = False
+            row["twell_host_ms"] = host_ms(call)
+            row["twell_dispatch_host_ms"] = host_ms(direct)  # the dispatcher alone, no op layers
+            row["twell_gpu_ms"] = timed(call, True)
+            row["twell_eager_ms"] = timed(call, False)
+            row["twell_profile"] = profile(call)
             row["twell_gpu_ops"] = gpu_ops(call)
         with twell.configure(block, prefill_min_m_captured=m):
             dispatch.forget_layers()
@@ -135,10 +128,8 @@ def point(m: int, k: int, n: int, pattern: str) -> dict:
                 dispatch.launch_up_down = up_down
             row["captured_prefill"] = True in routed
     row["profile"] = row["twell_profile"]
-    for name in ("twell", "twell_lean"):
-        suffix = "" if name == "twell" else "_lean"
-        row[f"speedup_eager{suffix}"] = row["dense_eager_ms"] / row[f"{name}_eager_ms"]
-        row[f"speedup_gpu{suffix}"] = row["dense_gpu_ms"] / row[f"{name}_gpu_ms"]
+    row["speedup_eager"] = row["dense_eager_ms"] / row["twell_eager_ms"]
+    row["speedup_gpu"] = row["dense_gpu_ms"] / row["twell_gpu_ms"]
     row["speedup_captured"] = row["dense_gpu_ms"] / row["twell_captured_gpu_ms"]
     return row
 
@@ -273,8 +264,8 @@ def main():
         row = measure()
         result["points"].append(row)
         print({key: v for key, v in row.items() if "profile" not in key and key != "aten_ops_probe"})
-        for key in ("twell_profile", "twell_lean_profile") if not args.cpu else ("profile",):
-            print(key, row[key], sep="\n")
+        key = "profile" if args.cpu else "twell_profile"
+        print(key, row[key], sep="\n")
     path = result_path(args.out, "host_time-cpu" if args.cpu else "host_time")
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")

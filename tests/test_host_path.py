@@ -1,12 +1,11 @@
 """The host side of a prefill call: inputs checked once at the op boundary (the dispatcher's launchers do
 not check again; the public launchers still do), kernel configs chosen once per key (TunedLaunch), the
-one launch that builds the row order and the density probe's total, compiled binaries launched directly
-(common.Launch, LEAN_LAUNCH), and the prefill threshold of calls captured into CUDA graphs."""
+one launch that builds the row order and the density probe's total, and the prefill threshold of calls
+captured into CUDA graphs."""
 
 import pytest
 import torch
 import triton
-import triton.language as tl
 from conftest import DEVICE, rel_err
 from ffn_cases import GatedBlock, gated_ref, make_ffn
 
@@ -145,115 +144,7 @@ def test_the_up_down_launch_returns_the_probe_total(monkeypatch):
     assert rel_err(y, gated_ref(case)) <= 1e-5
 
 
-# --- the lean launch (common.Launch) and the captured-call threshold ---
-
-
-def _toy_kernel(x_ptr, y_ptr, n, scale, flag, BLOCK: tl.constexpr, EVEN: tl.constexpr = False):  # noqa: ARG001
-    """A kernel's signature (its body never runs: the tests below replace Triton's launch)."""
-
-
-class _Binary:
-    """What Triton's launch returns (a compiled kernel): binary.run(grid, stream, function, metadata,
-    launch hooks, every argument) launches it."""
-
-    function = packed_metadata = None
-
-    def __init__(self, spec):
-        self.spec, self.launches = spec, []
-
-    def launch_metadata(self, grid, stream, *values):
-        return ("metadata", stream)
-
-    def run(self, grid_0, grid_1, grid_2, stream, function, packed_metadata, metadata, enter, leave, *values):
-        assert stream == 7 and metadata == ("metadata", 7)
-        self.launches.append(((grid_0, grid_1, grid_2), values))
-
-
-@pytest.fixture
-def toy(monkeypatch):
-    """A Launch of _toy_kernel, LEAN_LAUNCH on, as on a GPU: Triton's launch records its arguments and
-    returns a new binary (a fresh specialisation) each time."""
-    from triton.runtime.jit import JITFunction
-
-    kernel = JITFunction(_toy_kernel)
-    normal = []
-
-    def run(*args, grid, warmup, **kwargs):
-        normal.append(_Binary((args, kwargs)))
-        return normal[-1]
-
-    monkeypatch.setattr(kernel, "run", run)
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(common, "LEAN_LAUNCH", True)
-    monkeypatch.setattr(common, "_current_device", lambda: 0)
-    monkeypatch.setattr(common, "_current_stream", lambda device: 7)
-    return common.Launch(kernel), normal
-
-
-def test_lean_launch_reuses_a_binary_only_for_the_same_specialization(toy):
-    launch, normal = toy
-    x = torch.randn(64, dtype=torch.float16)
-    y = torch.empty(64, dtype=torch.float16)
-    launch((4,), x, y, 32, 0.5, True, BLOCK=16)
-    assert len(normal) == 1
-    launch((4,), x, y, 32, 0.5, True, BLOCK=16)  # the same call: the binary directly
-    launch((2, 3), torch.randn(64, dtype=torch.float16), y, 48, -1.5, False, BLOCK=16)  # 48: divisible by 16 too
-    assert len(normal) == 1
-    grid, values = normal[0].launches[1]
-    assert grid == (2, 3, 1) and values[2:] == (48, -1.5, False, 16, False)  # every argument, defaults too
-    specialised_otherwise = [
-        lambda: launch((4,), x[1:], y, 32, 0.5, True, BLOCK=16),  # x 2 bytes off 16-byte alignment
-        lambda: launch((4,), x, y[3:], 32, 0.5, True, BLOCK=16),
-        lambda: launch((4,), x.float(), y, 32, 0.5, True, BLOCK=16),  # dtype
-        lambda: launch((4,), x, y, 1, 0.5, True, BLOCK=16),  # an int of 1 becomes a constant
-        lambda: launch((4,), x, y, 33, 0.5, True, BLOCK=16),  # not divisible by 16
-        lambda: launch((4,), x, y, 1 << 40, 0.5, True, BLOCK=16),  # i64
-        lambda: launch((4,), x, y, 32, 0.5, True, BLOCK=32),  # a constexpr
-        lambda: launch((4,), x, y, 32, 0.5, True, BLOCK=16, EVEN=True),
-        lambda: launch((4,), x, y, 32, 0.5, True, BLOCK=16, num_warps=8),  # a launch option
-        lambda: launch((4,), x, y, 32, 2, True, BLOCK=16),  # an int where a float was
-    ]
-    for i, call in enumerate(specialised_otherwise):
-        call()
-        assert len(normal) == 2 + i, i  # Triton's launch specialises for it
-        call()
-        assert len(normal) == 2 + i and len(normal[-1].launches) == 1, i  # then its own binary
-    assert len(normal[0].launches) == 2
-
-
-def test_lean_launch_passes_keywords_and_a_grid_of_the_arguments(toy):
-    launch, normal = toy
-    x = torch.randn(40)
-
-    def grid(args):
-        return (triton.cdiv(args["n"], args["BLOCK"]),)
-
-    launch(grid, x, y_ptr=x, n=40, scale=1.0, flag=False, BLOCK=16)
-    y = torch.randn(40)  # another tensor of the same kind: the same binary
-    launch(grid, x, y_ptr=y, n=40, scale=1.0, flag=False, BLOCK=16)
-    launch(grid, x, y_ptr=x[1:], n=40, scale=1.0, flag=False, BLOCK=16)  # keywords are keyed by kind too
-    assert len(normal) == 2
-    ((grid_used, values),) = normal[0].launches
-    assert grid_used == (3, 1, 1) and values[0] is x and values[1] is y and values[2:] == (40, 1.0, False, 16, False)
-
-
-def test_lean_launch_leaves_unkeyable_calls_and_the_interpreter_to_triton(toy, monkeypatch):
-    launch, normal = toy
-    x = torch.randn(64)
-    descriptor = object()  # e.g. a TMA descriptor: specialised by its block shape
-    for _ in range(3):
-        launch((1,), descriptor, x, 32, 0.5, True, BLOCK=16)
-    assert len(normal) == 3 and not any(b.launches for b in normal)
-    for setting in ({"LEAN_LAUNCH": False}, {"env": "1"}):
-        if "env" in setting:
-            monkeypatch.setattr(common, "LEAN_LAUNCH", True)
-            monkeypatch.setenv("TRITON_INTERPRET", "1")
-        else:
-            monkeypatch.setattr(common, "LEAN_LAUNCH", False)
-        before = len(normal)
-        for _ in range(3):
-            launch((1,), x, x, 32, 0.5, True, BLOCK=16)
-        assert len(normal) == before + 3
+# --- the captured-call threshold ---
 
 
 class _Tuner:
@@ -383,37 +274,6 @@ def _counting(monkeypatch, kernel, calls: list) -> None:
     )
 
 
-@pytest.mark.gpu
-def test_lean_launch_matches_triton_launch_bit_for_bit(monkeypatch):
-    """8192 tokens through the prefill path: the same bits with LEAN_LAUNCH on as off, for an aligned x
-    and one 2 bytes off (Triton's launch specialises for it), and the lean calls after the first of
-    each skip Triton's launch of the up+down kernel."""
-    _fresh_launchers(monkeypatch)  # no binary kept from another test
-    block = _block_8192()
-    twell.sparsify(block)
-    base = torch.randn(8192 * 2048 + 1, device="cuda", dtype=torch.bfloat16)
-    xs = (base[:-1].view(8192, 2048), base[1:].view(8192, 2048))
-    triton_runs = []
-    _counting(monkeypatch, updown._twell_up_down_kernel.fn, triton_runs)
-    results = {}
-    with torch.no_grad(), twell.configure(block, route="prefill", hot_rate=None):
-        for lean in (False, True):
-            monkeypatch.setattr(common, "LEAN_LAUNCH", lean)
-            results[lean], runs = [], []
-            for x in xs:
-                for _ in range(3):
-                    before = len(triton_runs)
-                    results[lean].append(block(x))
-                    torch.cuda.synchronize()
-                    runs.append(len(triton_runs) - before)
-            if lean:
-                assert runs[2] == runs[5] == 0 and runs[0] == runs[3] == 1
-    assert updown._up_down_launch.launch.binaries and gate._pack_dense_launch.launch.binaries
-    for off, on in zip(results[False], results[True], strict=True):
-        assert torch.equal(off, on)
-    assert not torch.equal(results[True][0], results[True][3])  # the two inputs differ
-
-
 def _fresh_launchers(monkeypatch) -> None:
     """The prefill launchers with no key tuned (the autotuners' own caches are bypassed by them)."""
     monkeypatch.setattr(gate, "_pack_dense_launch", common.TunedLaunch(gate._pack_dense_kernel))
@@ -421,12 +281,10 @@ def _fresh_launchers(monkeypatch) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lean", [False, True], ids=["triton-launch", "lean"])
-def test_a_captured_8192_token_call_prefills_after_an_eager_one(monkeypatch, lean):
+def test_a_captured_8192_token_call_prefills_after_an_eager_one(monkeypatch):
     """prefill_min_m_captured=8192: a capture of a layer never run at that size runs dense (no crash,
     nothing tuned inside it); after one eager call (which prefills and tunes), the capture prefills,
     tunes nothing, and its replay gives the eager prefill call's bits."""
-    monkeypatch.setattr(common, "LEAN_LAUNCH", lean)
     _fresh_launchers(monkeypatch)
     tuning, paths = [], []
     _counting(monkeypatch, gate._pack_dense_kernel, tuning)

@@ -8,7 +8,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton import knobs
 
 # the launchers' checks, defined once: the layout by policy (it owns the limits), dtypes and threshold
 # by the op boundary (twell.kernels.library)
@@ -28,116 +27,15 @@ def autotune_configs(table, to_meta) -> list[triton.Config]:
     return [triton.Config(to_meta(*row), num_warps=row[-2], num_stages=row[-1]) for row in rows]
 
 
-# Lean launches: a kernel's compiled binary, once Triton's own launch (JITFunction.run: binder,
-# specialization, cache key, lookup) has chosen it for a call, is launched directly by later calls whose
-# arguments specialise the same way (Launch). Off until measured on the GPU (benchmarks/host_time.py
-# reports both; benchmarks/NOTES.md, "Prefill host v2").
-LEAN_LAUNCH = False
-# the guard below reproduces the NVIDIA backend's specialization (AMD's also keys on pointer ranges)
-_NVIDIA = torch.version.hip is None
-_I32, _I64 = 1 << 31, 1 << 63
-
-
-def _current_device() -> int:
-    """The device Triton launches on (its compiled binaries are loaded per device)."""
-    return triton.runtime.driver.active.get_current_device()
-
-
-def _current_stream(device: int) -> int:
-    """The stream Triton launches on: torch's current one."""
-    return triton.runtime.driver.active.get_current_stream(device)
-
-
 def _capturing() -> bool:
     """True while the current CUDA stream is being captured into a graph."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-_UNKEYED = object()  # an argument _spec_key does not key
-
-
-def _spec_key(value):
-    """What Triton's specialization of a non-constexpr argument depends on, at least as finely as
-    Triton (Triton 3.6 and 3.9 alike): a tensor's dtype and 16-byte alignment; an int's equality to 1,
-    divisibility by 16 and width (i32, i64, u64); the type of a bool, float or None. _UNKEYED for any
-    other kind (a TMA descriptor, whose block shape is specialised too): such a call is never lean."""
-    if isinstance(value, torch.Tensor):
-        return value.dtype, value.data_ptr() % 16 == 0
-    kind = type(value)
-    if kind is int:
-        return value == 1, value % 16 == 0, -_I32 <= value < _I32, -_I64 <= value < _I64
-    if kind is bool or kind is float or value is None:
-        return kind
-    return _UNKEYED
-
-
-class Launch:
-    """Launches a @triton.jit kernel (kernel[grid](*args, **kwargs)) through the binary Triton compiled
-    for the same specialization, where LEAN_LAUNCH is on: the launcher call of Triton's own launch
-    (CompiledKernel.run with the stream, the launch hooks and every argument, constexprs included, as
-    JITFunction.run passes them in Triton 3.6 and 3.9) without its binding, specialization key and
-    lookup.
-
-    Guard: the binary is kept per key (the current device, each non-constexpr argument's _spec_key,
-    each constexpr's and launch option's value); a call whose key was not seen yet, or with an argument
-    _spec_key does not key, goes through Triton's launch, which specialises (and compiles) for it: a
-    call never runs a binary specialised for other arguments. The kernel's globals and pre-run hooks
-    and Triton's debug and instrumentation knobs are taken as fixed after the first launch. Under
-    TRITON_INTERPRET=1 every call is Triton's launch (the interpreter compiles nothing).
-    """
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-        params = kernel.params
-        self.names = [p.name for p in params]
-        self.constexpr = [p.is_constexpr for p in params]
-        # positional arguments up to the first constexpr are keyed by kind alone
-        self.by_kind = self.constexpr.index(True) if True in self.constexpr else len(params)
-        self.keyed = {p.name for p in params if not p.is_constexpr}  # by _spec_key, also as keywords
-        self.defaults = {p.name: p.default for p in params if p.has_default}
-        self.binaries: dict[tuple, object] = {}
-
-    def _key(self, device: int, args, kwargs) -> tuple | None:
-        if len(args) <= self.by_kind:
-            spec = tuple(map(_spec_key, args))
-        else:
-            spec = tuple(v if c else _spec_key(v) for v, c in zip(args, self.constexpr, strict=False))
-        if self.keyed.isdisjoint(kwargs):
-            named = tuple(kwargs.items())
-        else:
-            named = tuple((n, _spec_key(v) if n in self.keyed else v) for n, v in kwargs.items())
-        if any(s is _UNKEYED for s in spec) or any(s is _UNKEYED for _, s in named):
-            return None
-        return device, spec, named
-
-    def __call__(self, grid, *args, **kwargs) -> None:
-        if not LEAN_LAUNCH or not _NVIDIA or interpreting():
-            self.kernel[grid](*args, **kwargs)
-            return
-        device = _current_device()
-        key = self._key(device, args, kwargs)
-        binary = self.binaries.get(key) if key is not None else None
-        if binary is None:
-            compiled = self.kernel[grid](*args, **kwargs)
-            if key is not None and compiled is not None and not self.kernel.pre_run_hooks:
-                self.binaries[key] = compiled
-            return
-        values = [*args, *(kwargs[n] if n in kwargs else self.defaults[n] for n in self.names[len(args) :])]
-        if callable(grid):
-            grid = grid(dict(zip(self.names, values, strict=True)))
-        stream = _current_stream(device)
-        metadata = binary.launch_metadata(grid, stream, *values)  # the launch hooks' (profilers')
-        size = len(grid)
-        binary.run(
-            grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, stream, binary.function,
-            binary.packed_metadata, metadata, knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *values,
-        )  # fmt: skip
-
-
 class TunedLaunch:
     """Launches an autotuned kernel with the config its autotuner chose for a key, without the
     autotuner's per-call work (its key built from every argument, the lookup, the config's kwargs):
-    tens of us of host time a launch; with LEAN_LAUNCH, through Launch (Triton's binding skipped too).
+    tens of us of host time a launch.
     The first launch of a key goes through the autotuner (which benchmarks, or reads its disk cache),
     and its choice is kept for the key.
 
@@ -153,7 +51,6 @@ class TunedLaunch:
 
     def __init__(self, kernel):
         self.kernel = kernel
-        self.launch = Launch(kernel.fn) if not interpreting() else None
         self.configs: dict[tuple, triton.Config] = {}
         self.meta: dict[tuple, dict] = {}  # a key's config as launch arguments
         self.best_config: triton.Config | None = None  # the latest launch's (benchmarks record it)
@@ -175,10 +72,7 @@ class TunedLaunch:
         self.best_config = config
         if config.pre_hook is not None:
             config.pre_hook({**dict(zip(self.kernel.arg_names, args, strict=False)), **kwargs, **meta})
-        if self.launch is None or config.pre_hook is not None:  # a pre-hook may change what specialises
-            self.kernel.fn[grid](*args, **kwargs, **meta)
-        else:
-            self.launch(grid, *args, **kwargs, **meta)
+        self.kernel.fn[grid](*args, **kwargs, **meta)
 
     def _untuned(self, args, kwargs) -> triton.Config:
         """The config of a key first launched under capture: the first the autotuner's pruning keeps."""
