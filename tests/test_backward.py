@@ -182,11 +182,13 @@ def _measured_calls(monkeypatch, cases, gated, dense_above, dtype=torch.float32)
     """One training call of the op per case, all on the same weight tensors (one layer's state) with
     `dense_above`: each call's loss <y, dy> + 3 sum |h| and every gradient against float64 dense
     autograd; returns per call whether it trained dense (its record marks every row past the width),
-    after checking that exactly those calls' backward ran dense."""
+    after checking that exactly those calls' backward ran dense, each on the g, u and h its forward kept
+    (dense autograd's products, none recomputed)."""
     backward.forget_train_layers()
     dense_backward, backward_modes = backward._dense_backward, []
 
     def spy(*args, **kwargs):
+        assert kwargs["saved"] is not None, "a dense-mode backward recomputed its forward's activations"
         backward_modes[-1] = True
         return dense_backward(*args, **kwargs)
 
@@ -246,6 +248,90 @@ def test_dense_above_counts_rows_past_the_width(monkeypatch):
     case = make_ffn(40, 24, 70, [0.3] + [0.05] * 12, torch.float64, DEVICE, seed=9, biases=True)  # 4 rows past 16
     assert _measured_calls(monkeypatch, [case] * 3, True, 1.0) == [False, False, False]
     assert passes == [2, 16, 16]  # ceil(40 / 32), then max(16, 5 -> 8)
+
+
+def _dense_mode_layer(gated=True, dtype=torch.float32):
+    """A layer whose first (sparse) call measured it dense: its next calls train dense."""
+    backward.forget_train_layers()
+    case = make_ffn(13, 24, 70, [0.3, 1.0, 0.5], dtype, DEVICE, seed=7, biases=True, gated=gated)
+    leaves = _leaves(case)
+    _train_op(leaves, gated, dense_above=0.1)[0].sum().backward()
+    return case, leaves
+
+
+def test_dense_mode_keeps_its_activations_only_while_its_record_lives():
+    """A dense-mode forward's g, u, h are kept for its backward while the record's counts live: a
+    forward whose backward never runs leaves nothing behind once its outputs go, and a backward run
+    twice (retain_graph) finds them both times."""
+    case, leaves = _dense_mode_layer()
+    assert not backward._dense_saved  # the first call's record is gone with its graph
+    out = _train_op(leaves, True, dense_above=0.1)
+    assert (out[4] == 17).all() and len(backward._dense_saved) == 1
+    del out
+    assert not backward._dense_saved
+    y, *_, counts, _, _ = _train_op(leaves, True, dense_above=0.1)
+    (saved,) = backward._dense_saved.values()
+    assert saved[0]() is counts
+    g, u = saved[1:3]
+    ref = _leaves(case, torch.float64)
+    assert torch.equal(g, F.linear(leaves["x"], leaves["gate_weight"], leaves["gate_bias"]).detach())
+    assert torch.equal(u, F.linear(leaves["x"], leaves["up_weight"], leaves["up_bias"]).detach())
+    for w in leaves.values():
+        w.grad = None
+    y.sum().backward(retain_graph=True)
+    first = {name: leaf.grad.clone() for name, leaf in leaves.items()}
+    y.sum().backward()
+    gated_ref(ref, 0.0, False).sum().backward()
+    for name, leaf in leaves.items():
+        assert torch.allclose(leaf.grad, 2 * first[name], rtol=1e-5, atol=1e-6), name
+        assert rel_err(first[name], ref[name].grad) <= 1e-4, name
+    del y, counts, saved
+    assert not backward._dense_saved
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+def test_dense_mode_without_its_activations_recomputes_them(gated, monkeypatch):
+    """A dense-mode record whose kept activations are not found (dropped here) is still trained exactly:
+    the backward recomputes g and u from x (two more products)."""
+    case, leaves = _dense_mode_layer(gated)
+    y = _train_op(leaves, gated, dense_above=0.1)[0]
+    backward._dense_saved.clear()
+    for w in leaves.values():
+        if w is not None:
+            w.grad = None
+    y.square().sum().backward()
+    ref = _leaves(case, torch.float64)
+    (gated_ref(ref, 0.0, False) if gated else plain_ref(ref, 0.0, False)).square().sum().backward()
+    for name, leaf in leaves.items():
+        if leaf is not None:
+            assert rel_err(leaf.grad, ref[name].grad) <= 1e-4, name
+
+
+def test_dense_mode_under_checkpoint_and_compile(monkeypatch):
+    """Activation checkpointing recomputes a dense-mode forward (its first forward's activations go
+    with its record) and torch.compile (Inductor) traces it: both give the eager gradients, each
+    backward on its forward's kept activations (the compiled graph hands the op's record through as
+    it came), nothing left kept."""
+    _, leaves = _dense_mode_layer()
+    dense_backward, found = backward._dense_backward, []
+    monkeypatch.setattr(
+        backward, "_dense_backward", lambda *a, **kw: found.append(kw["saved"] is not None) or dense_backward(*a, **kw)
+    )
+
+    def loss(leaves):
+        return _train_op(leaves, True, dense_above=0.1)[0].square().sum()
+
+    grads = []
+    for run in (loss, lambda ls: checkpoint(loss, ls, use_reentrant=False), torch.compile(loss, fullgraph=True)):
+        for leaf in leaves.values():
+            leaf.grad = None
+        run(leaves).backward()
+        assert backward.train_state(leaves["gate_weight"]).forward_dense
+        grads.append({name: leaf.grad for name, leaf in leaves.items()})
+    for name, eager in grads[0].items():
+        assert torch.allclose(grads[1][name], eager, rtol=1e-5, atol=1e-6), name
+        assert torch.allclose(grads[2][name], eager, rtol=1e-5, atol=1e-6), name
+    assert found == [True, True, True] and not backward._dense_saved
 
 
 def test_without_dense_above_every_call_trains_sparse(monkeypatch):
@@ -403,14 +489,14 @@ def arg_type(name):
     if not name.endswith("_ptr"):
         return "fp32" if name == "threshold" else "i32"
     base = name[: -len("_ptr")]
-    return {"ids": "*i32", "cnt": "*i32", "nz": "*i32", "rows": "*i64", "order": "*i64",
+    return {"ids": "*i32", "cnt": "*i32", "nz": "*i32", "kept": "*i32", "rows": "*i64", "order": "*i64",
             "starts": "*i32"}.get(base, "*fp32" if base in FP32 else "*bf16")
 
 cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
 flags = dict(HAS_UP_BIAS=True, HAS_DOWN_BIAS=True, DRELU=False, SQUARE=False, HAS_GATE_BIAS=True,
              SCAN=backward.SCAN, CHUNK=256, ROWS=1, PRECISION="tf32", GROUP=backward.DW_GROUP,
              PAIRS=backward.DW_PAIRS, STAGES=backward.DW_STAGES, BLOCK_T=backward.BACKUP_BLOCK_T,
-             BLOCK_N=backward.BACKUP_BLOCK_N)
+             BLOCK_N=backward.BACKUP_BLOCK_N, STORE_H=True)
 warps = backward._row_warps
 for kernel, block_k, entries, options in [
     (backward._train_forward_kernel, 8192, 1, {"num_warps": warps(8192)}),
@@ -423,6 +509,7 @@ for kernel, block_k, entries, options in [
     (backward._train_backup_kernel, 4096, 1, {"num_warps": warps(4096, True)}),  # spills at 8192
     (backward._train_dw_kernel, backward.DW_BLOCK_K, 1, {"num_warps": backward.DW_WARPS}),
     (backward._backup_grads_kernel, 0, 1, {"num_warps": backward.BACKUP_WARPS}),
+    (backward._dense_hidden_kernel, 0, 1, {"num_warps": backward.BACKUP_WARPS}),
 ]:
     for has_up in (True, False):
         names = [p.name for p in kernel.params if p.is_constexpr]

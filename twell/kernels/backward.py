@@ -83,7 +83,9 @@ BACKUP_TILE = 2048
 BACKUP_MIN_ROWS = 16
 BACKUP_MAX_SHARE = 0.125
 # _backup_grads_kernel's tile and warps: elementwise over the dense pass's [T, N] products, 16 elements a
-# thread a tensor (ptxas for sm_90: 64 x 128 at 4 warps spills 1.2 KB a thread)
+# thread a tensor (ptxas for sm_90: 64 x 128 at 4 warps spills 1.2 KB a thread); _dense_hidden_kernel (a
+# dense-mode forward's h) the same tiles, a program's BACKUP_BLOCK_T rows over all N (1024 programs at
+# 32768 tokens; its row counts and partial sums stay in registers)
 BACKUP_BLOCK_T = 32
 BACKUP_BLOCK_N = 128
 BACKUP_WARPS = 8
@@ -449,13 +451,13 @@ def _train_backup_kernel(
 def _backup_grads_kernel(
     pre_ptr, up_ptr, dhp_ptr, cnt_ptr, dl1_ptr, dg_ptr, du_ptr, h_ptr, accbg_ptr, accbu_ptr, T, N, threshold,
     HAS_UP: tl.constexpr, HAS_GATE_BIAS: tl.constexpr, HAS_UP_BIAS: tl.constexpr, DRELU: tl.constexpr,
-    SQUARE: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    SQUARE: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, STORE_H: tl.constexpr,
 ):  # fmt: skip
     """The dense pass's hidden gradients, one [BLOCK_T, BLOCK_N] tile of its [T, N] products at a time
     (all [T, N], unit stride on N): from the gate g (pre), up u and dh = dy W_d^T of the pass's rows,
-    (dg, du, h) in the dtype, zero outside kept entries of dense-backup rows (count > WIDTH), and the
-    tile's column sums of dg / du added to the fp32 bias accumulators. One pass over the tile in place
-    of torch's ~20 elementwise kernels over [T, N]."""
+    (dg, du, h) in the dtype (h only with STORE_H: a dense-mode layer kept its forward's), zero outside
+    kept entries of dense-backup rows (count > WIDTH), and the tile's column sums of dg / du added to
+    the fp32 bias accumulators. One pass over the tile in place of torch's ~20 elementwise kernels."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     backup = tl.load(cnt_ptr + offs_t, mask=offs_t < T, other=0) > WIDTH
@@ -472,7 +474,8 @@ def _backup_grads_kernel(
     dg, du = _hidden_grads(dh, g, u, HAS_UP, DRELU, SQUARE)
     dg = tl.where(kept, dg, 0.0)
     tl.store(dg_ptr + at, dg.to(dtype), mask=ok)
-    tl.store(h_ptr + at, h.to(dtype), mask=ok)
+    if STORE_H:
+        tl.store(h_ptr + at, h.to(dtype), mask=ok)
     if HAS_GATE_BIAS:
         tl.atomic_add(accbg_ptr + offs_n, tl.sum(dg, axis=0), mask=offs_n < N, sem="relaxed")
     if HAS_UP:
@@ -480,6 +483,40 @@ def _backup_grads_kernel(
         tl.store(du_ptr + at, du.to(dtype), mask=ok)
         if HAS_UP_BIAS:
             tl.atomic_add(accbu_ptr + offs_n, tl.sum(du, axis=0), mask=offs_n < N, sem="relaxed")
+
+
+@triton.jit
+def _dense_hidden_kernel(
+    pre_ptr, up_ptr, h_ptr, kept_ptr, l1_ptr, nz_ptr, T, N, threshold,
+    HAS_UP: tl.constexpr, DRELU: tl.constexpr, SQUARE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """A dense-mode forward's hidden activation, rows [t0, t0 + BLOCK_T) (t0 = BLOCK_T * program_id)
+    over all N, BLOCK_N columns a step (all [T, N], unit stride on N): h from the gate g (pre) and up u
+    in the dtype, each row's kept count (not g <= threshold: the record width it would need), and the
+    program's sum |h| and nonzero count of h (partials, summed by the caller: no atomics)."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = offs_t < T
+    dtype = h_ptr.dtype.element_ty
+    kept_rows = tl.zeros([BLOCK_T], dtype=tl.int32)
+    l1 = tl.zeros([BLOCK_T], dtype=tl.float32)
+    nonzero = tl.zeros([BLOCK_T], dtype=tl.int32)
+    for n0 in range(0, N, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        ok = t_ok[:, None] & (offs_n < N)[None, :]
+        at = offs_t.to(tl.int64)[:, None] * N + offs_n[None, :]
+        g = tl.load(pre_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        u = g
+        if HAS_UP:
+            u = tl.load(up_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        kept = _kept(g, threshold) & ok
+        h = tl.where(kept, _hidden(g, u, HAS_UP, DRELU, SQUARE, dtype), 0.0)
+        tl.store(h_ptr + at, h.to(dtype), mask=ok)
+        kept_rows += tl.sum(kept.to(tl.int32), axis=1)
+        l1 += tl.sum(tl.abs(h), axis=1)
+        nonzero += tl.sum((h != 0.0).to(tl.int32), axis=1)
+    tl.store(kept_ptr + offs_t, kept_rows, mask=t_ok)
+    tl.store(l1_ptr + tl.program_id(0), tl.sum(l1, axis=0))
+    tl.store(nz_ptr + tl.program_id(0), tl.sum(nonzero, axis=0))
 
 
 @triton.jit
@@ -680,18 +717,59 @@ def train_forward(
 def _dense_forward(
     x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold, drelu, square, width
 ) -> tuple[torch.Tensor, ...]:
-    """train_forward's outputs for a layer training dense, and its rows past the width: y through cuBLAS,
-    a record whose every row is past the width (unused: the dense backward recomputes from x; the
-    sparse one takes such rows through its dense pass), sum |h| and the nonzeros of h."""
-    h = reference.hidden(x, gate_weight, up_weight, gate_bias, up_bias, threshold, drelu, square)
+    """train_forward's outputs for a layer training dense, and its rows past the width: what dense
+    autograd's forward computes (gate and up by cuBLAS, h by one elementwise kernel that also counts
+    each row's kept entries and sums |h| and nonzero h, y by cuBLAS), with a record whose every row is
+    past the width (its contents unused). g, u and h stay for the backward (_dense_saved, keyed by the
+    record's counts) as dense autograd keeps its activations: the backward then runs dense autograd's
+    six products (_dense_backward with them), none recomputed."""
+    m, n = x.shape[0], gate_weight.shape[0]
+    pre = F.linear(x, gate_weight, gate_bias)
+    up = F.linear(x, up_weight, up_bias) if up_weight is not None else pre
+    h = _alloc((m, n), x.dtype, x.device)
+    programs = triton.cdiv(m, BACKUP_BLOCK_T)
+    kept = _alloc((m,), torch.int32, x.device)
+    l1 = _alloc((programs,), torch.float32, x.device)
+    nonzero = _alloc((programs,), torch.int32, x.device)
+    _dense_hidden_kernel[(programs,)](
+        pre, up, h, kept, l1, nonzero, m, n, threshold_in(threshold, x.dtype), HAS_UP=up_weight is not None,
+        DRELU=drelu, SQUARE=square, BLOCK_T=BACKUP_BLOCK_T, BLOCK_N=BACKUP_BLOCK_N, num_warps=BACKUP_WARPS,
+    )  # fmt: skip
     y = F.linear(h, down_weight_t.t(), down_bias)
-    m = x.shape[0]
     ids = _alloc((m, width), torch.int32, x.device)
     gate = _alloc((m, width), x.dtype, x.device)
-    up = _alloc((m, width if up_weight is not None else 0), x.dtype, x.device)
+    up_record = _alloc((m, width if up_weight is not None else 0), x.dtype, x.device)
     counts = torch.full((m,), width + 1, dtype=torch.int32, device=x.device)
-    kept = torch.count_nonzero(h, dim=1)
-    return y, ids, gate, up, counts, h.abs().sum(dtype=torch.float32), kept.sum(), (kept > width).sum()
+    _keep_for_backward(counts, pre, up, h)
+    return y, ids, gate, up_record, counts, l1.sum(), nonzero.sum(dtype=torch.int64), (kept > width).sum()
+
+
+# A dense-mode forward's (g, u, h) [M, N] for its backward, keyed by the address of the record's counts
+# (unique among live tensors; the entry goes when that counts tensor is freed, so a forward whose
+# backward never runs, or an activation-checkpointed first forward, leaves nothing behind). A backward
+# that finds no entry for its record (a counts tensor seen through another object) recomputes them
+# (_dense_backward): slower, never wrong.
+_dense_saved: dict[int, tuple[torch.Tensor, ...]] = {}
+
+
+def _keep_for_backward(counts: torch.Tensor, *saved: torch.Tensor) -> None:
+    key = counts.data_ptr()
+    _dense_saved[key] = (weakref.ref(counts), *saved)
+    weakref.finalize(counts, _drop_saved, key)
+
+
+def _drop_saved(key: int) -> None:
+    entry = _dense_saved.get(key)
+    if entry is not None and entry[0]() is None:  # not a newer record's
+        del _dense_saved[key]
+
+
+def _saved_for(counts: torch.Tensor, m: int, n: int) -> tuple[torch.Tensor, ...] | None:
+    """The (g, u, h) a dense-mode forward kept for the record whose counts these are, if any."""
+    entry = _dense_saved.get(counts.data_ptr()) if m > 0 else None
+    if entry is None or entry[0]() is None or entry[1].shape != (m, n) or entry[1].device != counts.device:
+        return None
+    return entry[1:]
 
 
 def _sparse_forward(
@@ -766,43 +844,51 @@ def _dense_backup(
 
 def _hidden_pass(
     x, dy, counts, l1_grad, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, bias_acc, width, *, threshold,
-    drelu, square,
+    drelu, square, saved=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(dg, du, h) [T, N] in the dtype of the T rows x, dy (du is dg for a plain FFN): their gate, up and
     dh = dy W_d^T by cuBLAS, the hidden gradients by one elementwise kernel, zero outside the kept
-    entries of rows with counts > width (width -1: every row); their dbias terms added to bias_acc."""
+    entries of rows with counts > width (width -1: every row); their dbias terms added to bias_acc.
+    saved: (g, u, h) of those rows as a dense-mode forward kept them (u is g for a plain FFN): only dh
+    is a product then."""
     t, n = x.shape[0], gate_weight.shape[0]
-    pre = F.linear(x, gate_weight, gate_bias)
     has_up = up_weight is not None
-    up = F.linear(x, up_weight, up_bias) if has_up else pre
+    if saved is None:
+        pre = F.linear(x, gate_weight, gate_bias)
+        up = F.linear(x, up_weight, up_bias) if has_up else pre
+        h = _alloc((t, n), x.dtype, x.device)
+    else:
+        pre, up, h = saved
     dhp = F.linear(dy, down_weight_t)
-    dg, h = _alloc((t, n), x.dtype, x.device), _alloc((t, n), x.dtype, x.device)
+    dg = _alloc((t, n), x.dtype, x.device)
     du = _alloc((t, n), x.dtype, x.device) if has_up else dg
     _backup_grads_kernel[(triton.cdiv(t, BACKUP_BLOCK_T), triton.cdiv(n, BACKUP_BLOCK_N))](
         pre, up, dhp, counts, l1_grad, dg, du, h, bias_acc[0], bias_acc[1], t, n,
         threshold_in(threshold, x.dtype), HAS_UP=has_up, HAS_GATE_BIAS=gate_bias is not None,
         HAS_UP_BIAS=up_bias is not None, DRELU=drelu, SQUARE=square, WIDTH=width, BLOCK_T=BACKUP_BLOCK_T,
-        BLOCK_N=BACKUP_BLOCK_N, num_warps=BACKUP_WARPS,
+        BLOCK_N=BACKUP_BLOCK_N, STORE_H=saved is None, num_warps=BACKUP_WARPS,
     )  # fmt: skip
     return dg, du, h
 
 
 def _dense_backward(
-    dy, l1_grad, x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, counts, *, threshold, drelu, square
+    dy, l1_grad, x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, counts, *, threshold, drelu, square,
+    saved=None,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """train_backward's weight and input gradients of a layer training dense: every row through
-    _hidden_pass and cuBLAS (the record unused), as dense autograd computes them."""
+    _hidden_pass and cuBLAS (the record unused), as dense autograd computes them; saved: the (g, u, h)
+    its forward kept (_saved_for; None: recomputed, two more products)."""
     n = gate_weight.shape[0]
     f32 = {"dtype": torch.float32, "device": x.device}
     bias_acc = tuple(torch.zeros(n if b is not None else 0, **f32) for b in (gate_bias, up_bias))
     dg, du, h = _hidden_pass(
         x, dy, counts, l1_grad, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, bias_acc, -1,
-        threshold=threshold, drelu=drelu, square=square,
+        threshold=threshold, drelu=drelu, square=square, saved=saved,
     )  # fmt: skip
     dx = dg @ gate_weight
     dwu = dg.new_empty(0)
     if up_weight is not None:
-        dx += du @ up_weight
+        dx.addmm_(du, up_weight)
         dwu = du.t() @ x
     return dx, dg.t() @ x, dwu, h.t() @ dy, bias_acc[0].to(x.dtype), bias_acc[1].to(x.dtype)
 
@@ -848,10 +934,11 @@ def train_backward(
     _check_record(x, ids, gate, up, counts, up_weight is not None, l1_grad)
     dbd = dy.sum(0, dtype=torch.float32).to(x.dtype) if has_down_bias else dy.new_empty(0)
     state = train_state(gate_weight) if dense_above is not None else None
-    if state is not None and m > 0 and state.forward_dense:
+    saved = _saved_for(counts, m, n)
+    if saved is not None or (state is not None and m > 0 and state.forward_dense):
         dense = _dense_backward(
             dy, l1_grad, x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, counts, threshold=threshold,
-            drelu=drelu, square=square,
+            drelu=drelu, square=square, saved=saved,
         )  # fmt: skip
         return (*dense, dbd)
     f32 = {"dtype": torch.float32, "device": x.device}
