@@ -454,7 +454,11 @@ def main():
     parser.add_argument("--profile", action="store_true", help="--model: kernel table and Dynamo counters a row")
     parser.add_argument("--fresh-ids", action="store_true", help="--model: train on other sequences than calibrated")
     parser.add_argument(
-        "--dense-above", type=float, default=None, help="twell's LayerConfig.train_dense_above (a variant)"
+        "--dense-above",
+        type=lambda v: None if v == "none" else float(v),
+        default=policy.TRAIN_DENSE_ABOVE,
+        help="twell's LayerConfig.train_dense_above (default: the shipped value; none: every call sparse; 0: "
+        "every call after the first dense)",
     )
     args = parser.parse_args()
     if SMOKE_WITHOUT_CUDA:
