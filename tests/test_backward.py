@@ -625,18 +625,20 @@ def _layer(k, n, m, density, config, seed=0):
     from benchmarks.ffn import make_inputs
 
     x, block = make_inputs(m, k, n, density, "skewed", seed=seed)
-    layer_config = {name: getattr(config, name) for name in ("train_min_m", "train_entries", "train_dense_above")}
+    names = ("train_min_m", "train_entries", "train_dense_above", "train_hot")
+    layer_config = {name: getattr(config, name) for name in names}
     block = twell.sparsify(block.train(), layer_config=layer_config)
     return x, block
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("k,n,entries", [(2048, 5632, 1), (2048, 5632, 4), (4096, 14336, 4)])
-def test_gpu_real_shape_bf16_matches_dense_autograd(k, n, entries, sparse_training_on):
+@pytest.mark.parametrize("k,n,entries,hot", [(2048, 5632, 1, 0), (2048, 5632, 4, 0), (4096, 14336, 4, 0), (2048, 5632, 1, 256)])
+def test_gpu_real_shape_bf16_matches_dense_autograd(k, n, entries, hot, sparse_training_on):
     """bf16 at real shapes (4096 tokens, 1% skewed: rows past the record width too), the row kernels at
     1 and 4 entries a step."""
     m = 4096
-    x, block = _layer(k, n, m, 0.01, sparse_training_on.replace(train_entries=entries))
+    backward.forget_train_layers()
+    x, block = _layer(k, n, m, 0.01, sparse_training_on.replace(train_entries=entries, train_hot=hot))
     mlp = block.mlp
     params = [mlp.gate_proj.weight, mlp.gate_proj.bias, mlp.up_proj.weight, mlp.down_proj.weight]
     wg, bg, wu, wd = params
@@ -655,13 +657,15 @@ def test_gpu_real_shape_bf16_matches_dense_autograd(k, n, entries, sparse_traini
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dense_above", [None, 0.005], ids=["sparse", "measured-dense"])
-def test_gpu_compiled_training_step_and_cuda_graph(dense_above, sparse_training_on):
+@pytest.mark.parametrize("dense_above,hot", [(None, 0), (0.005, 0), (None, 64)], ids=["sparse", "measured-dense", "hot"])
+def test_gpu_compiled_training_step_and_cuda_graph(dense_above, hot, sparse_training_on):
     """Eager, compiled and CUDA-graph steps agree; with train_dense_above under the layer's ~1% density,
-    the first step trains sparse and the later ones (compiled, captured) dense."""
+    the first step trains sparse and the later ones (compiled, captured) dense; with hot neurons, the
+    replays re-derive them from the layer's device state."""
     backward.forget_train_layers()
     k, n, m = 512, 1408, 8192
-    x, block = _layer(k, n, m, 0.01, sparse_training_on.replace(train_dense_above=dense_above), seed=1)
+    config = sparse_training_on.replace(train_dense_above=dense_above, train_hot=hot)
+    x, block = _layer(k, n, m, 0.01, config, seed=1)
     params = list(block.parameters())
 
     def loss_fn(x):
@@ -688,10 +692,12 @@ def test_gpu_compiled_training_step_and_cuda_graph(dense_above, sparse_training_
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_grads = step(xs, loss_fn)
-    graph.replay()
-    torch.cuda.synchronize()
-    for a, b in zip(static_grads, eager, strict=True):
-        assert rel_err(a, b) <= 1e-2
+    for _ in range(2):  # the second replay on the hot neurons the first one's backward left in the state
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, b in zip(static_grads, eager, strict=True):
+            assert rel_err(a, b) <= 1e-2
+    assert (state.hot is not None and state.hot.shape == (hot,)) == bool(hot)
 
 
 @pytest.mark.gpu
