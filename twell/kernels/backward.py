@@ -32,6 +32,11 @@ Backward, per kept (m, n), with dh = dy_m . W_d^T[n] (+ dl1 * sign h):
   once, read contiguously) by tensor-core products, plus the accumulators, stored once in the weight dtype: no
   atomics per pair.
 W_d is read as rows of down_weight^T ([N, K], unit stride on K), the layout sparsify stores.
+
+Hot neurons (LayerConfig.train_hot): the layer's H most frequent neurons of its previous call are
+hidden from the record (their gate columns set to -inf) and computed by cuBLAS products over just them,
+forward and backward (_hot_columns, _hot_backward). A layer measured dense (LayerConfig.train_dense_above,
+_TrainState) trains as dense autograd does: _dense_forward keeps g, u and h for _dense_backward.
 """
 
 from __future__ import annotations
