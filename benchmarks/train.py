@@ -88,13 +88,13 @@ def dense_loss(x, dy, gate_weight, gate_bias, up_weight, down_weight):
     return (F.linear(hidden, down_weight) * dy).float().sum() + LAM * hidden.abs().float().mean()
 
 
-def twell_loss(x, dy, gate_weight, gate_bias, up_weight, down_weight, entries, dense_above):
+def twell_loss(x, dy, gate_weight, gate_bias, up_weight, down_weight, entries, dense_above, hot):
     """The sparsified layer's loss as one function of its weights (twell's compiled side): the sparse
     training op, its L1 term the mean |h| from the op's own sum (as twell.train's penalty takes it)."""
     n = gate_weight.shape[0]
     y, *_, l1_sum, _ = torch.ops.twell.ffn_train(
         x, gate_weight, up_weight, down_weight, gate_bias, None, None, 0.0, False, False, policy.train_width(n),
-        entries, dense_above,
+        entries, dense_above, hot,
     )  # fmt: skip
     return (y * dy).float().sum() + LAM * l1_sum / (x.shape[0] * n)
 
@@ -151,7 +151,7 @@ def floors(k, n, m, pairs, gemm_tflop_s) -> dict:
     }
 
 
-def bench_point(k, n, m, density, pattern, compiled, twell_compiled, gemm_tflop_s, entries, dense_above) -> dict:
+def bench_point(k, n, m, density, pattern, compiled, twell_compiled, gemm_tflop_s, entries, dense_above, hot) -> dict:
     x0, block = make_inputs(m, k, n, density, pattern, seed=m + n)
     block.train()
     # more input sets for the same layer: x does not depend on the weights (make_inputs), only its seed
@@ -187,7 +187,8 @@ def bench_point(k, n, m, density, pattern, compiled, twell_compiled, gemm_tflop_
     compiled_ms = do_bench(dense_compiled, warmup=50, rep=REP_MS, return_mode="median")
 
     # the sparse training path is opt-in: at every size
-    twell.sparsify(block, layer_config={"train_min_m": 1, "train_entries": entries, "train_dense_above": dense_above})
+    layer_config = {"train_min_m": 1, "train_entries": entries, "train_dense_above": dense_above, "train_hot": hot}
+    twell.sparsify(block, layer_config=layer_config)
     tracker = twell.train.track_l1(block)
     twell_ms, twell_peak, (twell_dx, twell_grads) = measure(user_step)
     stages = stage_times(lambda: module_step(block, x0, dys[0]))
@@ -197,7 +198,7 @@ def bench_point(k, n, m, density, pattern, compiled, twell_compiled, gemm_tflop_
     def sparse_compiled():
         x, dy = nxt()
         x = x.detach().requires_grad_()
-        return torch.autograd.grad(twell_compiled(x, dy, *sparse_params, entries, dense_above), [x, *sparse_params])
+        return torch.autograd.grad(twell_compiled(x, dy, *sparse_params, entries, dense_above, hot), [x, *sparse_params])
 
     sparse_compiled()
     twell_compiled_ms = do_bench(sparse_compiled, warmup=50, rep=REP_MS, return_mode="median")
@@ -217,6 +218,7 @@ def bench_point(k, n, m, density, pattern, compiled, twell_compiled, gemm_tflop_
         "width": width,
         "train_entries": entries,
         "train_dense_above": dense_above,
+        "train_hot": hot,
         "nnz_mean": nnz.float().mean().item(),
         "nnz_max": nnz.max().item(),
         "backup_rows": (nnz > width).sum().item(),
@@ -368,6 +370,7 @@ def model_main(args, constants: dict) -> None:
         "layers": layers,
         "train_entries": args.entries,
         "train_dense_above": args.dense_above,
+        "train_hot": args.hot,
         "fresh_ids": args.fresh_ids,
         "backward_constants": constants,
         "rows": {},
@@ -379,6 +382,7 @@ def model_main(args, constants: dict) -> None:
         if row.startswith("twell") and not hasattr(model, "_twell_sparsified"):
             # the sparse training path: opt-in
             layer_config = {"train_min_m": 1, "train_entries": args.entries, "train_dense_above": args.dense_above}
+            layer_config["train_hot"] = args.hot
             twell.sparsify(model, layer_config=layer_config)
             model._twell_sparsified = True
         with torch.no_grad():
@@ -454,8 +458,13 @@ def main():
     parser.add_argument("--profile", action="store_true", help="--model: kernel table and Dynamo counters a row")
     parser.add_argument("--fresh-ids", action="store_true", help="--model: train on other sequences than calibrated")
     parser.add_argument(
-        "--dense-above", type=float, default=None, help="twell's LayerConfig.train_dense_above (a variant)"
+        "--dense-above",
+        type=lambda v: None if v == "none" else float(v),
+        default=policy.TRAIN_DENSE_ABOVE,
+        help="twell's LayerConfig.train_dense_above (default: the shipped value; none: every call sparse; 0: "
+        "every call after the first dense)",
     )
+    parser.add_argument("--hot", type=int, default=policy.TRAIN_HOT, help="twell's LayerConfig.train_hot (a variant)")
     args = parser.parse_args()
     if SMOKE_WITHOUT_CUDA:
         smoke_without_cuda()
@@ -494,6 +503,7 @@ def main():
                         result["ceilings"]["gemm_tflop_s"],
                         args.entries,
                         args.dense_above,
+                        args.hot,
                     )
                     torch.cuda.empty_cache()
                     result["points"].append(row)

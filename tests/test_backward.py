@@ -36,13 +36,15 @@ def _leaves(case, dtype=None):
     }
 
 
-def _train_op(leaves, gated, threshold=0.0, drelu=False, squared=False, width=16, entries=1, dense_above=None):
+def _train_op(
+    leaves, gated, threshold=0.0, drelu=False, squared=False, width=16, entries=1, dense_above=None, hot=0
+):  # fmt: skip
     if gated:
         args = (leaves["gate_weight"], leaves["up_weight"], leaves["down_weight"], leaves["gate_bias"])
         args += (leaves["up_bias"], leaves["down_bias"])
     else:
         args = (leaves["up_weight"], None, leaves["down_weight"], leaves["up_bias"], None, leaves["down_bias"])
-    return torch.ops.twell.ffn_train(leaves["x"], *args, threshold, drelu, squared, width, entries, dense_above)
+    return torch.ops.twell.ffn_train(leaves["x"], *args, threshold, drelu, squared, width, entries, dense_above, hot)
 
 
 def _check_grads(case, gated, dtype, threshold=0.0, drelu=False, squared=False, width=16, entries=1):
@@ -133,7 +135,7 @@ def test_record_holds_the_kept_entries():
     values; counts are the true counts, also past the width; sum |h| and the nonzeros of h."""
     case = make_ffn(13, 24, 70, DENSITIES, torch.float16, DEVICE, seed=3)
     with torch.no_grad():
-        _, ids, gate, up, counts, l1, nonzero = _train_op(case, True)
+        _, ids, gate, up, counts, *_, l1, nonzero = _train_op(case, True)
     pre = F.linear(case["x"], case["gate_weight"])
     kept = ~(pre <= 0)
     assert torch.equal(counts.long(), kept.sum(1))
@@ -178,15 +180,17 @@ def test_l1_penalty_gradient(gated, biases, drelu, squared, share, entries, monk
             assert rel_err(leaf.grad, ref_leaves[name].grad) <= 1e-4, name
 
 
-def _measured_calls(monkeypatch, cases, gated, dense_above, dtype=torch.float32):
+def _measured_calls(monkeypatch, cases, gated, dense_above, dtype=torch.float32, hot=0):
     """One training call of the op per case, all on the same weight tensors (one layer's state) with
     `dense_above`: each call's loss <y, dy> + 3 sum |h| and every gradient against float64 dense
     autograd; returns per call whether it trained dense (its record marks every row past the width),
-    after checking that exactly those calls' backward ran dense."""
+    after checking that exactly those calls' backward ran dense, each on the g, u and h its forward kept
+    (dense autograd's products, none recomputed)."""
     backward.forget_train_layers()
     dense_backward, backward_modes = backward._dense_backward, []
 
     def spy(*args, **kwargs):
+        assert kwargs["saved"] is not None, "a dense-mode backward recomputed its forward's activations"
         backward_modes[-1] = True
         return dense_backward(*args, **kwargs)
 
@@ -198,7 +202,7 @@ def _measured_calls(monkeypatch, cases, gated, dense_above, dtype=torch.float32)
             if w is not None:
                 w.grad = None
         leaves = {**weights, "x": case["x"].to(dtype).clone().requires_grad_()}
-        y, _, _, _, counts, l1, nonzero = _train_op(leaves, gated, dense_above=dense_above)
+        y, _, _, _, counts, *_, l1, nonzero = _train_op(leaves, gated, dense_above=dense_above, hot=hot)
         modes.append(bool((counts == 17).all()))
         dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(i)).to(DEVICE, dtype)
         backward_modes.append(False)
@@ -248,6 +252,160 @@ def test_dense_above_counts_rows_past_the_width(monkeypatch):
     assert passes == [2, 16, 16]  # ceil(40 / 32), then max(16, 5 -> 8)
 
 
+def _dense_mode_layer(gated=True, dtype=torch.float32):
+    """A layer whose first (sparse) call measured it dense: its next calls train dense."""
+    backward.forget_train_layers()
+    case = make_ffn(13, 24, 70, [0.3, 1.0, 0.5], dtype, DEVICE, seed=7, biases=True, gated=gated)
+    leaves = _leaves(case)
+    _train_op(leaves, gated, dense_above=0.1)[0].sum().backward()
+    return case, leaves
+
+
+def test_dense_mode_keeps_its_activations_only_while_its_record_lives():
+    """A dense-mode forward's g, u, h are kept for its backward while the record's counts live: a
+    forward whose backward never runs leaves nothing behind once its outputs go, and a backward run
+    twice (retain_graph) finds them both times."""
+    case, leaves = _dense_mode_layer()
+    assert not backward._dense_saved  # the first call's record is gone with its graph
+    out = _train_op(leaves, True, dense_above=0.1)
+    assert (out[4] == 17).all() and len(backward._dense_saved) == 1
+    del out
+    assert not backward._dense_saved
+    y, _, _, _, counts, *_ = _train_op(leaves, True, dense_above=0.1)
+    (saved,) = backward._dense_saved.values()
+    assert saved[0]() is counts
+    g, u = saved[1:3]
+    ref = _leaves(case, torch.float64)
+    assert torch.equal(g, F.linear(leaves["x"], leaves["gate_weight"], leaves["gate_bias"]).detach())
+    assert torch.equal(u, F.linear(leaves["x"], leaves["up_weight"], leaves["up_bias"]).detach())
+    for w in leaves.values():
+        w.grad = None
+    y.sum().backward(retain_graph=True)
+    first = {name: leaf.grad.clone() for name, leaf in leaves.items()}
+    y.sum().backward()
+    gated_ref(ref, 0.0, False).sum().backward()
+    for name, leaf in leaves.items():
+        assert torch.allclose(leaf.grad, 2 * first[name], rtol=1e-5, atol=1e-6), name
+        assert rel_err(first[name], ref[name].grad) <= 1e-4, name
+    del y, counts, saved
+    assert not backward._dense_saved
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+def test_dense_mode_without_its_activations_recomputes_them(gated, monkeypatch):
+    """A dense-mode record whose kept activations are not found (dropped here) is still trained exactly:
+    the backward recomputes g and u from x (two more products)."""
+    case, leaves = _dense_mode_layer(gated)
+    y = _train_op(leaves, gated, dense_above=0.1)[0]
+    backward._dense_saved.clear()
+    for w in leaves.values():
+        if w is not None:
+            w.grad = None
+    y.square().sum().backward()
+    ref = _leaves(case, torch.float64)
+    (gated_ref(ref, 0.0, False) if gated else plain_ref(ref, 0.0, False)).square().sum().backward()
+    for name, leaf in leaves.items():
+        if leaf is not None:
+            assert rel_err(leaf.grad, ref[name].grad) <= 1e-4, name
+
+
+def test_dense_mode_under_checkpoint_and_compile(monkeypatch):
+    """Activation checkpointing recomputes a dense-mode forward (its first forward's activations go
+    with its record) and torch.compile (Inductor) traces it: both give the eager gradients, each
+    backward on its forward's kept activations (the compiled graph hands the op's record through as
+    it came), nothing left kept."""
+    _, leaves = _dense_mode_layer()
+    dense_backward, found = backward._dense_backward, []
+    monkeypatch.setattr(
+        backward, "_dense_backward", lambda *a, **kw: found.append(kw["saved"] is not None) or dense_backward(*a, **kw)
+    )
+
+    def loss(leaves):
+        return _train_op(leaves, True, dense_above=0.1)[0].square().sum()
+
+    grads = []
+    for run in (loss, lambda ls: checkpoint(loss, ls, use_reentrant=False), torch.compile(loss, fullgraph=True)):
+        for leaf in leaves.values():
+            leaf.grad = None
+        run(leaves).backward()
+        assert backward.train_state(leaves["gate_weight"]).forward_dense
+        grads.append({name: leaf.grad for name, leaf in leaves.items()})
+    for name, eager in grads[0].items():
+        assert torch.allclose(grads[1][name], eager, rtol=1e-5, atol=1e-6), name
+        assert torch.allclose(grads[2][name], eager, rtol=1e-5, atol=1e-6), name
+    assert found == [True, True, True] and not backward._dense_saved
+
+
+RELU_CASES = [(v, d) for v, d in CASES if VARIANTS[v][2:] == (0.0, False, False)]
+
+
+@pytest.mark.parametrize("share", SHARES, ids=["dense-pass", "overflow-kernel"])
+@pytest.mark.parametrize("variant,dtype", RELU_CASES, ids=[f"{v}-{str(d)[6:]}" for v, d in RELU_CASES])
+def test_hot_neurons_every_gradient_matches_dense_autograd(variant, dtype, share, monkeypatch):
+    """LayerConfig.train_hot: 16 of the 70 neurons by dense products, the record the rest; three calls
+    on one layer (hot neurons of its own gate, then of the previous call's counts), each with the L1
+    term, on empty, sparse, past-width and dense rows (through the dense pass and the overflow
+    kernel, which must leave the hot neurons to the hot products): y, sum |h|, the nonzero count and
+    every gradient against float64."""
+    monkeypatch.setattr(backward, "BACKUP_SHARE", share)
+    gated, biases = VARIANTS[variant][:2]
+    cases = [make_ffn(13, 24, 70, DENSITIES, dtype, DEVICE, seed=s, biases=biases, gated=gated) for s in (3, 3, 5)]
+    assert _measured_calls(monkeypatch, cases, gated, None, dtype, hot=16) == [False, False, False]
+
+
+@pytest.mark.parametrize("variant", ["gated-fatrelu-bias", "gated-drelu", "plain-relu2", "plain-fatrelu-relu2-bias"])
+def test_hot_neurons_relu2_and_thresholds(variant):
+    """The hot products' activations (relu², a threshold, dReLU) as the record kernels take them."""
+    gated, biases, threshold, drelu, squared = VARIANTS[variant]
+    case = make_ffn(13, 24, 70, DENSITIES, torch.float32, DEVICE, seed=3, biases=biases, gated=gated)
+    backward.forget_train_layers()
+    leaves = _leaves(case)
+    y = _train_op(leaves, gated, threshold, drelu, squared, hot=32)[0]
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+    y.backward(dy.to(DEVICE))
+    ref_leaves = _leaves(case, torch.float64)
+    ref = gated_ref(ref_leaves, threshold, drelu) if gated else plain_ref(ref_leaves, threshold, squared)
+    ref.backward(dy.double().to(DEVICE))
+    assert rel_err(y, ref) <= 1e-4, "y"
+    for name, leaf in leaves.items():
+        if leaf is not None:
+            assert rel_err(leaf.grad, ref_leaves[name].grad) <= 1e-4, name
+
+
+def test_hot_neurons_are_the_most_frequent_of_the_previous_call(monkeypatch):
+    """The first call's hot neurons are the most frequent in its own gate, the next call's those of
+    the first call (record pairs plus the hot columns' kept entries), kept on the device; the record
+    holds no hot neuron, and dense mode (train_dense_above) keeps the hot record too."""
+    case = make_ffn(13, 24, 70, [0.1, 0.05, 0.2, 0.0], torch.float32, DEVICE, seed=11, biases=True)
+    backward.forget_train_layers()
+    leaves = _leaves(case)
+    kept = F.linear(case["x"], case["gate_weight"], case["gate_bias"]) > 0
+    assert (kept.sum(1) <= 16).all()  # no row past the width: every pair is counted
+    frequency = kept.sum(0)
+    y, ids, _, _, counts, hot_ids, hot_gate, _, _, _ = _train_op(leaves, True, hot=16)
+    assert frequency[hot_ids].min() >= frequency[~torch.isin(torch.arange(70), hot_ids)].max()
+    valid = torch.arange(16)[None, :] < counts[:, None]
+    assert not torch.isin(ids[valid], hot_ids).any()
+    assert torch.equal(hot_gate, F.linear(leaves["x"], leaves["gate_weight"], leaves["gate_bias"])[:, hot_ids].detach())
+    state = backward.train_state(leaves["gate_weight"])
+    state.hot.copy_(torch.arange(16))  # the backward replaces it in place with the call's most frequent
+    y.sum().backward()
+    assert set(state.hot.tolist()) == set(hot_ids.tolist())
+    state.hot.copy_(torch.arange(16, 32))
+    second = _train_op(leaves, True, hot=16)
+    assert set(second[5].tolist()) == set(range(16, 32))  # the layer's, not the call's own most frequent
+    second[0].sum().backward()
+    assert set(state.hot.tolist()) == set(hot_ids.tolist())
+
+
+def test_hot_neurons_with_dense_above(monkeypatch):
+    """Hot neurons and measured dense mode together: sparse, dense, back to sparse, every gradient exact."""
+    dense = make_ffn(13, 24, 70, [0.3, 1.0, 0.5], torch.float64, DEVICE, seed=7, biases=True)
+    sparse = make_ffn(13, 24, 70, [0.0, 0.05, 0.02], torch.float64, DEVICE, seed=7, biases=True)
+    modes = _measured_calls(monkeypatch, [dense, dense, sparse, sparse], True, 0.1, hot=16)
+    assert modes == [False, True, True, False]
+
+
 def test_without_dense_above_every_call_trains_sparse(monkeypatch):
     case = make_ffn(13, 24, 70, [1.0], torch.float64, DEVICE, seed=8, biases=True)
     assert _measured_calls(monkeypatch, [case] * 3, True, None) == [False, False, False]
@@ -272,8 +430,9 @@ def test_compile_fullgraph_and_checkpoint():
         assert torch.allclose(ckpt[name].grad, leaf.grad, rtol=1e-5, atol=1e-6), name
 
 
+@pytest.mark.parametrize("hot", [0, 16], ids=["no-hot", "hot"])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
-def test_opcheck_fake_tensors_and_autograd_registration(gated):
+def test_opcheck_fake_tensors_and_autograd_registration(gated, hot):
     """torch.library.opcheck: schemas, fake implementations (shapes, strides, dtypes) matching the real
     outputs, autograd registration, and the ops traced by AOT autograd with dynamic shapes."""
     case = make_ffn(6, 16, 40, [0.0, 0.2, 1.0], torch.float32, DEVICE, biases=True, gated=gated)
@@ -283,16 +442,16 @@ def test_opcheck_fake_tensors_and_autograd_registration(gated):
         weights += (leaves["up_bias"], leaves["down_bias"])
     else:
         weights = (leaves["up_weight"], None, leaves["down_weight"], leaves["up_bias"], None, leaves["down_bias"])
-    args = (leaves["x"], *weights, 0.0, False, not gated, 8)
+    args = (leaves["x"], *weights, 0.0, False, not gated, 8, 1, None, hot)
     torch.library.opcheck(torch.ops.twell.ffn_train.default, args)
     with torch.no_grad():
-        _, ids, gate, up, counts, _, _ = torch.ops.twell.ffn_train(*args)
+        _, ids, gate, up, counts, *hot_record, _, _ = torch.ops.twell.ffn_train(*args)
     gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias = (
         t.detach() if t is not None else None for t in weights
     )
     dy, l1_grad = torch.randn_like(case["x"]), torch.tensor(0.5, device=DEVICE)
     backward_args = (dy, l1_grad, case["x"], gate_weight, up_weight, down_weight, gate_bias, up_bias)
-    backward_args += (down_bias is not None, ids, gate, up, counts, 0.0, False, not gated)
+    backward_args += (down_bias is not None, ids, gate, up, counts, *hot_record, 0.0, False, not gated)
     torch.library.opcheck(torch.ops.twell.ffn_train_backward.default, backward_args)
 
 
@@ -378,7 +537,7 @@ def test_train_forward_checks_its_inputs(change, match):
 def test_train_backward_checks_its_record(change, match):
     """The record is indexed as dense [M, W] rows: one of another size or type would be read past its end."""
     a = _train_args()
-    _, ids, gate, up, counts, _, _ = backward.train_forward(**a, threshold=0.0, drelu=False, square=False, width=8)
+    _, ids, gate, up, counts, *_ = backward.train_forward(**a, threshold=0.0, drelu=False, square=False, width=8)
     record = {"ids": ids, "gate": gate, "up": up, "counts": counts, "l1_grad": torch.zeros((), dtype=torch.float32)}
     record.update(change(record))
     a.pop("down_bias")
@@ -403,14 +562,14 @@ def arg_type(name):
     if not name.endswith("_ptr"):
         return "fp32" if name == "threshold" else "i32"
     base = name[: -len("_ptr")]
-    return {"ids": "*i32", "cnt": "*i32", "nz": "*i32", "rows": "*i64", "order": "*i64",
+    return {"ids": "*i32", "cnt": "*i32", "nz": "*i32", "kept": "*i32", "rows": "*i64", "order": "*i64",
             "starts": "*i32"}.get(base, "*fp32" if base in FP32 else "*bf16")
 
 cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
 flags = dict(HAS_UP_BIAS=True, HAS_DOWN_BIAS=True, DRELU=False, SQUARE=False, HAS_GATE_BIAS=True,
              SCAN=backward.SCAN, CHUNK=256, ROWS=1, PRECISION="tf32", GROUP=backward.DW_GROUP,
              PAIRS=backward.DW_PAIRS, STAGES=backward.DW_STAGES, BLOCK_T=backward.BACKUP_BLOCK_T,
-             BLOCK_N=backward.BACKUP_BLOCK_N)
+             BLOCK_N=backward.BACKUP_BLOCK_N, STORE_H=True)
 warps = backward._row_warps
 for kernel, block_k, entries, options in [
     (backward._train_forward_kernel, 8192, 1, {"num_warps": warps(8192)}),
@@ -423,6 +582,7 @@ for kernel, block_k, entries, options in [
     (backward._train_backup_kernel, 4096, 1, {"num_warps": warps(4096, True)}),  # spills at 8192
     (backward._train_dw_kernel, backward.DW_BLOCK_K, 1, {"num_warps": backward.DW_WARPS}),
     (backward._backup_grads_kernel, 0, 1, {"num_warps": backward.BACKUP_WARPS}),
+    (backward._dense_hidden_kernel, 0, 1, {"num_warps": backward.BACKUP_WARPS}),
 ]:
     for has_up in (True, False):
         names = [p.name for p in kernel.params if p.is_constexpr]
@@ -465,18 +625,20 @@ def _layer(k, n, m, density, config, seed=0):
     from benchmarks.ffn import make_inputs
 
     x, block = make_inputs(m, k, n, density, "skewed", seed=seed)
-    layer_config = {name: getattr(config, name) for name in ("train_min_m", "train_entries", "train_dense_above")}
+    names = ("train_min_m", "train_entries", "train_dense_above", "train_hot")
+    layer_config = {name: getattr(config, name) for name in names}
     block = twell.sparsify(block.train(), layer_config=layer_config)
     return x, block
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("k,n,entries", [(2048, 5632, 1), (2048, 5632, 4), (4096, 14336, 4)])
-def test_gpu_real_shape_bf16_matches_dense_autograd(k, n, entries, sparse_training_on):
+@pytest.mark.parametrize("k,n,entries,hot", [(2048, 5632, 1, 0), (2048, 5632, 4, 0), (4096, 14336, 4, 0), (2048, 5632, 1, 256)])
+def test_gpu_real_shape_bf16_matches_dense_autograd(k, n, entries, hot, sparse_training_on):
     """bf16 at real shapes (4096 tokens, 1% skewed: rows past the record width too), the row kernels at
     1 and 4 entries a step."""
     m = 4096
-    x, block = _layer(k, n, m, 0.01, sparse_training_on.replace(train_entries=entries))
+    backward.forget_train_layers()
+    x, block = _layer(k, n, m, 0.01, sparse_training_on.replace(train_entries=entries, train_hot=hot))
     mlp = block.mlp
     params = [mlp.gate_proj.weight, mlp.gate_proj.bias, mlp.up_proj.weight, mlp.down_proj.weight]
     wg, bg, wu, wd = params
@@ -495,13 +657,15 @@ def test_gpu_real_shape_bf16_matches_dense_autograd(k, n, entries, sparse_traini
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dense_above", [None, 0.005], ids=["sparse", "measured-dense"])
-def test_gpu_compiled_training_step_and_cuda_graph(dense_above, sparse_training_on):
+@pytest.mark.parametrize("dense_above,hot", [(None, 0), (0.005, 0), (None, 64)], ids=["sparse", "measured-dense", "hot"])
+def test_gpu_compiled_training_step_and_cuda_graph(dense_above, hot, sparse_training_on):
     """Eager, compiled and CUDA-graph steps agree; with train_dense_above under the layer's ~1% density,
-    the first step trains sparse and the later ones (compiled, captured) dense."""
+    the first step trains sparse and the later ones (compiled, captured) dense; with hot neurons, the
+    replays re-derive them from the layer's device state."""
     backward.forget_train_layers()
     k, n, m = 512, 1408, 8192
-    x, block = _layer(k, n, m, 0.01, sparse_training_on.replace(train_dense_above=dense_above), seed=1)
+    config = sparse_training_on.replace(train_dense_above=dense_above, train_hot=hot)
+    x, block = _layer(k, n, m, 0.01, config, seed=1)
     params = list(block.parameters())
 
     def loss_fn(x):
@@ -528,10 +692,12 @@ def test_gpu_compiled_training_step_and_cuda_graph(dense_above, sparse_training_
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_grads = step(xs, loss_fn)
-    graph.replay()
-    torch.cuda.synchronize()
-    for a, b in zip(static_grads, eager, strict=True):
-        assert rel_err(a, b) <= 1e-2
+    for _ in range(2):  # the second replay on the hot neurons the first one's backward left in the state
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, b in zip(static_grads, eager, strict=True):
+            assert rel_err(a, b) <= 1e-2
+    assert (state.hot is not None and state.hot.shape == (hot,)) == bool(hot)
 
 
 @pytest.mark.gpu
@@ -566,14 +732,16 @@ def test_gpu_plain_ffn_and_l1_train_sparsely(squared, sparse_training_on):
 
 def test_calibration_sets_train_min_m_from_a_crossover_table(monkeypatch):
     """A layer calibrated at most a crossover row's density trains sparsely from that row's tokens; a
-    denser or unmeasured one, or any layer while the table is empty (the default), trains dense."""
+    denser or unmeasured one trains dense; the default table (measured) turns it on at 0.5% from
+    32768 tokens."""
     from twell.calibrate.decisions import Decision
 
     table = ((0.006, 16384), (0.012, 32768))
     got = [policy.calibrated_train_min_m(d, table) for d in (0.005, 0.006, 0.01, 0.03, None)]
     assert got == [16384, 16384, 32768, None, None]
-    assert policy.calibrated_train_min_m(0.001) is None  # no measured crossover yet: off
-    assert Decision(path="mlp", rewrite=True, reason="", density=0.005).layer_config().train_min_m is None
+    assert [policy.calibrated_train_min_m(d) for d in (0.001, 0.005, 0.0051, None)] == [32768, 32768, None, None]
+    assert Decision(path="mlp", rewrite=True, reason="", density=0.005).layer_config().train_min_m == 32768
+    assert Decision(path="mlp", rewrite=True, reason="", density=0.02).layer_config().train_min_m is None
     real = policy.calibrated_train_min_m
     monkeypatch.setattr(policy, "calibrated_train_min_m", lambda d: real(d, table))
     decision = Decision(path="mlp", rewrite=True, reason="", density=0.01, stats={"decode": {"density": 0.001}})

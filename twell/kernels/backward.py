@@ -32,6 +32,11 @@ Backward, per kept (m, n), with dh = dy_m . W_d^T[n] (+ dl1 * sign h):
   once, read contiguously) by tensor-core products, plus the accumulators, stored once in the weight dtype: no
   atomics per pair.
 W_d is read as rows of down_weight^T ([N, K], unit stride on K), the layout sparsify stores.
+
+Hot neurons (LayerConfig.train_hot): the layer's H most frequent neurons of its previous call are
+hidden from the record (their gate columns set to -inf) and computed by cuBLAS products over just them,
+forward and backward (_hot_columns, _hot_backward). A layer measured dense (LayerConfig.train_dense_above,
+_TrainState) trains as dense autograd does: _dense_forward keeps g, u and h for _dense_backward.
 """
 
 from __future__ import annotations
@@ -83,7 +88,9 @@ BACKUP_TILE = 2048
 BACKUP_MIN_ROWS = 16
 BACKUP_MAX_SHARE = 0.125
 # _backup_grads_kernel's tile and warps: elementwise over the dense pass's [T, N] products, 16 elements a
-# thread a tensor (ptxas for sm_90: 64 x 128 at 4 warps spills 1.2 KB a thread)
+# thread a tensor (ptxas for sm_90: 64 x 128 at 4 warps spills 1.2 KB a thread); _dense_hidden_kernel (a
+# dense-mode forward's h) the same tiles, a program's BACKUP_BLOCK_T rows over all N (1024 programs at
+# 32768 tokens; its row counts and partial sums stay in registers)
 BACKUP_BLOCK_T = 32
 BACKUP_BLOCK_N = 128
 BACKUP_WARPS = 8
@@ -101,6 +108,7 @@ class _TrainState:
     dense: bool = False
     forward_dense: bool = False
     past_share: float | None = None  # the share of rows past the width in the last landed measurement
+    hot: torch.Tensor | None = None  # LayerConfig.train_hot: the hot neurons of the next call (int64, device)
 
     def update(self, dense_above: float) -> None:
         """Take a landed measurement into account (never waits for one)."""
@@ -449,13 +457,13 @@ def _train_backup_kernel(
 def _backup_grads_kernel(
     pre_ptr, up_ptr, dhp_ptr, cnt_ptr, dl1_ptr, dg_ptr, du_ptr, h_ptr, accbg_ptr, accbu_ptr, T, N, threshold,
     HAS_UP: tl.constexpr, HAS_GATE_BIAS: tl.constexpr, HAS_UP_BIAS: tl.constexpr, DRELU: tl.constexpr,
-    SQUARE: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    SQUARE: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, STORE_H: tl.constexpr,
 ):  # fmt: skip
     """The dense pass's hidden gradients, one [BLOCK_T, BLOCK_N] tile of its [T, N] products at a time
     (all [T, N], unit stride on N): from the gate g (pre), up u and dh = dy W_d^T of the pass's rows,
-    (dg, du, h) in the dtype, zero outside kept entries of dense-backup rows (count > WIDTH), and the
-    tile's column sums of dg / du added to the fp32 bias accumulators. One pass over the tile in place
-    of torch's ~20 elementwise kernels over [T, N]."""
+    (dg, du, h) in the dtype (h only with STORE_H: a dense-mode layer kept its forward's), zero outside
+    kept entries of dense-backup rows (count > WIDTH), and the tile's column sums of dg / du added to
+    the fp32 bias accumulators. One pass over the tile in place of torch's ~20 elementwise kernels."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     backup = tl.load(cnt_ptr + offs_t, mask=offs_t < T, other=0) > WIDTH
@@ -472,7 +480,8 @@ def _backup_grads_kernel(
     dg, du = _hidden_grads(dh, g, u, HAS_UP, DRELU, SQUARE)
     dg = tl.where(kept, dg, 0.0)
     tl.store(dg_ptr + at, dg.to(dtype), mask=ok)
-    tl.store(h_ptr + at, h.to(dtype), mask=ok)
+    if STORE_H:
+        tl.store(h_ptr + at, h.to(dtype), mask=ok)
     if HAS_GATE_BIAS:
         tl.atomic_add(accbg_ptr + offs_n, tl.sum(dg, axis=0), mask=offs_n < N, sem="relaxed")
     if HAS_UP:
@@ -480,6 +489,40 @@ def _backup_grads_kernel(
         tl.store(du_ptr + at, du.to(dtype), mask=ok)
         if HAS_UP_BIAS:
             tl.atomic_add(accbu_ptr + offs_n, tl.sum(du, axis=0), mask=offs_n < N, sem="relaxed")
+
+
+@triton.jit
+def _dense_hidden_kernel(
+    pre_ptr, up_ptr, h_ptr, kept_ptr, l1_ptr, nz_ptr, T, N, threshold,
+    HAS_UP: tl.constexpr, DRELU: tl.constexpr, SQUARE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """A dense-mode forward's hidden activation, rows [t0, t0 + BLOCK_T) (t0 = BLOCK_T * program_id)
+    over all N, BLOCK_N columns a step (all [T, N], unit stride on N): h from the gate g (pre) and up u
+    in the dtype, each row's kept count (not g <= threshold: the record width it would need), and the
+    program's sum |h| and nonzero count of h (partials, summed by the caller: no atomics)."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = offs_t < T
+    dtype = h_ptr.dtype.element_ty
+    kept_rows = tl.zeros([BLOCK_T], dtype=tl.int32)
+    l1 = tl.zeros([BLOCK_T], dtype=tl.float32)
+    nonzero = tl.zeros([BLOCK_T], dtype=tl.int32)
+    for n0 in range(0, N, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        ok = t_ok[:, None] & (offs_n < N)[None, :]
+        at = offs_t.to(tl.int64)[:, None] * N + offs_n[None, :]
+        g = tl.load(pre_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        u = g
+        if HAS_UP:
+            u = tl.load(up_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        kept = _kept(g, threshold) & ok
+        h = tl.where(kept, _hidden(g, u, HAS_UP, DRELU, SQUARE, dtype), 0.0)
+        tl.store(h_ptr + at, h.to(dtype), mask=ok)
+        kept_rows += tl.sum(kept.to(tl.int32), axis=1)
+        l1 += tl.sum(tl.abs(h), axis=1)
+        nonzero += tl.sum((h != 0.0).to(tl.int32), axis=1)
+    tl.store(kept_ptr + offs_t, kept_rows, mask=t_ok)
+    tl.store(l1_ptr + tl.program_id(0), tl.sum(l1, axis=0))
+    tl.store(nz_ptr + tl.program_id(0), tl.sum(nonzero, axis=0))
 
 
 @triton.jit
@@ -643,6 +686,7 @@ def train_forward(
     width: int,
     entries: int = 1,
     dense_above: float | None = None,
+    hot: int = 0,
 ) -> tuple[torch.Tensor, ...]:
     """(y, ids, gate, up, counts, l1, nonzero): y [M, K] of the FFN, its record (module docstring),
     sum |h| over the hidden activation h [M, N] (fp32) and the number of its nonzeros (int64).
@@ -650,27 +694,31 @@ def train_forward(
     x: [M, K] with unit stride on K; gate_weight, up_weight (None: plain FFN, h = relu_t(gate) or its
     square), down_weight_t: [N, K] with unit stride on K (down_weight_t = down_weight.t()). entries:
     record entries the row kernel gathers a step (LayerConfig.train_entries). dense_above:
-    LayerConfig.train_dense_above; a layer training dense (_TrainState) runs _dense_forward.
+    LayerConfig.train_dense_above; a layer training dense (_TrainState) runs _dense_forward. hot:
+    LayerConfig.train_hot, the layer's hot neurons (_hot_columns) by cuBLAS products over just them.
     """
     check_input("x", x, unit_stride=True)
     check_threshold(threshold)
     _check_entries(entries)
     policy.check_train_dense_above(dense_above)
+    policy.check_train_hot(hot)
     m, n = _check_weights(x, gate_weight, up_weight, down_weight_t, width)
+    if hot > n:
+        raise ValueError(f"hot must be at most the {n} hidden neurons, got {hot}")
     _check_biases(x, n, gate_bias, up_weight, up_bias, down_bias)
     args = (x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold, drelu, square, width)
+    state = train_state(gate_weight) if dense_above is not None or hot else None
     if dense_above is None:
-        return _sparse_forward(*args, entries)
+        return _sparse_forward(*args, entries, state, hot)
     # under CUDA-graph capture the layer's state is frozen: no event queries, no new measurements
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    state = train_state(gate_weight)
     if not capturing:
         state.update(dense_above)
     state.forward_dense = state.dense
     if state.dense:
-        *out, past_width = _dense_forward(*args)
+        *out, past_width = _dense_forward(*args, state, hot)
     else:
-        out = _sparse_forward(*args, entries)
+        out = _sparse_forward(*args, entries, state, hot)
         past_width = (out[4] > width).sum()
     if not capturing:
         state.measure(out[-1], past_width, m * n, m)
@@ -678,29 +726,82 @@ def train_forward(
 
 
 def _dense_forward(
-    x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold, drelu, square, width
+    x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold, drelu, square, width, state,
+    hot,
 ) -> tuple[torch.Tensor, ...]:
-    """train_forward's outputs for a layer training dense, and its rows past the width: y through cuBLAS,
-    a record whose every row is past the width (unused: the dense backward recomputes from x; the
-    sparse one takes such rows through its dense pass), sum |h| and the nonzeros of h."""
-    h = reference.hidden(x, gate_weight, up_weight, gate_bias, up_bias, threshold, drelu, square)
+    """train_forward's outputs for a layer training dense, and its rows past the width: what dense
+    autograd's forward computes (gate and up by cuBLAS, h by one elementwise kernel that also counts
+    each row's kept entries and sums |h| and nonzero h, y by cuBLAS), with a record whose every row is
+    past the width (its contents unused). g, u and h stay for the backward (_dense_saved, keyed by the
+    record's counts) as dense autograd keeps its activations: the backward then runs dense autograd's
+    six products (_dense_backward with them), none recomputed. The hot neurons' record is filled too (a
+    sparse backward of this record is exact)."""
+    m, n = x.shape[0], gate_weight.shape[0]
+    pre = F.linear(x, gate_weight, gate_bias)
+    up = F.linear(x, up_weight, up_bias) if up_weight is not None else pre
+    h = _alloc((m, n), x.dtype, x.device)
+    programs = triton.cdiv(m, BACKUP_BLOCK_T)
+    kept = _alloc((m,), torch.int32, x.device)
+    l1 = _alloc((programs,), torch.float32, x.device)
+    nonzero = _alloc((programs,), torch.int32, x.device)
+    _dense_hidden_kernel[(programs,)](
+        pre, up, h, kept, l1, nonzero, m, n, threshold_in(threshold, x.dtype), HAS_UP=up_weight is not None,
+        DRELU=drelu, SQUARE=square, BLOCK_T=BACKUP_BLOCK_T, BLOCK_N=BACKUP_BLOCK_N, num_warps=BACKUP_WARPS,
+    )  # fmt: skip
     y = F.linear(h, down_weight_t.t(), down_bias)
-    m = x.shape[0]
     ids = _alloc((m, width), torch.int32, x.device)
     gate = _alloc((m, width), x.dtype, x.device)
-    up = _alloc((m, width if up_weight is not None else 0), x.dtype, x.device)
+    up_record = _alloc((m, width if up_weight is not None else 0), x.dtype, x.device)
     counts = torch.full((m,), width + 1, dtype=torch.int32, device=x.device)
-    kept = torch.count_nonzero(h, dim=1)
-    return y, ids, gate, up, counts, h.abs().sum(dtype=torch.float32), kept.sum(), (kept > width).sum()
+    _keep_for_backward(counts, pre, up, h)
+    hot_ids = _hot_columns(state, pre, hot, threshold)
+    hot_up = up.index_select(1, hot_ids) if up_weight is not None else up_record.new_empty(m, 0)
+    hot_record = (hot_ids, pre.index_select(1, hot_ids), hot_up)
+    totals = (l1.sum(), nonzero.sum(dtype=torch.int64), (kept > width).sum())
+    return y, ids, gate, up_record, counts, *hot_record, *totals
+
+
+# A dense-mode forward's (g, u, h) [M, N] for its backward, keyed by the address of the record's counts
+# (unique among live tensors; the entry goes when that counts tensor is freed, so a forward whose
+# backward never runs, or an activation-checkpointed first forward, leaves nothing behind). A backward
+# that finds no entry for its record (a counts tensor seen through another object) recomputes them
+# (_dense_backward): slower, never wrong.
+_dense_saved: dict[int, tuple[torch.Tensor, ...]] = {}
+
+
+def _keep_for_backward(counts: torch.Tensor, *saved: torch.Tensor) -> None:
+    key = counts.data_ptr()
+    _dense_saved[key] = (weakref.ref(counts), *saved)
+    weakref.finalize(counts, _drop_saved, key)
+
+
+def _drop_saved(key: int) -> None:
+    entry = _dense_saved.get(key)
+    if entry is not None and entry[0]() is None:  # not a newer record's
+        del _dense_saved[key]
+
+
+def _saved_for(counts: torch.Tensor, m: int, n: int) -> tuple[torch.Tensor, ...] | None:
+    """The (g, u, h) a dense-mode forward kept for the record whose counts these are, if any."""
+    entry = _dense_saved.get(counts.data_ptr()) if m > 0 else None
+    if entry is None or entry[0]() is None or entry[1].shape != (m, n) or entry[1].device != counts.device:
+        return None
+    return entry[1:]
 
 
 def _sparse_forward(
-    x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold, drelu, square, width, entries
+    x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold, drelu, square, width, entries,
+    state=None, hot=0,
 ) -> tuple[torch.Tensor, ...]:
-    """train_forward's outputs by the record kernel."""
+    """train_forward's outputs by the record kernel; the hot neurons (hot of them: _hot_columns) by
+    cuBLAS products over just them, their gate columns hidden from the record (set to -inf)."""
     m, k = x.shape
     n = gate_weight.shape[0]
     pre = torch.nn.functional.linear(x, gate_weight, gate_bias)  # dense: the gate GEMM (cuBLAS)
+    hot_ids = _hot_columns(state, pre, hot, threshold)
+    hot_gate = pre.index_select(1, hot_ids)
+    if hot:
+        pre.index_fill_(1, hot_ids, float("-inf"))
     y = _alloc((m, k), x.dtype, x.device)
     ids = _alloc((m, width), torch.int32, x.device)
     gate = _alloc((m, width), x.dtype, x.device)
@@ -720,7 +821,41 @@ def _sparse_forward(
             DRELU=drelu, SQUARE=square, WIDTH=width, SCAN=SCAN, CHUNK=_chunk(width), BLOCK_K=block_k,
             ENTRIES=row_entries, num_warps=_row_warps(block_k, entries=row_entries),
         )  # fmt: skip
-    return y, ids, gate, up, counts, row_l1.sum(), row_nonzero.sum(dtype=torch.int64)
+    l1, nonzero = row_l1.sum(), row_nonzero.sum(dtype=torch.int64)
+    hot_up = x.new_empty(m, 0)
+    if hot:
+        if up_weight is not None:
+            hot_bias = up_bias.index_select(0, hot_ids) if up_bias is not None else None
+            hot_up = F.linear(x, up_weight.index_select(0, hot_ids), hot_bias)
+        h, _ = _hot_hidden(hot_gate, hot_up if up_weight is not None else None, threshold, drelu, square)
+        y.addmm_(h, down_weight_t.index_select(0, hot_ids))
+        l1 = l1 + h.abs().sum(dtype=torch.float32)
+        nonzero = nonzero + torch.count_nonzero(h)
+    return y, ids, gate, up, counts, hot_ids, hot_gate, hot_up, l1, nonzero
+
+
+def _hot_columns(state: _TrainState | None, pre: torch.Tensor, hot: int, threshold: float) -> torch.Tensor:
+    """The call's hot neurons (int64 [hot], a copy: the backward updates the layer's in place): the most
+    frequent of the layer's previous call (train_backward), or of this call's gate pre [M, N] on a
+    layer's first call; none (empty) with hot 0. On the device, no host synchronisation."""
+    if not hot:
+        return torch.empty(0, dtype=torch.int64, device=pre.device)
+    if state.hot is None or state.hot.numel() != hot or state.hot.device != pre.device:
+        state.hot = torch.topk((~(pre <= threshold)).sum(0), hot, sorted=False).indices
+    return state.hot.clone()
+
+
+def _hot_hidden(g, u, threshold, drelu, square) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, kept) of the hot columns from their gate g and up u [M, H] in the dtype (u None for a plain
+    FFN), as the record kernels compute h: kept = not g <= threshold, rounded once to the dtype."""
+    kept = ~(g <= threshold)
+    gf = g.float()
+    if u is not None:
+        uf = u.float()
+        h = gf * (torch.relu(uf) if drelu else uf)
+    else:
+        h = gf * gf if square else gf
+    return torch.where(kept, h, 0.0).to(g.dtype), kept
 
 
 def _neuron_segments(ids: torch.Tensor, counts: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -766,45 +901,112 @@ def _dense_backup(
 
 def _hidden_pass(
     x, dy, counts, l1_grad, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, bias_acc, width, *, threshold,
-    drelu, square,
+    drelu, square, saved=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(dg, du, h) [T, N] in the dtype of the T rows x, dy (du is dg for a plain FFN): their gate, up and
     dh = dy W_d^T by cuBLAS, the hidden gradients by one elementwise kernel, zero outside the kept
-    entries of rows with counts > width (width -1: every row); their dbias terms added to bias_acc."""
+    entries of rows with counts > width (width -1: every row); their dbias terms added to bias_acc.
+    saved: (g, u, h) of those rows as a dense-mode forward kept them (u is g for a plain FFN): only dh
+    is a product then."""
     t, n = x.shape[0], gate_weight.shape[0]
-    pre = F.linear(x, gate_weight, gate_bias)
     has_up = up_weight is not None
-    up = F.linear(x, up_weight, up_bias) if has_up else pre
+    if saved is None:
+        pre = F.linear(x, gate_weight, gate_bias)
+        up = F.linear(x, up_weight, up_bias) if has_up else pre
+        h = _alloc((t, n), x.dtype, x.device)
+    else:
+        pre, up, h = saved
     dhp = F.linear(dy, down_weight_t)
-    dg, h = _alloc((t, n), x.dtype, x.device), _alloc((t, n), x.dtype, x.device)
+    dg = _alloc((t, n), x.dtype, x.device)
     du = _alloc((t, n), x.dtype, x.device) if has_up else dg
     _backup_grads_kernel[(triton.cdiv(t, BACKUP_BLOCK_T), triton.cdiv(n, BACKUP_BLOCK_N))](
         pre, up, dhp, counts, l1_grad, dg, du, h, bias_acc[0], bias_acc[1], t, n,
         threshold_in(threshold, x.dtype), HAS_UP=has_up, HAS_GATE_BIAS=gate_bias is not None,
         HAS_UP_BIAS=up_bias is not None, DRELU=drelu, SQUARE=square, WIDTH=width, BLOCK_T=BACKUP_BLOCK_T,
-        BLOCK_N=BACKUP_BLOCK_N, num_warps=BACKUP_WARPS,
+        BLOCK_N=BACKUP_BLOCK_N, STORE_H=saved is None, num_warps=BACKUP_WARPS,
     )  # fmt: skip
     return dg, du, h
 
 
 def _dense_backward(
-    dy, l1_grad, x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, counts, *, threshold, drelu, square
+    dy, l1_grad, x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, counts, *, threshold, drelu, square,
+    saved=None,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """train_backward's weight and input gradients of a layer training dense: every row through
-    _hidden_pass and cuBLAS (the record unused), as dense autograd computes them."""
+    _hidden_pass and cuBLAS (the record unused), as dense autograd computes them; saved: the (g, u, h)
+    its forward kept (_saved_for; None: recomputed, two more products)."""
     n = gate_weight.shape[0]
     f32 = {"dtype": torch.float32, "device": x.device}
     bias_acc = tuple(torch.zeros(n if b is not None else 0, **f32) for b in (gate_bias, up_bias))
     dg, du, h = _hidden_pass(
         x, dy, counts, l1_grad, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, bias_acc, -1,
-        threshold=threshold, drelu=drelu, square=square,
+        threshold=threshold, drelu=drelu, square=square, saved=saved,
     )  # fmt: skip
     dx = dg @ gate_weight
     dwu = dg.new_empty(0)
     if up_weight is not None:
-        dx += du @ up_weight
+        dx.addmm_(du, up_weight)
         dwu = du.t() @ x
     return dx, dg.t() @ x, dwu, h.t() @ dy, bias_acc[0].to(x.dtype), bias_acc[1].to(x.dtype)
+
+
+def _check_hot(x, n, hot, has_up):
+    """The record's hot part (hot_ids int64 [H], hot_gate [M, H], hot_up [M, H or 0]); None where H is 0."""
+    if hot is None or hot[0].numel() == 0:
+        return None
+    hot_ids, hot_gate, hot_up = hot
+    h = hot_ids.shape[0]
+    check_operand("hot_ids", hot_ids, (h,), x, torch.int64)
+    check_operand("hot_gate", hot_gate, (x.shape[0], h), x, x.dtype)
+    check_operand("hot_up", hot_up, (x.shape[0], h if has_up else 0), x, x.dtype)
+    if h > n:
+        raise ValueError(f"hot_ids must name at most the {n} hidden neurons, got {h}")
+    return hot
+
+
+def _hot_backward(hot, dx, dy, l1_grad, x, gate_weight, up_weight, down_weight_t, acc, *, threshold, drelu, square):
+    """The hot neurons' share of the gradients, by cuBLAS products over just them: dh = dy W_d^T[hot]
+    (+ dl1 sign h), (dg, du) elementwise as the kernels take them, dx += dg W_g[hot] + du W_u[hot], and
+    their dW rows and dbias terms added to the fp32 accumulators acc = (g, u, d, bg, bu) (empty bias
+    accumulators take none; u is g's for a plain FFN), which the dW kernel adds (no record pair of a
+    hot neuron: the forward hid them)."""
+    hot_ids, g, u = hot
+    has_up = up_weight is not None
+    wd = down_weight_t.index_select(0, hot_ids)
+    h, kept = _hot_hidden(g, u if has_up else None, threshold, drelu, square)
+    dh = F.linear(dy, wd).float() + l1_grad * torch.sign(h.float())
+    gf = g.float()
+    if has_up:
+        uf = u.float()
+        dg = dh * (torch.relu(uf) if drelu else uf)
+        du = torch.where(uf > 0, dh * gf, 0.0) if drelu else dh * gf
+    else:
+        dg = 2.0 * gf * dh if square else dh
+    dg = torch.where(kept, dg, 0.0).to(x.dtype)
+    acc_g, acc_u, acc_d, acc_bg, acc_bu = acc
+    dx.addmm_(dg, gate_weight.index_select(0, hot_ids))
+    acc_g.index_add_(0, hot_ids, (dg.t() @ x).float())
+    acc_d.index_add_(0, hot_ids, (h.t() @ dy).float())
+    if acc_bg.numel():
+        acc_bg.index_add_(0, hot_ids, dg.sum(0, dtype=torch.float32))
+    if has_up:
+        du = torch.where(kept, du, 0.0).to(x.dtype)
+        dx.addmm_(du, up_weight.index_select(0, hot_ids))
+        acc_u.index_add_(0, hot_ids, (du.t() @ x).float())
+        if acc_bu.numel():
+            acc_bu.index_add_(0, hot_ids, du.sum(0, dtype=torch.float32))
+
+
+def _next_hot(state: _TrainState, hot, starts: torch.Tensor, threshold: float) -> None:
+    """The layer's hot neurons for its next call, in place (a CUDA graph's replays re-derive them): the
+    most frequent of this call's, counted from the record's neuron segments (rows within the width)
+    and the hot columns' kept entries."""
+    hot_ids, g, _ = hot
+    if state.hot is None or state.hot.shape != hot_ids.shape:
+        return
+    counts = (starts[1:] - starts[:-1]).to(torch.int64)
+    counts.index_copy_(0, hot_ids, (~(g <= threshold)).sum(0))
+    state.hot.copy_(torch.topk(counts, hot_ids.numel(), sorted=False).indices)
 
 
 def train_backward(
@@ -827,12 +1029,14 @@ def train_backward(
     square: bool,
     entries: int = 1,
     dense_above: float | None = None,
+    hot: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """(dx, d gate_weight, d up_weight, d down_weight_t, d gate_bias, d up_bias, d down_bias) from the
-    record (ids, gate, up, counts) of train_forward with the same weights, biases and flags; dy, x:
-    [M, K] with unit stride on K; l1_grad: the gradient of train_forward's l1 (a one-element fp32
-    tensor); entries, dense_above: as for train_forward (the dx kernel's; a layer whose last forward
-    trained dense runs _dense_backward). Gradients of absent tensors are empty."""
+    record (ids, gate, up, counts; hot: its (hot_ids, hot_gate, hot_up), None: no hot neurons) of
+    train_forward with the same weights, biases and flags; dy, x: [M, K] with unit stride on K;
+    l1_grad: the gradient of train_forward's l1 (a one-element fp32 tensor); entries, dense_above: as
+    for train_forward (the dx kernel's; a layer whose last forward trained dense runs _dense_backward).
+    Gradients of absent tensors are empty."""
     check_input("x", x, unit_stride=True)
     check_threshold(threshold)
     _check_entries(entries)
@@ -846,12 +1050,14 @@ def train_backward(
     width = ids.shape[1]
     _check_biases(x, n, gate_bias, up_weight, up_bias, None)
     _check_record(x, ids, gate, up, counts, up_weight is not None, l1_grad)
+    hot = _check_hot(x, n, hot, up_weight is not None)
     dbd = dy.sum(0, dtype=torch.float32).to(x.dtype) if has_down_bias else dy.new_empty(0)
-    state = train_state(gate_weight) if dense_above is not None else None
-    if state is not None and m > 0 and state.forward_dense:
+    state = train_state(gate_weight) if dense_above is not None or hot is not None else None
+    saved = _saved_for(counts, m, n)
+    if saved is not None or (state is not None and m > 0 and state.forward_dense):
         dense = _dense_backward(
             dy, l1_grad, x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, counts, threshold=threshold,
-            drelu=drelu, square=square,
+            drelu=drelu, square=square, saved=saved,
         )  # fmt: skip
         return (*dense, dbd)
     f32 = {"dtype": torch.float32, "device": x.device}
@@ -864,8 +1070,14 @@ def train_backward(
     dbu = _alloc((n,), x.dtype, x.device) if up_bias is not None else dwg.new_empty(0)
     # dense-backup rows' dbias terms (the dense pass's kernel, the backup kernel's atomics), added by the dW
     # kernel as their dW terms are (the accumulators _dense_backup returns)
-    acc_bg = torch.zeros(n if gate_bias is not None else 0, **f32)
+    acc_bg = torch.zeros(n if gate_bias is not None or hot is not None else 0, **f32)
     acc_bu = torch.zeros(n if up_bias is not None else 0, **f32)
+    # the dense-backup paths recompute the gate of every neuron: hot ones get a -inf bias (never kept;
+    # theirs is the hot products'), acc_bg then takes the bias terms even without a gate bias (unused)
+    recompute_bias = gate_bias
+    if hot is not None:
+        recompute_bias = gate_bias.clone() if gate_bias is not None else x.new_zeros(n)
+        recompute_bias.index_fill_(0, hot[0], float("-inf"))
     # (dg, du, h) of each record pair at its record slot (copied into neuron order for the dW kernel)
     coef_g = _alloc((m * width,), x.dtype, x.device)
     coef_u = _alloc((m * width,), x.dtype, x.device) if has_up else coef_g
@@ -884,17 +1096,24 @@ def train_backward(
         )  # fmt: skip
         top = state.backup_rows(m) if state is not None else -(-m // BACKUP_SHARE)
         acc_g, acc_u, acc_d = _dense_backup(
-            rows[:top], dx, dy, l1_grad, x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, counts,
+            rows[:top], dx, dy, l1_grad, x, gate_weight, recompute_bias, up_weight, up_bias, down_weight_t, counts,
             (acc_bg, acc_bu), width, threshold=threshold, drelu=drelu, square=square,
         )  # fmt: skip
         _train_backup_kernel[(BACKUP_PROGRAMS,)](
-            rows, dy, l1_grad, x, gate_weight, gate_bias if gate_bias is not None else x, wu,
+            rows, dy, l1_grad, x, gate_weight, recompute_bias if recompute_bias is not None else x, wu,
             up_bias if up_bias is not None else x, down_weight_t, counts, dx, acc_g, acc_u, acc_d, acc_bg, acc_bu,
             m, n, k, top, threshold_in(threshold, x.dtype), dy.stride(0), x.stride(0), gate_weight.stride(0),
-            wu.stride(0), down_weight_t.stride(0), dx.stride(0), HAS_UP=has_up, HAS_GATE_BIAS=gate_bias is not None,
-            HAS_UP_BIAS=up_bias is not None, DRELU=drelu, SQUARE=square, WIDTH=width,
-            ROWS=max(1, min(16, BACKUP_TILE // block_k)), BLOCK_K=block_k, num_warps=_row_warps(block_k, True),
+            wu.stride(0), down_weight_t.stride(0), dx.stride(0), HAS_UP=has_up,
+            HAS_GATE_BIAS=recompute_bias is not None, HAS_UP_BIAS=up_bias is not None, DRELU=drelu, SQUARE=square,
+            WIDTH=width, ROWS=max(1, min(16, BACKUP_TILE // block_k)), BLOCK_K=block_k,
+            num_warps=_row_warps(block_k, True),
         )  # fmt: skip
+        if hot is not None:
+            _hot_backward(
+                hot, dx, dy, l1_grad, x, gate_weight, up_weight, down_weight_t, (acc_g, acc_u, acc_d, acc_bg, acc_bu),
+                threshold=threshold, drelu=drelu, square=square,
+            )  # fmt: skip
+            _next_hot(state, hot, starts, threshold)
         dw_block_k = min(DW_BLOCK_K, max(16, block_k))
         # every K-block program of a neuron group reads all its coefficients: copied into neuron order once
         # (contiguous reads); gathered through the slot list in the kernel instead, dW took 6.77 ms

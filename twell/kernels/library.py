@@ -203,22 +203,29 @@ def ffn_train(
     width: int,
     entries: int = policy.TRAIN_ENTRIES_DEFAULT,
     dense_above: Optional[float] = policy.TRAIN_DENSE_ABOVE,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, ids, gate, up, counts, l1, nonzero): the FFN (gated with up_weight, else plain: gate_weight
-    is its up projection, squared its relu²), the record backward reads (twell.kernels.backward), and
-    sum |h| (fp32, differentiable: the L1 penalty's) and the count of nonzero h (int64) over its hidden
-    activation h. entries: LayerConfig.train_entries (the row kernels' entries a step; the backward's
-    too); dense_above: LayerConfig.train_dense_above (a layer measured denser trains dense). Triton
-    kernels: CUDA, or CPU under TRITON_INTERPRET=1."""
+    hot: int = policy.TRAIN_HOT,
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+    torch.Tensor, torch.Tensor,
+]:  # fmt: skip
+    """(y, ids, gate, up, counts, hot_ids, hot_gate, hot_up, l1, nonzero): the FFN (gated with
+    up_weight, else plain: gate_weight is its up projection, squared its relu²), the record backward
+    reads (twell.kernels.backward; hot_*: the hot neurons' ids [hot] and their gate and up values
+    [M, hot]), and sum |h| (fp32, differentiable: the L1 penalty's) and the count of nonzero h (int64)
+    over its hidden activation h. entries: LayerConfig.train_entries (the row kernels' entries a step;
+    the backward's too); dense_above: LayerConfig.train_dense_above (a layer measured denser trains
+    dense); hot: LayerConfig.train_hot. Triton kernels: CUDA, or CPU under TRITON_INTERPRET=1."""
     from twell.kernels import backward
 
     _check_train(
-        x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, width, entries, dense_above
+        x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, width, entries, dense_above,
+        hot,
     )  # fmt: skip
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     y, *record = backward.train_forward(
         x2, gate_weight, _unit(gate_bias), up_weight, _unit(up_bias), down_weight.t(), _unit(down_bias),
         threshold=threshold, drelu=drelu, square=squared, width=width, entries=entries, dense_above=dense_above,
+        hot=hot,
     )  # fmt: skip
     return (y.reshape(x.shape), *record)
 
@@ -226,17 +233,19 @@ def ffn_train(
 @ffn_train.register_fake
 def _(
     x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu, squared, width, entries=1,
-    dense_above=None,
+    dense_above=None, hot=0,
 ):  # fmt: skip
     _check_train(
-        x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, width, entries, dense_above
+        x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, width, entries, dense_above,
+        hot,
     )  # fmt: skip
     m = x.numel() // x.shape[-1]
     ids = x.new_empty(m, width, dtype=torch.int32)
     up = x.new_empty(m, width if up_weight is not None else 0)
     counts = x.new_empty(m, dtype=torch.int32)
+    hot_record = (x.new_empty(hot, dtype=torch.int64), x.new_empty(m, hot), x.new_empty(m, hot if up_weight is not None else 0))
     l1, nonzero = x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.int64)
-    return x.new_empty(x.shape), ids, x.new_empty(m, width), up, counts, l1, nonzero
+    return x.new_empty(x.shape), ids, x.new_empty(m, width), up, counts, *hot_record, l1, nonzero
 
 
 @torch.library.custom_op("twell::ffn_train_backward", mutates_args=())
@@ -254,6 +263,9 @@ def ffn_train_backward(
     gate: torch.Tensor,
     up: torch.Tensor,
     counts: torch.Tensor,
+    hot_ids: torch.Tensor,
+    hot_gate: torch.Tensor,
+    hot_up: torch.Tensor,
     threshold: float,
     drelu: bool,
     squared: bool,
@@ -261,8 +273,8 @@ def ffn_train_backward(
     dense_above: Optional[float] = policy.TRAIN_DENSE_ABOVE,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, d gate_weight, d up_weight, d down_weight, d gate_bias, d up_bias, d down_bias) of ffn_train
-    from its record; l1_grad: the gradient of ffn_train's l1 (one-element fp32). Gradients of absent
-    tensors are empty; d down_weight has down_weight's layout."""
+    from its record (hot_*: its hot neurons'); l1_grad: the gradient of ffn_train's l1 (one-element
+    fp32). Gradients of absent tensors are empty; d down_weight has down_weight's layout."""
     from twell.kernels import backward
 
     k = x.shape[-1]
@@ -271,6 +283,7 @@ def ffn_train_backward(
     dx, dwg, dwu, dwd_t, dbg, dbu, dbd = backward.train_backward(
         dy2, l1_grad, x2, gate_weight, _unit(gate_bias), up_weight, _unit(up_bias), down_weight.t(), has_down_bias, ids,
         gate, up, counts, threshold=threshold, drelu=drelu, square=squared, entries=entries, dense_above=dense_above,
+        hot=(hot_ids, hot_gate, hot_up),
     )  # fmt: skip
     return dx.reshape(x.shape), dwg, dwu, dwd_t.t(), dbg, dbu, dbd
 
@@ -295,7 +308,7 @@ def _unit(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def _check_train(
-    x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, width, entries, dense_above
+    x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, width, entries, dense_above, hot
 ) -> None:
     if up_weight is None:
         if up_bias is not None:
@@ -308,27 +321,31 @@ def _check_train(
     if entries not in policy.TRAIN_ENTRIES:
         raise ValueError(f"entries must be one of {policy.TRAIN_ENTRIES}, got {entries}")
     policy.check_train_dense_above(dense_above)
+    policy.check_train_hot(hot)
+    if hot > gate_weight.shape[0]:
+        raise ValueError(f"hot must be at most the {gate_weight.shape[0]} hidden neurons, got {hot}")
 
 
 def _train_setup(ctx, inputs, output):
     x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu, squared, _, *tail = inputs
-    _, ids, gate, up, counts, _, nonzero = output
-    ctx.mark_non_differentiable(ids, gate, up, counts, nonzero)
-    ctx.save_for_backward(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, ids, gate, up, counts)
-    ctx.flags = (down_bias is not None, threshold, drelu, squared, *tail)
+    _, ids, gate, up, counts, hot_ids, hot_gate, hot_up, _, nonzero = output
+    ctx.mark_non_differentiable(ids, gate, up, counts, hot_ids, hot_gate, hot_up, nonzero)
+    record = (ids, gate, up, counts, hot_ids, hot_gate, hot_up)
+    ctx.save_for_backward(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, *record)
+    ctx.flags = (down_bias is not None, threshold, drelu, squared, *tail[:2])
 
 
-def _train_backward(ctx, dy, _ids, _gate, _up, _counts, l1_grad, _nonzero):
-    x, gate_weight, up_weight, down_weight, gate_bias, up_bias, ids, gate, up, counts = ctx.saved_tensors
+def _train_backward(ctx, dy, _ids, _gate, _up, _counts, _hot_ids, _hot_gate, _hot_up, l1_grad, _nonzero):
+    x, gate_weight, up_weight, down_weight, gate_bias, up_bias, *record = ctx.saved_tensors
     has_down_bias, threshold, drelu, squared, entries, dense_above = ctx.flags
     dy = torch.zeros_like(x) if dy is None else dy
     l1_grad = x.new_zeros((), dtype=torch.float32) if l1_grad is None else l1_grad.float()
     grads = torch.ops.twell.ffn_train_backward(
-        dy, l1_grad, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, has_down_bias, ids, gate, up, counts,
-        threshold, drelu, squared, entries, dense_above,
+        dy, l1_grad, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, has_down_bias, *record, threshold,
+        drelu, squared, entries, dense_above,
     )  # fmt: skip
     present = (True, True, up_weight is not None, True, gate_bias is not None, up_bias is not None, has_down_bias)
-    return (*(g if p else None for g, p in zip(grads, present, strict=True)), None, None, None, None, None, None)
+    return (*(g if p else None for g, p in zip(grads, present, strict=True)), *[None] * 7)
 
 
 ffn_train.register_autograd(_train_backward, setup_context=_train_setup)

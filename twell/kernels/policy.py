@@ -72,9 +72,17 @@ REUSE_MAX_SHARE = 0.25  # at most this share of N is dense in one block (its hid
 # trains its next call dense (cuBLAS, the record unused; measured on the device, read once landed), and
 # its backward's dense pass takes as many rows as it measured past the width (the rows past the pass
 # walk all N neurons a row, ~10 ms a K=2048 row a program: 25 ms a layer at 1.7% skewed,
-# train-model-20261201-230531.json). None: every call sparse, the pass at 1 row in BACKUP_SHARE. Off
-# until measured on the GPU (benchmarks/NOTES.md, "Training v3").
-TRAIN_DENSE_ABOVE: float | None = None
+# train-model-20261201-230531.json). None: every call sparse, the pass at 1 row in BACKUP_SHARE. The
+# switch measured right on the 2B model (train-model-20261202-020334.json: 0.87x at 1.7% with it, 0.42x
+# without); dense mode runs dense autograd's nine products on its kept g, u, h (backward._dense_forward).
+# 0.006: the sparse step measured 1.04-1.13x at 0.5% (train-20261202-020403.json, -20261201-230349.json)
+# and ~0.64x at 1% (v11), its pair-bound kernels (~6.9 of its ~9.6 ms at 0.5%) growing with the density:
+# level with dense near 0.55-0.6% (benchmarks/NOTES.md, "Training v4").
+TRAIN_DENSE_ABOVE: float | None = 0.006
+# The hot-neuron hybrid of the sparse training path: a layer's train_hot most frequent neurons of its
+# previous call (a multiple of HOT_ALIGN) by cuBLAS products over just them, forward and backward; the
+# record holds the rest. Off (0) until measured on the GPU (benchmarks/NOTES.md, "Training v4").
+TRAIN_HOT = 0
 # Prefill threshold of calls captured into a CUDA graph (their host time is paid once, at capture): the
 # kernels' GPU time wins from 8192 tokens (1.12x at 0.5%, 1.02x at 4096; host_time-20261202-005619.json)
 # where an eager call is host-bound. None (the same as prefill_min_m) until a captured model's calls are
@@ -90,10 +98,11 @@ BATCHED_CROSSOVER: tuple[tuple[float, int], ...] = ()
 
 # Sparse training from calibration: (density, tokens) rows, a layer calibrated at most `density` dense
 # taking the sparse training path for calls of at least `tokens` tokens (its train_min_m; the first row
-# that holds). Empty, so no layer does, until the crossovers are measured (benchmarks/train.py at the
-# densities; predicted from train-20261201-230349.json and v11: ((0.006, 16384),), benchmarks/NOTES.md
-# "Training v3").
-TRAIN_CROSSOVER: tuple[tuple[float, int], ...] = ()
+# that holds). Measured: 0.5% at 32768 tokens 1.04x / 1.08x uniform eager / compiled, 1.08x / 1.13x
+# skewed (train-20261202-020403.json, train-20261201-230349.json); the whole 2B-shape model 1.00x
+# (train-model-20261202-020234.json). 16384 and 8192 tokens not yet measured (predicted ~1.0x and
+# ~0.9x: benchmarks/NOTES.md, "Training v4"), so only 32768.
+TRAIN_CROSSOVER: tuple[tuple[float, int], ...] = ((0.005, 32768),)
 
 # Fixed for every layer:
 DECODE_SPARSE_DENSITY = 0.01  # "known sparse" for decode_sparse_max_m: the 1% of the measurement above
@@ -125,6 +134,12 @@ def check_train_dense_above(value) -> None:
         raise ValueError(f"train_dense_above must be a number in [0, 1] or None, got {value!r}")
 
 
+def check_train_hot(value) -> None:
+    """LayerConfig.train_hot: a non-negative multiple of HOT_ALIGN."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value % HOT_ALIGN:
+        raise ValueError(f"train_hot must be a non-negative multiple of {HOT_ALIGN}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class LayerConfig:
     """How one rewritten FFN's calls run; defaults: the measured values of this module.
@@ -152,14 +167,18 @@ class LayerConfig:
         over just those neurons, the rest sparse.
     reuse_min: see reuse_rows (an int >= 1).
     train_dense_above: on the sparse training path, a layer whose last measured call was denser than
-        this, or had more than 1/8 of its rows past the record width, trains its next call dense, and
-        its backward's dense pass is sized by the rows it measured past the width (None: never).
+        this, or had more than 1/8 of its rows past the record width, trains its next call dense (dense
+        autograd's products, its activations kept as dense autograd keeps them), and its backward's
+        dense pass is sized by the rows it measured past the width (None: never).
     prefill_min_m_captured: calls being captured into a CUDA graph take the prefill kernels from this
         many tokens (None: from prefill_min_m). A layer whose prefill kernels never ran outside a
         capture at the call's token bucket runs such a call dense (autotuning and first compilation
         cannot happen inside a capture): its first eager call of that size in the captured range runs
         the prefill kernels instead of dense (what torch.compile's CUDA-graph warm-up runs), so the
         capture after it has them tuned.
+    train_hot: on the sparse training path, this many neurons (a multiple of HOT_ALIGN; 0: off), the
+        most frequent of the layer's previous call, are computed by dense products over just them,
+        forward and backward; the record holds the others.
     Every other call runs dense, as do all calls with K > MAX_K.
     """
 
@@ -178,6 +197,7 @@ class LayerConfig:
     reuse_min: int = REUSE_MIN
     train_dense_above: float | None = TRAIN_DENSE_ABOVE
     prefill_min_m_captured: int | None = PREFILL_MIN_M_CAPTURED
+    train_hot: int = TRAIN_HOT
 
     def __post_init__(self):
         check_tile(self.tile_n, self.slots)
@@ -202,6 +222,7 @@ class LayerConfig:
         if not isinstance(self.reuse_min, int) or isinstance(self.reuse_min, bool) or self.reuse_min < 1:
             raise ValueError(f"reuse_min must be an int >= 1, got {self.reuse_min!r}")
         check_train_dense_above(self.train_dense_above)
+        check_train_hot(self.train_hot)
         rate = self.hot_rate
         if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1):
             raise ValueError(f"hot_rate must be a number in [0, 1] or None, got {rate!r}")
