@@ -198,7 +198,7 @@ def bench_point(k, n, m, density, pattern, compiled, twell_compiled, gemm_tflop_
     def sparse_compiled():
         x, dy = nxt()
         x = x.detach().requires_grad_()
-        return torch.autograd.grad(twell_compiled(x, dy, *sparse_params, entries, dense_above, hot), [x, *sparse_params])
+        return torch.autograd.grad(twell_compiled(x, dy, *sparse_params), [x, *sparse_params])
 
     sparse_compiled()
     twell_compiled_ms = do_bench(sparse_compiled, warmup=50, rep=REP_MS, return_mode="median")
@@ -479,7 +479,9 @@ def main():
         args.shapes, args.ms, args.densities, args.patterns = "256x704", "4096", "0.01", "skewed"
     torch.backends.cuda.matmul.allow_tf32 = False
     compiled = torch.compile(dense_loss, dynamic=True)
-    twell_compiled = torch.compile(twell_loss, dynamic=True)
+    # the layer's settings bound as constants: dynamic=True would trace an int argument as a symbol
+    settings = {"entries": args.entries, "dense_above": args.dense_above, "hot": args.hot}
+    twell_compiled = torch.compile(functools.partial(twell_loss, **settings), dynamic=True)
     result = {**environment(), "ceilings": ceilings(), "lam": LAM, "backward_constants": constants, "points": []}
     print(json.dumps(result["ceilings"]), flush=True)
     path = result_path(args.out, "train-smoke" if args.smoke else "train")

@@ -430,6 +430,21 @@ def test_compile_fullgraph_and_checkpoint():
         assert torch.allclose(ckpt[name].grad, leaf.grad, rtol=1e-5, atol=1e-6), name
 
 
+def test_compile_dynamic_takes_the_settings_as_symbols():
+    """torch.compile(dynamic=True) traces the op's int settings (hot) as symbols: the op specialises
+    them instead of refusing them (benchmarks/train.py compiles so)."""
+    case = make_ffn(6, 16, 40, [0.0, 0.2, 1.0], torch.float32, DEVICE, biases=True)
+
+    def loss(leaves, hot):
+        return _train_op(leaves, True, width=8, hot=hot)[0].square().sum()
+
+    eager, compiled = _leaves(case), _leaves(case)
+    loss(eager, 16).backward()
+    torch.compile(loss, dynamic=True, backend="aot_eager")(compiled, 16).backward()
+    for name, leaf in eager.items():
+        assert torch.allclose(compiled[name].grad, leaf.grad, rtol=1e-5, atol=1e-6), name
+
+
 @pytest.mark.parametrize("hot", [0, 16], ids=["no-hot", "hot"])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
 def test_opcheck_fake_tensors_and_autograd_registration(gated, hot):

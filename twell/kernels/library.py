@@ -321,7 +321,9 @@ def _check_train(
     if entries not in policy.TRAIN_ENTRIES:
         raise ValueError(f"entries must be one of {policy.TRAIN_ENTRIES}, got {entries}")
     policy.check_train_dense_above(dense_above)
-    policy.check_train_hot(hot)
+    # under torch.compile(dynamic=True) an int argument arrives as a symbol: its value is specialised
+    # here (the hot outputs' shapes depend on it)
+    policy.check_train_hot(int(hot) if isinstance(hot, torch.SymInt) else hot)
     if hot > gate_weight.shape[0]:
         raise ValueError(f"hot must be at most the {gate_weight.shape[0]} hidden neurons, got {hot}")
 
