@@ -59,7 +59,6 @@ def gated_ffn(
     dense_above: float = _D.dense_above,
     fused_gate: bool = _D.fused_gate,
     hot_rate: Optional[float] = _D.hot_rate,
-    batched_max_m: int = _D.batched_max_m,
     reuse_rows: int = _D.reuse_rows,
     reuse_min: int = _D.reuse_min,
 ) -> torch.Tensor:
@@ -73,7 +72,6 @@ def gated_ffn(
         dense_above,
         fused_gate,
         hot_rate,
-        batched_max_m,
         reuse_rows,
         reuse_min,
     )
@@ -117,7 +115,6 @@ def ffn(
     dense_above: float = _D.dense_above,
     fused_gate: bool = _D.fused_gate,
     hot_rate: Optional[float] = _D.hot_rate,
-    batched_max_m: int = _D.batched_max_m,
     reuse_rows: int = _D.reuse_rows,
     reuse_min: int = _D.reuse_min,
 ) -> torch.Tensor:
@@ -131,7 +128,6 @@ def ffn(
         dense_above,
         fused_gate,
         hot_rate,
-        batched_max_m,
         reuse_rows,
         reuse_min,
     )

@@ -31,11 +31,6 @@ DECODE_MAX_M = 8
 # 9-16 tokens: decode where the layer is known sparse (1.19-1.37x at <= 1%; 1.06-1.17x at 2%, 0.85x at 5%)
 DECODE_SPARSE_MAX_M = 16
 PREFILL_MIN_M: int | None = 16384
-# Calls of decode_max_m < M <= batched_max_m take the batched decode (twell.kernels.decode.
-# batched_decode_ffn: cuBLAS gate, the union's W_u / W_d rows only; its design: decode.BATCHED_DESIGN). 0
-# (none) until measured on the GPU (benchmarks/NOTES.md, "Batched decode" and "Batched decode, stream
-# design"); calibration sets a layer's from its density by BATCHED_CROSSOVER.
-BATCHED_MAX_M = 0
 # Gate of the prefill path: the persistent TMA GEMM with the packing epilogue (True) or cuBLAS + the
 # pack pass (False); the faster measured at K=2048/N=5632 and K=4096/N=14336 on an H200.
 FUSED_GATE = False
@@ -76,12 +71,16 @@ REUSE_MAX_SHARE = 0.25  # at most this share of N is dense in one block (its hid
 # until measured on the GPU (benchmarks/NOTES.md, "Training v3").
 TRAIN_DENSE_ABOVE: float | None = None
 
-# Batched decode from calibration: (density, tokens) rows, a layer calibrated at most `density` dense
-# serving calls of up to `tokens` by the batched decode (the first row that holds), from decode_max_m + 1
-# tokens (calibrated_decode_max_m: a row must beat the decode kernels at 9-16 tokens as well). Empty, so
-# no layer does, until the crossovers are measured (gpu_check.py batched, with decode.BATCHED_DESIGN the
-# design measured); the rows design's predicted table is in benchmarks/NOTES.md, "Batched decode v3".
-BATCHED_CROSSOVER: tuple[tuple[float, int], ...] = ()
+# The decode kernels' reach from calibration: (min K, max density, tokens) rows, a layer of width K
+# >= min K calibrated at most `max density` dense in its decode calls taking the decode kernels for
+# calls of up to `tokens` (its decode_max_m; the first row that holds, else DECODE_MAX_M). A row's
+# tokens: the largest measured token count up to which every measured count beats the dense route (as
+# sparsify installs the module) by >= 3%, per layer in CUDA-graph replays (H200, bf16;
+# gpu_check-batched-20261202-024931.json, decode / installed): K=4096 16 tokens 1.53x / 1.46x / 1.14x
+# at 0.5% / 1% / 5%, 32 tokens 1.19x / 1.11x / 0.81x, 64 tokens 0.94x; K=2048 16 tokens 1.20x / 1.13x /
+# 0.84x, 32 tokens 1.02x / 0.94x (64 tokens 1.04x at 0.5% does not count: 32 loses its 3%). Only K=2048
+# and 4096 measured: a K between takes the K=2048 rows, a K below 2048 the same (unmeasured).
+DECODE_REACH: tuple[tuple[int, float, int], ...] = ((4096, 0.01, 32), (4096, 0.05, 16), (0, 0.01, 16))
 
 # Sparse training from calibration: (density, tokens) rows, a layer calibrated at most `density` dense
 # taking the sparse training path for calls of at least `tokens` tokens (its train_min_m; the first row
@@ -91,7 +90,7 @@ BATCHED_CROSSOVER: tuple[tuple[float, int], ...] = ()
 TRAIN_CROSSOVER: tuple[tuple[float, int], ...] = ()
 
 # Fixed for every layer:
-DECODE_SPARSE_DENSITY = 0.01  # "known sparse" for decode_sparse_max_m: the 1% of the measurement above
+DECODE_SPARSE_DENSITY = 0.01  # "known sparse" for decode_sparse_max_m: the 1% of DECODE_SPARSE_MAX_M's
 MAX_K = 8192  # wider models run dense: the up+down kernel keeps whole x and y rows in registers
 DENSE_RETRY = 64  # dense calls before a layer past dense_above is probed again
 HOT_SAMPLE = 8192  # rows of a prefill call whose gate sets the layer's hot neurons
@@ -99,7 +98,7 @@ HOT_ALIGN = 16  # hot neurons come in multiples of this (GEMM shapes); fewer: no
 HOT_MAX_SHARE = 0.25  # at most this share of N is hot (past it the layer is dense: dense_above)
 # decode_max_m / prefill_min_m of a route that takes every call (K permitting): any token count
 EVERY = 1 << 62
-ROUTES = ("decode", "batched", "prefill", "dense")
+ROUTES = ("decode", "prefill", "dense")
 
 
 def check_tile(tile_n: int, slots: int) -> None:
@@ -128,9 +127,8 @@ class LayerConfig:
         tile_n and slots); powers of two, 16 <= tile_n <= 256, slots <= tile_n.
     decode_max_m: calls of at most this many tokens take the decode kernels, and calls of up to
         decode_sparse_max_m tokens do on a layer whose prefill calls measured it at most
-        DECODE_SPARSE_DENSITY dense.
-    batched_max_m: calls of more than decode_max_m and at most this many tokens take the batched decode
-        kernels (0: none does; calibration sets it from the layer's density, calibrated_batched_max_m).
+        DECODE_SPARSE_DENSITY dense (calibration sets decode_max_m from the layer's density and K,
+        calibrated_decode_max_m).
     prefill_min_m: calls of at least this many tokens take the prefill kernels (None: none does).
     dense_above: a layer whose prefill call measured it denser than this runs its next DENSE_RETRY
         prefill calls dense.
@@ -159,8 +157,7 @@ class LayerConfig:
     prefill_min_m: int | None = PREFILL_MIN_M
     dense_above: float = DENSE_ABOVE
     fused_gate: bool = FUSED_GATE
-    hot_rate: float | None = HOT_RATE
-    batched_max_m: int = BATCHED_MAX_M  # op_args' order: train_min_m is no op argument
+    hot_rate: float | None = HOT_RATE  # op_args' order: train_min_m is no op argument
     train_min_m: int | None = TRAIN_MIN_M
     train_entries: int = TRAIN_ENTRIES_DEFAULT
     reuse_rows: int = REUSE_ROWS
@@ -169,7 +166,7 @@ class LayerConfig:
 
     def __post_init__(self):
         check_tile(self.tile_n, self.slots)
-        for name in ("decode_max_m", "decode_sparse_max_m", "batched_max_m", "prefill_min_m", "train_min_m"):
+        for name in ("decode_max_m", "decode_sparse_max_m", "prefill_min_m", "train_min_m"):
             value = getattr(self, name)
             optional = name in ("prefill_min_m", "train_min_m")
             if (value is None and optional) or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
@@ -194,7 +191,7 @@ class LayerConfig:
             raise ValueError(f"hot_rate must be a number in [0, 1] or None, got {rate!r}")
 
     def replace(self, *, route: str | None = None, **changes) -> LayerConfig:
-        """A copy with `changes` (field values). route: "decode", "batched", "prefill" or "dense" sets
+        """A copy with `changes` (field values). route: "decode", "prefill" or "dense" sets
         the route limits so that every call takes that path (K permitting; a forced prefill never falls
         back to dense for a measured density), before `changes`."""
         known = [f.name for f in dataclasses.fields(self)]
@@ -206,7 +203,6 @@ class LayerConfig:
                 raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
             decode = EVERY if route == "decode" else 0
             limits = {"decode_max_m": decode, "decode_sparse_max_m": decode}
-            limits["batched_max_m"] = EVERY if route == "batched" else 0
             limits["prefill_min_m"] = 1 if route == "prefill" else None
             if route == "prefill":
                 limits["dense_above"] = 1.0  # no density exceeds 1
@@ -224,7 +220,7 @@ DEFAULT = LayerConfig()
 # the fields op_args passes, in its order
 OP_FIELDS = (
     "tile_n", "slots", "decode_max_m", "decode_sparse_max_m", "prefill_min_m", "dense_above", "fused_gate",
-    "hot_rate", "batched_max_m", "reuse_rows", "reuse_min",
+    "hot_rate", "reuse_rows", "reuse_min",
 )  # fmt: skip
 
 
@@ -240,14 +236,12 @@ def from_op_args(*args) -> LayerConfig:
 
 
 def route(m: int, k: int, config: LayerConfig, density: float | None = None) -> str:
-    """ "decode", "batched", "prefill" or "dense" for a call of m tokens of width k on a layer with `config`;
+    """ "decode", "prefill" or "dense" for a call of m tokens of width k on a layer with `config`;
     density: the layer's, where measured."""
     if m == 0 or k > MAX_K:
         return "dense"
     if m <= config.decode_max_m:
         return "decode"
-    if m <= config.batched_max_m:
-        return "batched"
     if m <= config.decode_sparse_max_m and density is not None and density <= DECODE_SPARSE_DENSITY:
         return "decode"
     if config.prefill_min_m is not None and m >= config.prefill_min_m:
@@ -255,30 +249,19 @@ def route(m: int, k: int, config: LayerConfig, density: float | None = None) -> 
     return "dense"
 
 
-def calibrated_decode_max_m(density: float | None, config: LayerConfig = DEFAULT, batched_max_m: int = 0) -> int:
-    """The decode_max_m of a layer calibrated at `density` (mean kept fraction of its decode calls):
-    `config`'s decode_sparse_max_m where that is at most DECODE_SPARSE_DENSITY, else its decode_max_m.
-    What a prefill call's measured density does at run time, decided once from calibration instead, so
-    a served model whose prompts are short takes the decode kernels too (9-16 tokens at 0.5% / 1%:
-    1.30x / 1.21x at K=2048, 1.51x / 1.43x at K=4096 against the module's 1.03-1.09x;
-    gpu_check-batched-20261201-213212.json). batched_max_m: the layer's calibrated one; where it
-    exceeds config's decode_max_m, the batched decode takes every call past decode_max_m (route tries
-    decode_max_m first), so BATCHED_CROSSOVER lists a density only where the batched decode beats the
-    decode kernels at 9-16 tokens too."""
-    if batched_max_m > config.decode_max_m:
-        return config.decode_max_m
-    if density is not None and density <= DECODE_SPARSE_DENSITY:
-        return max(config.decode_max_m, config.decode_sparse_max_m)
-    return config.decode_max_m
-
-
-def calibrated_batched_max_m(density: float | None, crossover=BATCHED_CROSSOVER) -> int:
-    """The batched_max_m of a layer calibrated at `density` (mean kept fraction of its decode calls):
-    the tokens of crossover's first (density, tokens) row with density >= `density`; 0 where none holds
-    or the density was not measured."""
+def calibrated_decode_max_m(
+    density: float | None, k: int = 0, config: LayerConfig = DEFAULT, reach=DECODE_REACH
+) -> int:
+    """The decode_max_m of a layer of width k calibrated at `density` (mean kept fraction of its decode
+    calls): the tokens of reach's first (min K, max density, tokens) row with k >= min K and density <=
+    max density, or `config`'s decode_max_m where that is more or no row holds (or the density was not
+    measured). What a prefill call's measured density does at run time for 9-16 tokens
+    (decode_sparse_max_m), decided once from calibration instead and by the measured reach, so a served
+    model whose prompts are short takes the decode kernels too."""
     if density is None:
-        return 0
-    return next((tokens for most, tokens in crossover if density <= most), 0)
+        return config.decode_max_m
+    tokens = next((t for min_k, most, t in reach if k >= min_k and density <= most), 0)
+    return max(config.decode_max_m, tokens)
 
 
 def calibrated_train_min_m(density: float | None, crossover=TRAIN_CROSSOVER) -> int | None:
