@@ -1,7 +1,6 @@
 """Whole-model decode: a Llama-style ReLU model's greedy generation, dense against twell.sparsify.
 
 Run on a GPU:  PYTHONPATH=. python benchmarks/decode.py [--layers 4] [--batches 1,16] [--new-tokens 64]
-                   [--batched-max-m 256]   (the batched decode for 9-256-token calls, off by default)
 
 Model: hidden 2048, intermediate 5632 (the FFN shape of benchmarks/ffn.py), 16 heads, random bf16
 weights. Each layer's gate bias is set from that layer's own inputs (random prompts through the layers
@@ -133,7 +132,6 @@ def main():
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--density", type=float, default=0.005)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--batched-max-m", type=int, default=0, help="sparsify's LayerConfig.batched_max_m")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     model = build(args.layers, args.density)
@@ -145,7 +143,7 @@ def main():
         for b, p in prompts.items()
         for loop, graph in loops.items()
     }
-    twell.sparsify(model, layer_config={"batched_max_m": args.batched_max_m})
+    twell.sparsify(model)
     print(twell.report(model).summary(), flush=True)
     for (b, loop), (ref, dense_s) in dense.items():
         tokens, seconds = timed_generation(model, prompts[b], args.new_tokens, args.repeats, loops[loop])

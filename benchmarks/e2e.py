@@ -21,19 +21,17 @@ Gaussian inputs at the 2B shape and the skewed profile, p99 3.9x and max 13x the
 What each layer then fires on its calibration tokens is in the JSON (profiles.*.layers).
 
 Rows (--rows): "dense-eager"; "dense-compiled" (torch.compile(model)); "twell-eager" (twell.sparsify(
-model): every FFN rewritten, no calibration); "twell-compiled" (torch.compile(twell.sparsify(model)):
-the backend="twell" alone leaves the down weights in the layout that sends the ops to their dense route,
-0.98x of dense compiled in e2e-20261130-234915.json); "twell-batched-compiled": twell-compiled with
-the batched decode for calls of 9 to --batched-max-m tokens (LayerConfig.batched_max_m, off by default
-until measured: every generation step of those batch sizes takes it) in the design --batched-design
-(decode.BATCHED_DESIGN for that row; default the shipped one); "twell-calibrated-compiled" /
-"twell-calibrated-eager": twell.sparsify(model, prompts) first calibrates on the benchmark's own generation
-prompts (every --batches prompt; calibration's default greedy decode steps measure the decode density,
---cost-model its cost model), as a user's twell.calibrate or the CLI would, so each layer's LayerConfig
-comes from its calibrated density (9-16 token calls on the decode kernels where it is at most 1%, policy.
-calibrated_decode_max_m); the JSON's "calibration" holds every layer's LayerConfig and, per batch, how
-many layers' decode calls take which route. Compiled once per row (the twell rows once
-per profile): the prefill points share one dynamic-shape graph, generation one graph per batch size.
+model): every FFN rewritten, no calibration); "twell-compiled" (torch.compile(twell.sparsify(model)): the
+backend="twell" alone leaves the down weights in the layout that sends the ops to their dense route,
+0.98x of dense compiled in e2e-20261130-234915.json); "twell-calibrated-compiled" /
+"twell-calibrated-eager": twell.sparsify(model, prompts) first calibrates on the benchmark's own
+generation prompts (every --batches prompt; calibration's default greedy decode steps measure the decode
+density, --cost-model its cost model), as a user's twell.calibrate or the CLI would, so each layer's
+LayerConfig comes from its calibrated density and K (calls of up to 16 or 32 tokens on the decode kernels
+where the measured table says they win, policy.calibrated_decode_max_m); the JSON's "calibration" holds
+every layer's LayerConfig and, per batch, how many layers' decode calls take which route. Compiled once
+per row (the twell rows once per profile): the prefill points share one dynamic-shape graph, generation
+one graph per batch size.
 Dense times do not depend on the profile (the same kernels on other values): the dense rows run once, on
 the first profile. Speedups are against the faster dense row at each point.
 
@@ -88,7 +86,7 @@ from ffn import environment, result_path, skewed_rates  # noqa: E402
 from generation import GreedyDecoder  # noqa: E402
 
 import twell  # noqa: E402
-from twell.kernels import decode, dispatch, policy  # noqa: E402
+from twell.kernels import dispatch, policy  # noqa: E402
 
 SHAPES = {
     "2b": dict(
@@ -120,11 +118,11 @@ SMOKE_SHAPES = {
 }  # fmt: skip
 # run order: compiled rows need a dense model
 ROWS = (
-    "dense-eager", "dense-compiled", "twell-compiled", "twell-batched-compiled", "twell-calibrated-compiled",
-    "twell-eager", "twell-calibrated-eager",
+    "dense-eager", "dense-compiled", "twell-compiled", "twell-calibrated-compiled", "twell-eager",
+    "twell-calibrated-eager",
 )  # fmt: skip
 # sparsify's layer_config of each compiled twell row
-TWELL_COMPILED = {"twell-compiled": None, "twell-batched-compiled": {}, "twell-calibrated-compiled": None}
+TWELL_COMPILED = {"twell-compiled": None, "twell-calibrated-compiled": None}
 # rows whose sparsify calibrates on the benchmark's own generation prompts first (twell.sparsify(model,
 # prompts): the layers' decisions and LayerConfigs from what they measured, as a user's calibration gives)
 CALIBRATED = ("twell-calibrated-compiled", "twell-calibrated-eager")
@@ -458,9 +456,7 @@ def run_model(name, shape, args, meter, demo, cuda, save) -> dict:
                 row["calibration"] = calibration
             return row
         if row_name in TWELL_COMPILED:  # sparsified per profile (restored after each row), so compiled anew
-            if row_name == "twell-batched-compiled":
-                twell.sparsify(model, layer_config={"batched_max_m": args.batched_max_m})
-            elif row_name not in CALIBRATED:
+            if row_name not in CALIBRATED:
                 twell.sparsify(model, layer_config=TWELL_COMPILED[row_name])
             torch._dynamo.reset()
             forward = torch.compile(model)
@@ -484,9 +480,6 @@ def run_model(name, shape, args, meter, demo, cuda, save) -> dict:
             print(f"{name}: {row_name}" + (f" ({profile})" if profile else ""), flush=True)
             load_gate_biases(model, biases[profile or first])
             dispatch.forget_layers()
-            shipped_design = decode.BATCHED_DESIGN
-            if row_name == "twell-batched-compiled" and args.batched_design:
-                decode.BATCHED_DESIGN = args.batched_design
             try:
                 row = measure(row_name, profile)
             except Exception as e:  # recorded, and the other rows still run
@@ -494,9 +487,6 @@ def run_model(name, shape, args, meter, demo, cuda, save) -> dict:
                 row = {"error": f"{type(e).__name__}: {e}", "prefill": [], "generation": []}
             finally:
                 twell.restore(model)  # after twell-eager; a no-op otherwise
-                design, decode.BATCHED_DESIGN = decode.BATCHED_DESIGN, shipped_design
-            if row_name == "twell-batched-compiled":
-                row["batched"] = {"design": design, "batched_max_m": args.batched_max_m}
             row.update(row=row_name, profile=profile, wall_s=time.perf_counter() - started)
             result["rows"].append(row)
             save(result)
@@ -556,10 +546,6 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls per prefill point")
     parser.add_argument("--min-time", type=float, default=0.5, help="seconds of timed calls per measurement")
-    parser.add_argument("--batched-max-m", type=int, default=256, help="the twell-batched-compiled row's")
-    parser.add_argument(
-        "--batched-design", default=None, choices=decode.BATCHED_DESIGNS, help="the twell-batched-compiled row's"
-    )
     parser.add_argument(
         "--cost-model", default="auto", help="the calibrated rows' calibration cost model (auto: benchmark on CUDA)"
     )

@@ -1,8 +1,8 @@
 """Kernel variants on the GPU in one run: correctness at real shapes, then timings, a short table last.
 
     PYTHONPATH=. python benchmarks/gpu_check.py decode [--shapes 2048x5632,4096x14336]
-    PYTHONPATH=. python benchmarks/gpu_check.py batched [--tokens 16,32,64,128,256] [--sweep] [--stream-sweep]
-        [--rows-sweep] [--variants installed,calibrated,decode,rows]
+    PYTHONPATH=. python benchmarks/gpu_check.py batched [--tokens 16,32,64,128,256]
+        [--variants installed,calibrated,decode]
 
 Used to choose kernel configurations (the shipped ones are in the kernel files, with the result file
 that chose them); benchmarks/ffn.py is the benchmark of record. Writes JSON to $OUT or
@@ -81,92 +81,20 @@ def decode_point(k, n, m, density, variants, pattern) -> list[dict]:
     return rows
 
 
-def batched_floor_bytes(k, n, m, union) -> int:
-    """The batched decode's bytes floor (bf16): W_g once, the union's rows of W_u and W_d, x and y."""
+def floor_bytes(k, n, m, union) -> int:
+    """A sparse FFN call's bytes floor (bf16): W_g once, the union's rows of W_u and W_d, x and y."""
     return 2 * (n * k + 2 * union * k + 2 * m * k)
 
 
-def batched_variants(m, sweep, stream_sweep=False, rows_sweep=False) -> list[tuple[str, dict]]:
-    """(name, batched_decode_ffn keyword arguments) to time at m tokens: the launcher's choice (the walk
-    design), the stream design (its partials summed by the last arrival, and by the sum kernel) and the
-    rows design; with rows_sweep the rows design's BLOCK_N / CH / UP_K / DOWN_K / SPLITS / warps / stages and a
-    partials cap of 32 MB; with
-    sweep the walk's up kernel BLOCK_N, down WALK / STEPS around its table and a wider partials cap; with
-    stream_sweep the stream design's up BLOCK_N / BLOCK_K / CH / stages / K_SPLITS and down BLOCK_K / GROUP /
-    CHUNK."""
-    bucket = decode._batched_bucket(m)
-    up, down = decode.STREAM_UP_CONFIG[bucket], decode.STREAM_DOWN_CONFIG[bucket]
-    variants = [
-        ("batched", {}),
-        ("stream", {"design": "stream"}),
-        ("stream sum-kernel", {"design": "stream", "down_config": (*down[:4], not down[4])}),
-        ("rows", {"design": "rows"}),
-    ]
-    if rows_sweep:
-        rows = decode.ROWS_CONFIG[bucket]
-        rows_sweep = (
-            ("BLOCK_N", 1, (32, 64, 128, 256)),
-            ("CH", 2, (16, 64)),
-            ("UP_K", 3, (256, 1024)),
-            ("DOWN_K", 4, (64, 256, 512)),
-            ("SPLITS", 5, (1, 2, 4, 8)),
-            ("warps", 6, (4,)),
-            ("stages", 7, (2, 4)),
-        )
-        for name, i, values in rows_sweep:
-            for value in values:
-                if value != rows[i]:
-                    changed = {"design": "rows", "up_config": (*rows[:i], value, *rows[i + 1 :])}
-                    if name == "BLOCK_N":  # as named: no partials cap widening it
-                        changed["max_parts_bytes"] = 1 << 40
-                    variants.append((f"rows {name} {value}", changed))
-        variants.append(("rows partials cap 32 MB", {"design": "rows", "max_parts_bytes": 32 << 20}))
-    if stream_sweep:
-        up_sweep = (
-            ("BLOCK_N", 1, (32, 128)),
-            ("BLOCK_K", 2, (128, 256, 512)),
-            ("stages", 5, (2, 4)),
-            ("CH", 3, (16, 32)),
-            ("K_SPLITS", 6, (1, 4, 8)),
-        )
-        for name, i, values in up_sweep:
-            for value in values:
-                if value != up[i]:
-                    changed = (*up[:i], value, *up[i + 1 :])
-                    variants.append((f"stream up {name} {value}", {"design": "stream", "up_config": changed}))
-        for name, i, values in (("BLOCK_K", 0, (32, 128)), ("GROUP", 1, (4, 16)), ("CHUNK", 2, (64, 128))):
-            for value in values:
-                if value != down[i]:
-                    changed = (*down[:i], value, *down[i + 1 :])
-                    variants.append((f"stream down {name} {value}", {"design": "stream", "down_config": changed}))
-    if not sweep:
-        return variants
-    bucket = decode._batched_bucket(m)
-    up, down = decode.BATCHED_UP_CONFIG[bucket], decode.BATCHED_DOWN_CONFIG[bucket]
-    for block_n in (16, 32, 64, 128):
-        if block_n != up[1]:
-            variants.append((f"up BLOCK_N {block_n}", {"up_config": (up[0], block_n, *up[2:])}))
-    for walk in (32, 64, 128):
-        if walk != down[2]:
-            variants.append((f"down WALK {walk}", {"down_config": (*down[:2], walk, *down[3:])}))
-    for steps in (1, 2, 4, 8, 16):
-        if steps != down[3]:
-            variants.append((f"down STEPS {steps}", {"down_config": (*down[:3], steps, *down[4:])}))
-    variants.append(("partials cap 64 MB", {"max_parts_bytes": 64 << 20}))
-    return variants
+VARIANTS = ("installed", "calibrated", "decode")
 
 
-# batched_point's variants whose in-graph kernel times are recorded at 0.5% (the sweeps' are not)
-PROFILED = ("installed", "calibrated", "decode", "batched", "stream", "stream sum-kernel", "rows")
-
-
-def batched_point(k, n, m, density, pattern, sweep, stream_sweep=False, rows_sweep=False, only=None) -> list[dict]:
-    """At one point, per layer of a graph over LAYERS_PER_GRAPH layers: dense; the module as sparsify
-    installs it, and with the LayerConfig calibration gives a layer of this density ("calibrated":
-    policy.calibrated_decode_max_m / calibrated_batched_max_m); the one-token design's kernels forced
-    (decode_ffn); the batched decode (each variant), with its bytes floor, the union it met, and at 0.5%
-    the time of each kernel of dense and of the PROFILED variants in the graph. only: the variant names
-    to time (None: all)."""
+def batched_point(k, n, m, density, pattern, only=None) -> list[dict]:
+    """Calls of m tokens (serving steps), per layer of a graph over LAYERS_PER_GRAPH layers: dense; the
+    module as sparsify installs it ("installed"), and with the LayerConfig calibration gives a layer of
+    this density and K ("calibrated": policy.calibrated_decode_max_m); the decode kernels forced
+    ("decode": decode_ffn). Each with the bytes floor and the union it met, and at 0.5% the time of each
+    kernel of dense and of the variant in the graph. only: the variant names to time (None: all)."""
     x, block = make_inputs(m, k, n, density, pattern, seed=m + n)
     blocks = [block] + [neuron_permuted(block, i) for i in range(1, LAYERS_PER_GRAPH)]
 
@@ -183,23 +111,18 @@ def batched_point(k, n, m, density, pattern, sweep, stream_sweep=False, rows_swe
         w = ws[id(block)]
         kept = F.linear(x, w["gate_weight"], w["gate_bias"]) > 0
         union = int(kept.any(0).sum())
-        floor = batched_floor_bytes(k, n, m, union)
+        floor = floor_bytes(k, n, m, union)
 
         def args(b):
             w = ws[id(b)]
             return (x, w["gate_weight"], w["gate_bias"], w["up_weight"], None, w["down_weight"].t(), None, 0.0)
 
-        calibrated = {
-            "decode_max_m": policy.calibrated_decode_max_m(density),
-            "batched_max_m": policy.calibrated_batched_max_m(density),
-        }
+        calibrated = {"decode_max_m": policy.calibrated_decode_max_m(density, k)}
         calls = [
             ("installed", lambda b: b(x)),
             ("calibrated", lambda b: b(x)),
             ("decode", lambda b: decode.decode_ffn(*args(b))),
         ]
-        for name, kwargs in batched_variants(m, sweep, stream_sweep, rows_sweep):
-            calls.append((name, lambda b, kw=kwargs: decode.batched_decode_ffn(*args(b), **kw)))
         if only is not None:
             calls = [(name, call) for name, call in calls if name in only]
         for name, call in calls:
@@ -207,11 +130,7 @@ def batched_point(k, n, m, density, pattern, sweep, stream_sweep=False, rows_swe
             try:
                 err = rel_err_sample(call(block), x, block)
                 ms = per_layer(call)
-                profiled = density == 0.005 and name in PROFILED
-                kernels = graph_kernel_us(lambda c=call: [c(b) for b in blocks]) if profiled else None
-            except Exception as e:  # a config the compiler refuses (shared memory, registers)
-                print(f"{name}: {type(e).__name__}: {e}", flush=True)
-                continue
+                kernels = graph_kernel_us(lambda c=call: [c(b) for b in blocks]) if density == 0.005 else None
             finally:
                 for c in configured:
                     c.__exit__(None, None, None)
@@ -224,7 +143,7 @@ def batched_point(k, n, m, density, pattern, sweep, stream_sweep=False, rows_swe
                 row["layer_config"] = calibrated
             rows.append(row)
             print(
-                f"{k:>5} {n:>6} {m:>4} {density:.3f} union {union / n:6.1%} {name:>20} dense {dense_ms * 1e3:7.1f}us"
+                f"{k:>5} {n:>6} {m:>4} {density:.3f} union {union / n:6.1%} {name:>10} dense {dense_ms * 1e3:7.1f}us"
                 f" {ms * 1e3:7.1f}us {dense_ms / ms:5.2f}x floor {floor / 1e6:6.1f} MB ({floor / ms / 1e9:4.2f} TB/s)"
                 f" err {err:.1e}",
                 flush=True,
@@ -405,10 +324,7 @@ def main():
     parser.add_argument("--pattern", default="exact", help="decode and floors inputs (ffn.py's patterns)")
     parser.add_argument("--tokens", default=None, help="floors (default 1,16,64), batched (16,32,64,128,256)")
     parser.add_argument("--densities", default="0.005,0.01,0.05", help="batched")
-    parser.add_argument("--sweep", action="store_true", help="batched: also the walk configs around the shipped ones")
-    parser.add_argument("--stream-sweep", action="store_true", help="batched: also the stream design's configs")
-    parser.add_argument("--rows-sweep", action="store_true", help="batched: also the rows design's configs")
-    parser.add_argument("--variants", default=None, help="batched: only these variants (names, comma-separated)")
+    parser.add_argument("--variants", default=None, help=f"batched: only these of {VARIANTS} (comma-separated)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -439,10 +355,8 @@ def main():
             k, n = map(int, shape.split("x"))
             for m in map(int, (args.tokens or "16,32,64,128,256").split(",")):
                 for density in map(float, args.densities.split(",")):
-                    low = density == 0.005  # the sweeps at 0.5% only
-                    sweeps = (args.sweep and low, args.stream_sweep and low, args.rows_sweep and low)
                     only = args.variants.split(",") if args.variants else None
-                    result["rows"] += batched_point(k, n, m, density, args.pattern, *sweeps, only=only)
+                    result["rows"] += batched_point(k, n, m, density, args.pattern, only=only)
                 path.write_text(json.dumps(result, indent=1))  # kept if a later point runs out of time
     elif args.part == "floors":
         for shape in args.shapes.split(","):

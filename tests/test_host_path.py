@@ -208,8 +208,9 @@ def test_captured_calls_have_a_prefill_threshold_of_their_own():
     assert policy.route(8191, 2048, config, capturing=True) == "dense"
     assert policy.route(16384, 2048, config) == policy.route(16384, 2048, config, capturing=True) == "prefill"
     default = LayerConfig()
-    assert default.prefill_min_m_captured is None  # the same as prefill_min_m until measured
-    for m in (4096, 8192, 16384):
+    assert default.prefill_min_m_captured == 8192  # measured: 1.205x of dense's GPU time at 8192 tokens
+    assert policy.route(8192, 2048, default, capturing=True) == "prefill" != policy.route(8192, 2048, default)
+    for m in (4096, 16384):
         assert policy.route(m, 2048, default, capturing=True) == policy.route(m, 2048, default)
     for route in policy.ROUTES:  # a forced route holds inside captures too
         forced = config.replace(route=route)
@@ -230,7 +231,7 @@ def test_a_captured_call_prefills_only_after_an_eager_one_tuned_its_bucket():
     kernels (tuned and compiled them); the first eager call in the captured range does, later ones
     run dense."""
     case = make_ffn(300, 16, 64, [0.1], torch.float32, DEVICE, seed=3)
-    config = LayerConfig(prefill_min_m=None, prefill_min_m_captured=64, hot_rate=None)
+    config = LayerConfig(prefill_min_m=policy.EVERY, prefill_min_m_captured=64, hot_rate=None)
     dispatch.forget_layers()
     assert _choose(case, 80, config, True) == "dense"  # nothing ran at bucket 128 yet
     assert _choose(case, 80, config, False) == "prefill"  # the warm-up call (torch.compile's CUDA graphs run one)
@@ -239,17 +240,17 @@ def test_a_captured_call_prefills_only_after_an_eager_one_tuned_its_bucket():
     assert _choose(case, 200, config, True) == "dense"  # bucket 256
     assert _choose(case, 40, config, False) == _choose(case, 40, config, True) == "dense"  # below both
     dispatch.forget_layers()
-    default = LayerConfig(prefill_min_m=None, hot_rate=None)
-    assert [_choose(case, 80, default, c) for c in (False, True, False)] == ["dense"] * 3
-    at_64 = LayerConfig(prefill_min_m=64, hot_rate=None)
+    for no_prefill in (LayerConfig(prefill_min_m=None, hot_rate=None), config.replace(prefill_min_m=None)):
+        assert [_choose(case, 80, no_prefill, c) for c in (False, True, False)] == ["dense"] * 3
+    at_64 = LayerConfig(prefill_min_m=64, prefill_min_m_captured=None, hot_rate=None)
     assert _choose(case, 80, at_64, True) == "prefill"  # at prefill_min_m captures need no eager call first
     above = LayerConfig(prefill_min_m=64, prefill_min_m_captured=128, hot_rate=None)
-    assert _choose(case, 80, above, True) == "dense"  # a captured threshold above the eager one holds
+    assert _choose(case, 80, above, True) == "prefill"  # the lower of the two thresholds holds
 
 
 def test_the_warm_up_call_is_exact():
     case = make_ffn(80, 24, 64, [0.05, 0.2], torch.float32, DEVICE, seed=6, biases=True)
-    config = LayerConfig(prefill_min_m=None, prefill_min_m_captured=64, hot_rate=None)
+    config = LayerConfig(prefill_min_m=policy.EVERY, prefill_min_m_captured=64, hot_rate=None)
     args = [case[c] for c in ("gate_weight", "up_weight", "down_weight", "gate_bias", "up_bias", "down_bias")]
     dispatch.forget_layers()
     for _ in range(2):  # prefill, then dense

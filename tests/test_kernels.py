@@ -652,8 +652,8 @@ from twell.kernels import decode
 def arg_type(name):
     if not name.endswith("_ptr"):
         return "fp32" if name == "threshold" else "i32"
-    return {"ids_ptr": "*i32", "cnt_ptr": "*i32", "sem_ptr": "*i32", "rows_ptr": "*fp32", "part_ptr": "*fp32",
-            "up_ptr": "*fp32"}.get(name, "*bf16")
+    return {"ids_ptr": "*i32", "cnt_ptr": "*i32", "sem_ptr": "*i32", "rows_ptr": "*fp32", "part_ptr": "*fp32"}.get(
+        name, "*bf16")
 
 def gate_up(m, k):  # the launcher's choice for m tokens of width k
     wide = m == 1 and k > 2048
@@ -670,7 +670,7 @@ def down(m, n_blocks):
     return decode._decode_down_kernel, consts, dict(num_warps=warps)
 
 flags = dict(HAS_UP=True, HAS_GATE_BIAS=True, HAS_UP_BIAS=True, HAS_DOWN_BIAS=True, DRELU=False, SQUARE=False,
-             DOT_PRECISION="tf32", SEM_BLOCK=256, PREFETCH_LINE=64, ARRIVE=True, UP_SPLITS=0)
+             DOT_PRECISION="tf32", SEM_BLOCK=256, PREFETCH_LINE=64, ARRIVE=True)
 cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
 for kernel, consts, options in [
     gate_up(1, 2048), gate_up(1, 4096), gate_up(16, 4096), gate_up(64, 4096),

@@ -56,10 +56,8 @@ class Decision:
         """The LayerConfig the FFN runs with once rewritten: this decision's layout (the defaults without
         one) and its dense phases' routes turned off, then `changes` (checked by layer_changes)."""
         density = self.stats.get("decode", {}).get("density", self.density)
-        batched = policy.calibrated_batched_max_m(density)
         config = policy.DEFAULT.replace(
-            decode_max_m=policy.calibrated_decode_max_m(density, batched_max_m=batched),
-            batched_max_m=batched,
+            decode_max_m=policy.calibrated_decode_max_m(density, self.model_size),
             train_min_m=policy.calibrated_train_min_m(self.density),
         )
         if self.tile_n is not None:
@@ -70,7 +68,7 @@ class Decision:
         """LayerConfig changes that send the dense phases' calls to the dense route."""
         changes = {}
         if "decode" in self.dense_phases:
-            changes.update(decode_max_m=0, decode_sparse_max_m=0, batched_max_m=0)
+            changes.update(decode_max_m=0, decode_sparse_max_m=0)
         if "prefill" in self.dense_phases:
             changes["prefill_min_m"] = None
         return changes

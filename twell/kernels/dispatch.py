@@ -5,8 +5,7 @@ Each call brings its layer's twell.kernels.policy.LayerConfig (the op's argument
 and TwELL layout; policy.route decides.
 - M <= decode_max_m tokens, or up to decode_sparse_max_m for a layer whose prefill calls measured at
   most DECODE_SPARSE_DENSITY: the two decode kernels (gate + up, then down; only active rows of W_u /
-  W_d are read); decode_max_m < M <= batched_max_m: the batched decode (cuBLAS gate, then the union's
-  W_u / W_d rows).
+  W_d are read).
 - M >= prefill_min_m (prefill_min_m_captured for a call being captured into a CUDA graph, where the
   host time is paid once; a captured call below prefill_min_m prefills only on a layer whose prefill
   kernels ran eagerly at its token bucket, and the first eager call of a bucket in that range does:
@@ -48,7 +47,7 @@ import triton
 from twell.kernels import dense as dense_route
 from twell.kernels import policy
 from twell.kernels import reuse as reuse_route
-from twell.kernels.decode import batched_decode_ffn, decode_ffn
+from twell.kernels.decode import decode_ffn
 from twell.kernels.gate import fused_gate_supported, hot_values, launch_gate_twell, launch_pack_dense
 from twell.kernels.updown import launch_up_down
 
@@ -174,19 +173,18 @@ def _run(
     if path == "dense":
         return dense_fn(x2).reshape(shape)
     args = (x2, gate_weight, gate_bias, up_weight, up_bias, wd_t, down_bias, threshold)
-    if path in ("decode", "batched"):
-        decode = decode_ffn if path == "decode" else batched_decode_ffn
-        return decode(*args, drelu=drelu, square=square).reshape(shape)
+    if path == "decode":
+        return decode_ffn(*args, drelu=drelu, square=square).reshape(shape)
     return _prefill(*args, drelu, square, config, state, capturing).reshape(shape)
 
 
 def _choose(x2, gate_weight, wd_t, config, capturing) -> tuple[str, _LayerState | None]:
-    """The path of a call ("dense", "decode", "batched" or "prefill") and, for prefill, the layer's state.
+    """The path of a call ("dense", "decode" or "prefill") and, for prefill, the layer's state.
     The kernels gather rows of down_weight^T [N, K] (wd_t); a per-call transposed copy would cost more
     than the sparse FFN saves at decode sizes, so weights in the plain nn.Linear layout run dense
     (sparsify re-lays them once: twell.passes.modules.store_down_rows)."""
     m, k = x2.shape
-    sparse_decode = max(config.decode_max_m, config.batched_max_m) < m <= config.decode_sparse_max_m
+    sparse_decode = config.decode_max_m < m <= config.decode_sparse_max_m
     density = layer_density(gate_weight, capturing, config) if sparse_decode else None
     routed = wd_t.stride(1) == 1
     path = policy.route(m, k, config, density, capturing) if routed else "dense"

@@ -31,11 +31,6 @@ DECODE_MAX_M = 8
 # 9-16 tokens: decode where the layer is known sparse (1.19-1.37x at <= 1%; 1.06-1.17x at 2%, 0.85x at 5%)
 DECODE_SPARSE_MAX_M = 16
 PREFILL_MIN_M: int | None = 16384
-# Calls of decode_max_m < M <= batched_max_m take the batched decode (twell.kernels.decode.
-# batched_decode_ffn: cuBLAS gate, the union's W_u / W_d rows only; its design: decode.BATCHED_DESIGN). 0
-# (none) until measured on the GPU (benchmarks/NOTES.md, "Batched decode" and "Batched decode, stream
-# design"); calibration sets a layer's from its density by BATCHED_CROSSOVER.
-BATCHED_MAX_M = 0
 # Gate of the prefill path: the persistent TMA GEMM with the packing epilogue (True) or cuBLAS + the
 # pack pass (False); the faster measured at K=2048/N=5632 and K=4096/N=14336 on an H200.
 FUSED_GATE = False
@@ -75,26 +70,31 @@ REUSE_MAX_SHARE = 0.25  # at most this share of N is dense in one block (its hid
 # train-model-20261201-230531.json). None: every call sparse, the pass at 1 row in BACKUP_SHARE. The
 # switch measured right on the 2B model (train-model-20261202-020334.json: 0.87x at 1.7% with it, 0.42x
 # without); dense mode runs dense autograd's nine products on its kept g, u, h (backward._dense_forward).
-# 0.006: the sparse step measured 1.04-1.13x at 0.5% (train-20261202-020403.json, -20261201-230349.json)
-# and ~0.64x at 1% (v11), its pair-bound kernels (~6.9 of its ~9.6 ms at 0.5%) growing with the density:
-# level with dense near 0.55-0.6% (benchmarks/NOTES.md, "Training v4").
-TRAIN_DENSE_ABOVE: float | None = 0.006
+# 0.007: the sparse step measured 1.04x / 1.08x eager / compiled at 0.65% uniform (the benchmark's
+# "0.5%", 36.5 of 5632 a row; train-20261202-020403.json) and ~0.64x at 1.2% (v11), dense mode 0.97-0.99x
+# / 1.01-1.03x at 0.65-5% (train-20261202-034750.json): level near 0.69% (benchmarks/NOTES.md,
+# "Session 4, fifth GPU run").
+TRAIN_DENSE_ABOVE: float | None = 0.007
 # The hot-neuron hybrid of the sparse training path: a layer's train_hot most frequent neurons of its
 # previous call (a multiple of HOT_ALIGN) by cuBLAS products over just them, forward and backward; the
 # record holds the rest. Off (0) until measured on the GPU (benchmarks/NOTES.md, "Training v4").
 TRAIN_HOT = 0
-# Prefill threshold of calls captured into a CUDA graph (their host time is paid once, at capture): the
-# kernels' GPU time wins from 8192 tokens (1.12x at 0.5%, 1.02x at 4096; host_time-20261202-005619.json)
-# where an eager call is host-bound. None (the same as prefill_min_m) until a captured model's calls are
-# measured (benchmarks/NOTES.md, "Prefill host v2").
-PREFILL_MIN_M_CAPTURED: int | None = None
+# Prefill threshold of calls captured into a CUDA graph (their host time is paid once, at capture), where
+# an eager call is host-bound: the kernels' GPU time in a graph replay against dense, K=2048 0.5%:
+# 1.04x / 1.205x / 1.375x at 4096 / 8192 / 16384 tokens uniform (host_time-20261202-033002.json), 1.42x
+# at 8192 skewed (host_time-20261202-035026.json): from 8192 (benchmarks/NOTES.md, "Prefill host v2").
+PREFILL_MIN_M_CAPTURED: int | None = 8192
 
-# Batched decode from calibration: (density, tokens) rows, a layer calibrated at most `density` dense
-# serving calls of up to `tokens` by the batched decode (the first row that holds), from decode_max_m + 1
-# tokens (calibrated_decode_max_m: a row must beat the decode kernels at 9-16 tokens as well). Empty, so
-# no layer does, until the crossovers are measured (gpu_check.py batched, with decode.BATCHED_DESIGN the
-# design measured); the rows design's predicted table is in benchmarks/NOTES.md, "Batched decode v3".
-BATCHED_CROSSOVER: tuple[tuple[float, int], ...] = ()
+# The decode kernels' reach from calibration: (min K, max density, tokens) rows, a layer of width K
+# >= min K calibrated at most `max density` dense in its decode calls taking the decode kernels for
+# calls of up to `tokens` (its decode_max_m; the first row that holds, else DECODE_MAX_M). A row's
+# tokens: the largest measured token count up to which every measured count beats the dense route (as
+# sparsify installs the module) by >= 3%, per layer in CUDA-graph replays (H200, bf16;
+# gpu_check-batched-20261202-024931.json, decode / installed): K=4096 16 tokens 1.53x / 1.46x / 1.14x
+# at 0.5% / 1% / 5%, 32 tokens 1.19x / 1.11x / 0.81x, 64 tokens 0.94x; K=2048 16 tokens 1.20x / 1.13x /
+# 0.84x, 32 tokens 1.02x / 0.94x (64 tokens 1.04x at 0.5% does not count: 32 loses its 3%). Only K=2048
+# and 4096 measured: a K between takes the K=2048 rows, a K below 2048 the same (unmeasured).
+DECODE_REACH: tuple[tuple[int, float, int], ...] = ((4096, 0.01, 32), (4096, 0.05, 16), (0, 0.01, 16))
 
 # Sparse training from calibration: (density, tokens) rows, a layer calibrated at most `density` dense
 # taking the sparse training path for calls of at least `tokens` tokens (its train_min_m; the first row
@@ -105,7 +105,7 @@ BATCHED_CROSSOVER: tuple[tuple[float, int], ...] = ()
 TRAIN_CROSSOVER: tuple[tuple[float, int], ...] = ((0.005, 32768),)
 
 # Fixed for every layer:
-DECODE_SPARSE_DENSITY = 0.01  # "known sparse" for decode_sparse_max_m: the 1% of the measurement above
+DECODE_SPARSE_DENSITY = 0.01  # "known sparse" for decode_sparse_max_m: the 1% of DECODE_SPARSE_MAX_M's
 MAX_K = 8192  # wider models run dense: the up+down kernel keeps whole x and y rows in registers
 DENSE_RETRY = 64  # dense calls before a layer past dense_above is probed again
 HOT_SAMPLE = 8192  # rows of a prefill call whose gate sets the layer's hot neurons
@@ -113,7 +113,7 @@ HOT_ALIGN = 16  # hot neurons come in multiples of this (GEMM shapes); fewer: no
 HOT_MAX_SHARE = 0.25  # at most this share of N is hot (past it the layer is dense: dense_above)
 # decode_max_m / prefill_min_m of a route that takes every call (K permitting): any token count
 EVERY = 1 << 62
-ROUTES = ("decode", "batched", "prefill", "dense")
+ROUTES = ("decode", "prefill", "dense")
 
 
 def check_tile(tile_n: int, slots: int) -> None:
@@ -148,9 +148,8 @@ class LayerConfig:
         tile_n and slots); powers of two, 16 <= tile_n <= 256, slots <= tile_n.
     decode_max_m: calls of at most this many tokens take the decode kernels, and calls of up to
         decode_sparse_max_m tokens do on a layer whose prefill calls measured it at most
-        DECODE_SPARSE_DENSITY dense.
-    batched_max_m: calls of more than decode_max_m and at most this many tokens take the batched decode
-        kernels (0: none does; calibration sets it from the layer's density, calibrated_batched_max_m).
+        DECODE_SPARSE_DENSITY dense (calibration sets decode_max_m from the layer's density and K,
+        calibrated_decode_max_m).
     prefill_min_m: calls of at least this many tokens take the prefill kernels (None: none does).
     dense_above: a layer whose prefill call measured it denser than this runs its next DENSE_RETRY
         prefill calls dense.
@@ -171,7 +170,8 @@ class LayerConfig:
         autograd's products, its activations kept as dense autograd keeps them), and its backward's
         dense pass is sized by the rows it measured past the width (None: never).
     prefill_min_m_captured: calls being captured into a CUDA graph take the prefill kernels from this
-        many tokens (None: from prefill_min_m). A layer whose prefill kernels never ran outside a
+        many tokens, or from prefill_min_m where that is lower (None: from prefill_min_m; a layer with
+        no prefill_min_m has no prefill in captures either). A layer whose prefill kernels never ran outside a
         capture at the call's token bucket runs such a call dense (autotuning and first compilation
         cannot happen inside a capture): its first eager call of that size in the captured range runs
         the prefill kernels instead of dense (what torch.compile's CUDA-graph warm-up runs), so the
@@ -189,8 +189,7 @@ class LayerConfig:
     prefill_min_m: int | None = PREFILL_MIN_M
     dense_above: float = DENSE_ABOVE
     fused_gate: bool = FUSED_GATE
-    hot_rate: float | None = HOT_RATE
-    batched_max_m: int = BATCHED_MAX_M  # op_args' order: train_min_m is no op argument
+    hot_rate: float | None = HOT_RATE  # op_args' order: train_min_m is no op argument
     train_min_m: int | None = TRAIN_MIN_M
     train_entries: int = TRAIN_ENTRIES_DEFAULT
     reuse_rows: int = REUSE_ROWS
@@ -201,7 +200,7 @@ class LayerConfig:
 
     def __post_init__(self):
         check_tile(self.tile_n, self.slots)
-        limits = ("decode_max_m", "decode_sparse_max_m", "batched_max_m", "prefill_min_m", "train_min_m")
+        limits = ("decode_max_m", "decode_sparse_max_m", "prefill_min_m", "train_min_m")
         for name in (*limits, "prefill_min_m_captured"):
             value = getattr(self, name)
             optional = name in ("prefill_min_m", "train_min_m", "prefill_min_m_captured")
@@ -228,7 +227,7 @@ class LayerConfig:
             raise ValueError(f"hot_rate must be a number in [0, 1] or None, got {rate!r}")
 
     def replace(self, *, route: str | None = None, **changes) -> LayerConfig:
-        """A copy with `changes` (field values). route: "decode", "batched", "prefill" or "dense" sets
+        """A copy with `changes` (field values). route: "decode", "prefill" or "dense" sets
         the route limits so that every call takes that path (K permitting; a forced prefill never falls
         back to dense for a measured density), before `changes`."""
         known = [f.name for f in dataclasses.fields(self)]
@@ -240,7 +239,6 @@ class LayerConfig:
                 raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
             decode = EVERY if route == "decode" else 0
             limits = {"decode_max_m": decode, "decode_sparse_max_m": decode}
-            limits["batched_max_m"] = EVERY if route == "batched" else 0
             limits["prefill_min_m"] = 1 if route == "prefill" else None
             limits["prefill_min_m_captured"] = None  # captured calls take the forced route too
             if route == "prefill":
@@ -259,7 +257,7 @@ DEFAULT = LayerConfig()
 # the fields op_args passes, in its order
 OP_FIELDS = (
     "tile_n", "slots", "decode_max_m", "decode_sparse_max_m", "prefill_min_m", "dense_above", "fused_gate",
-    "hot_rate", "batched_max_m", "reuse_rows", "reuse_min", "prefill_min_m_captured",
+    "hot_rate", "reuse_rows", "reuse_min", "prefill_min_m_captured",
 )  # fmt: skip
 
 
@@ -275,49 +273,36 @@ def from_op_args(*args) -> LayerConfig:
 
 
 def route(m: int, k: int, config: LayerConfig, density: float | None = None, capturing: bool = False) -> str:
-    """ "decode", "batched", "prefill" or "dense" for a call of m tokens of width k on a layer with `config`;
+    """ "decode", "prefill" or "dense" for a call of m tokens of width k on a layer with `config`;
     density: the layer's, where measured; capturing: the call is being captured into a CUDA graph (its
     prefill threshold: prefill_min_m_captured where set)."""
     if m == 0 or k > MAX_K:
         return "dense"
     if m <= config.decode_max_m:
         return "decode"
-    if m <= config.batched_max_m:
-        return "batched"
     if m <= config.decode_sparse_max_m and density is not None and density <= DECODE_SPARSE_DENSITY:
         return "decode"
     prefill_min_m = config.prefill_min_m
-    if capturing and config.prefill_min_m_captured is not None:
-        prefill_min_m = config.prefill_min_m_captured
+    if capturing and prefill_min_m is not None and config.prefill_min_m_captured is not None:
+        prefill_min_m = min(prefill_min_m, config.prefill_min_m_captured)
     if prefill_min_m is not None and m >= prefill_min_m:
         return "prefill"
     return "dense"
 
 
-def calibrated_decode_max_m(density: float | None, config: LayerConfig = DEFAULT, batched_max_m: int = 0) -> int:
-    """The decode_max_m of a layer calibrated at `density` (mean kept fraction of its decode calls):
-    `config`'s decode_sparse_max_m where that is at most DECODE_SPARSE_DENSITY, else its decode_max_m.
-    What a prefill call's measured density does at run time, decided once from calibration instead, so
-    a served model whose prompts are short takes the decode kernels too (9-16 tokens at 0.5% / 1%:
-    1.30x / 1.21x at K=2048, 1.51x / 1.43x at K=4096 against the module's 1.03-1.09x;
-    gpu_check-batched-20261201-213212.json). batched_max_m: the layer's calibrated one; where it
-    exceeds config's decode_max_m, the batched decode takes every call past decode_max_m (route tries
-    decode_max_m first), so BATCHED_CROSSOVER lists a density only where the batched decode beats the
-    decode kernels at 9-16 tokens too."""
-    if batched_max_m > config.decode_max_m:
-        return config.decode_max_m
-    if density is not None and density <= DECODE_SPARSE_DENSITY:
-        return max(config.decode_max_m, config.decode_sparse_max_m)
-    return config.decode_max_m
-
-
-def calibrated_batched_max_m(density: float | None, crossover=BATCHED_CROSSOVER) -> int:
-    """The batched_max_m of a layer calibrated at `density` (mean kept fraction of its decode calls):
-    the tokens of crossover's first (density, tokens) row with density >= `density`; 0 where none holds
-    or the density was not measured."""
+def calibrated_decode_max_m(
+    density: float | None, k: int = 0, config: LayerConfig = DEFAULT, reach=DECODE_REACH
+) -> int:
+    """The decode_max_m of a layer of width k calibrated at `density` (mean kept fraction of its decode
+    calls): the tokens of reach's first (min K, max density, tokens) row with k >= min K and density <=
+    max density, or `config`'s decode_max_m where that is more or no row holds (or the density was not
+    measured). What a prefill call's measured density does at run time for 9-16 tokens
+    (decode_sparse_max_m), decided once from calibration instead and by the measured reach, so a served
+    model whose prompts are short takes the decode kernels too."""
     if density is None:
-        return 0
-    return next((tokens for most, tokens in crossover if density <= most), 0)
+        return config.decode_max_m
+    tokens = next((t for min_k, most, t in reach if k >= min_k and density <= most), 0)
+    return max(config.decode_max_m, tokens)
 
 
 def calibrated_train_min_m(density: float | None, crossover=TRAIN_CROSSOVER) -> int | None:
