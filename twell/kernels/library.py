@@ -7,7 +7,7 @@ that dispatches to Triton (twell.kernels.dispatch, imported on first CUDA call, 
 compiles nothing).
 
 Route arguments: gated_ffn and ffn take the fields of the layer's twell.kernels.policy.LayerConfig
-(tile_n ... reuse_min, in LayerConfig.op_args' order, defaulting to its defaults): the CUDA dispatcher
+(tile_n ... batched_max_m, in LayerConfig.op_args' order, defaulting to its defaults): the CUDA dispatcher
 routes by them; every implementation checks them, so a bad value fails the same on any device.
 
 Training: twell::ffn_train (a forward that also returns the compact record of the hidden layer) and
@@ -60,8 +60,6 @@ def gated_ffn(
     fused_gate: bool = _D.fused_gate,
     hot_rate: Optional[float] = _D.hot_rate,
     batched_max_m: int = _D.batched_max_m,
-    reuse_rows: int = _D.reuse_rows,
-    reuse_min: int = _D.reuse_min,
 ) -> torch.Tensor:
     check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold)
     route_config(
@@ -74,8 +72,6 @@ def gated_ffn(
         fused_gate,
         hot_rate,
         batched_max_m,
-        reuse_rows,
-        reuse_min,
     )
     return reference.gated_ffn_reference(
         x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu
@@ -118,8 +114,6 @@ def ffn(
     fused_gate: bool = _D.fused_gate,
     hot_rate: Optional[float] = _D.hot_rate,
     batched_max_m: int = _D.batched_max_m,
-    reuse_rows: int = _D.reuse_rows,
-    reuse_min: int = _D.reuse_min,
 ) -> torch.Tensor:
     check_plain(x, up_weight, down_weight, up_bias, down_bias, threshold)
     route_config(
@@ -132,8 +126,6 @@ def ffn(
         fused_gate,
         hot_rate,
         batched_max_m,
-        reuse_rows,
-        reuse_min,
     )
     return reference.ffn_reference(x, up_weight, down_weight, up_bias, down_bias, threshold, squared)
 
