@@ -39,7 +39,7 @@ from triton.testing import do_bench
 
 import twell
 from twell.calibrate.timing import cuda_graph
-from twell.kernels import dispatch, policy, reference, reuse
+from twell.kernels import dispatch, policy, reference
 from twell.kernels.gate import gate_twell, pack_dense
 from twell.kernels.updown import _up_down_launch as updown_launch
 from twell.kernels.updown import twell_up_down
@@ -293,53 +293,17 @@ def bench_point(k, n, m, density, pattern, compiled, variants=()) -> dict:
         # path from 4096 tokens)
         if m >= 4096:
             for name, changes in variants:
-                changes = dict(changes)
-                kernels = kernel_switches(changes)  # the keys that are no LayerConfig field
-                with kernels, twell.configure(block, route="prefill", **changes):
+                with twell.configure(block, route="prefill", **changes):
                     dispatch.forget_layers()
                     row[f"prefill[{name}]_err"] = rel_err_sample(warm_call(block, x), x, block)
                     row[f"prefill[{name}]_neurons"] = hot_neurons()
                     row[f"prefill[{name}]_ms"] = timed(lambda: block(x), False)
-                    if changes.get("reuse_rows"):
-                        row[f"prefill[{name}]_stages"] = reuse_stages(x, weights(block), block.mlp.layer_config)
         if m >= 8192:
             with twell.configure(block, route="prefill"):  # the stages at the default hot_rate's neurons
                 dispatch.forget_layers()
                 warm_call(block, x)
                 row.update(prefill_stages(x, w, block.mlp.layer_config))
     return row
-
-
-# variant keys that switch a launcher's formulation on the prefill path rather than a LayerConfig
-# field (work not yet measured, off in the dispatcher): key -> (module, launcher name, its keyword)
-KERNEL_SWITCHES = {"pack_by_bits": (dispatch, "launch_pack_dense", "by_bits")}
-
-
-def kernel_switches(changes: dict) -> contextlib.ExitStack:
-    """Pops KERNEL_SWITCHES keys from a variant's changes; the returned context runs the dispatcher's
-    launcher with that keyword set while it is open."""
-    stack = contextlib.ExitStack()
-    for key, (module, name, keyword) in KERNEL_SWITCHES.items():
-        if key in changes:
-            launcher = getattr(module, name)
-            value = changes.pop(key)
-
-            def switched(*args, _launcher=launcher, _keyword=keyword, _value=value, **kwargs):
-                return _launcher(*args, **{**kwargs, _keyword: _value})
-
-            stack.enter_context(patched(module, name, switched))
-    return stack
-
-
-@contextlib.contextmanager
-def patched(module, name: str, value):
-    """module.name set to value inside the context (benchmark variants only)."""
-    old = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, old)
 
 
 def prefill_stages(x, w, config) -> dict:
@@ -350,7 +314,6 @@ def prefill_stages(x, w, config) -> dict:
     row = {"cublas_gate_ms": do_bench(lambda: F.linear(x, wg, bg), return_mode="median")}
     pre = F.linear(x, wg, bg)
     row["pack_ms"] = do_bench(lambda: pack_dense(pre, 0.0, tile_n, slots), return_mode="median")
-    row["pack_bits_ms"] = do_bench(lambda: pack_dense(pre, 0.0, tile_n, slots, by_bits=True), return_mode="median")
     row["fused_gate_ms"] = do_bench(lambda: gate_twell(x, wg, bg, 0.0, tile_n, slots), return_mode="median")
     words, counts = gate_twell(x, wg, bg, 0.0, tile_n, slots)
     wd_t = w["down_weight"].t()
@@ -382,73 +345,6 @@ def prefill_stages(x, w, config) -> dict:
             return_mode="median",
         )  # fmt: skip
         row["hot_pairs_share"] = 1 - int(counts.sum()) / pairs
-    return row
-
-
-L2_TB_S = 8.0  # weight rows through L2 (the gathers' measured ceiling, NOTES.md v8-v30)
-DRAM_TB_S = 4.3  # a large device copy (NOTES.md)
-TENSOR_TFLOP_S = 650.0  # bf16 products at these shapes (dense FFN's GEMMs: 550-677, NOTES.md v15)
-
-
-def reuse_stages(x, w, config) -> dict:
-    """The weight-row reuse path's pieces at the layer's config (its hot neurons too): the block lists
-    alone (dense_columns) and the whole pack pass with them, up+down without the blocks' dense neurons,
-    the dense products' two phases at their tuned configs; the union's size and share of the pairs, and
-    floors: v1's (three weight rows per dense neuron and block and the x rows once per 64 neurons through
-    L2, or 6 x rows x K FLOPs per dense neuron and block) and each v2 phase's, the larger of its L2
-    bytes, DRAM bytes and FLOPs (hidden: x once per tuned chunk and W_u[n] per dense neuron and block
-    through L2, the gate output's dense columns from DRAM in 32-byte sectors; down: W_d[n] per dense
-    neuron and block and h once per tuned column block through L2, y read and written from DRAM)."""
-    wg, bg, wu = w["gate_weight"], w["gate_bias"], w["up_weight"]
-    wd_t = w["down_weight"].t()
-    m, k = x.shape
-    tile_n, slots = config.tile_n, config.slots
-    spec = (config.reuse_rows, config.reuse_min, reuse.per_tile(tile_n))
-    pre = F.linear(x, wg, bg)
-    hot = largest_hot()
-    packed_hot = (hot.pos, dispatch.hot_values(m, len(hot.index), x.dtype, x.device)) if hot is not None else None
-    hot_pos, n_hot = (hot.pos, len(hot.index)) if hot is not None else (None, 0)
-    row = {
-        "columns_ms": do_bench(lambda: reuse.dense_columns(pre, 0.0, tile_n, spec, hot_pos, n_hot)),
-        "pack_ms": do_bench(lambda: pack_dense(pre, 0.0, tile_n, slots, hot=packed_hot, reuse=spec)),
-    }
-    words, counts, blocks = pack_dense(pre, 0.0, tile_n, slots, hot=packed_hot, reuse=spec)
-    row["updown_ms"] = do_bench(
-        lambda: twell_up_down(
-            x, words, counts, wg, bg, wu, None, wd_t, None, tile_n=tile_n, threshold=0.0, hot_pos=hot_pos,
-            reuse=(blocks.flags, blocks.rows),
-        )
-    )  # fmt: skip
-    hidden = reuse.hidden_buffer(m, blocks, x.dtype, x.device)
-    reuse.dense_hidden(x, pre, blocks, wu, None, threshold=0.0, hidden=hidden)  # tunes before timing
-    row["hidden_ms"] = do_bench(lambda: reuse.dense_hidden(x, pre, blocks, wu, None, threshold=0.0, hidden=hidden))
-    y = torch.zeros_like(x)
-    reuse.dense_down_(y, blocks, hidden, wd_t)
-    row["down_ms"] = do_bench(lambda: reuse.dense_down_(y, blocks, hidden, wd_t))
-    hidden_config, down_config = reuse._reuse_hidden_kernel.best_config, reuse._reuse_down_kernel.best_config
-    row["hidden_config"], row["down_config"] = str(hidden_config), str(down_config)
-    lengths = blocks.lengths.long()
-    union, dense_pairs, sparse_pairs = int(lengths.sum()), int(blocks.pairs.sum()), int(counts.sum())
-    row["union_per_block"] = union / lengths.shape[0]
-    row["union_max"] = int(lengths.max())
-    row["dense_pair_share"] = dense_pairs / max(dense_pairs + sparse_pairs, 1)
-    element, rows = x.element_size(), blocks.rows
-    chunks_64 = int(((lengths + 63) // 64).sum())
-    row["products_bytes_floor_ms"] = (union * 3 + chunks_64 * rows) * k * element / (L2_TB_S * 1e9)
-    row["products_flop_floor_ms"] = union * 6 * rows * k / (TENSOR_TFLOP_S * 1e9)
-    chunk, block_k = hidden_config.kwargs["CHUNK"], down_config.kwargs["BLOCK_K"]
-    chunks = int(((lengths + chunk - 1) // chunk).sum())
-    row["hidden_floor_ms"] = max(
-        (chunks * rows + union) * k * element / (L2_TB_S * 1e9),
-        int((lengths * 32).clamp(max=pre.shape[1] * element).sum()) * rows / (DRAM_TB_S * 1e9),  # 32-byte sectors
-        union * 2 * rows * k / (TENSOR_TFLOP_S * 1e9),
-    )
-    row["down_floor_ms"] = max(
-        (union * k + union * rows * triton.cdiv(k, block_k)) * element / (L2_TB_S * 1e9),
-        int((lengths > 0).sum()) * rows * k * 2 * element / (DRAM_TB_S * 1e9),
-        union * 2 * rows * k / (TENSOR_TFLOP_S * 1e9),
-    )
-    row["updown_floor_ms"] = sparse_pairs * 2 * k * element / (L2_TB_S * 1e9)
     return row
 
 
@@ -504,8 +400,7 @@ def main():
         "--variants",
         default="",
         help="LayerConfig changes to time the forced prefill at, ';' between variants, e.g. "
-        "'fused_gate=True;fused_gate=False,hot_rate=None'; also the launcher switches of KERNEL_SWITCHES "
-        "('pack_by_bits=True')",
+        "'fused_gate=True;fused_gate=False,hot_rate=None'",
     )
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
@@ -514,7 +409,7 @@ def main():
     result = {**environment(), "ceilings": ceilings(), "points": []}
     print(json.dumps(result["ceilings"]))
     path = result_path(args.out, "ffn")
-    columns = "K N M dens pat nnz max dense twell x err hot dec pre gateC pack bits fused updn TB/s ovfl memD memT"
+    columns = "K N M dens pat nnz max dense twell x err hot dec pre gateC pack fused updn TB/s ovfl memD memT"
     header = " ".join(f"{c:>7}" for c in columns.split())
     lines = [header]
     print(header, flush=True)
@@ -535,7 +430,6 @@ def main():
                         f"{row['hot_neurons']:>5} "
                         f"{row.get('decode_ms', 0):>7.3f} {row.get('prefill_ms', 0):>7.3f} "
                         f"{row.get('cublas_gate_ms', 0):>6.2f} {row.get('pack_ms', 0):>5.2f} "
-                        f"{row.get('pack_bits_ms', 0):>5.2f} "
                         f"{row.get('fused_gate_ms', 0):>6.2f} "
                         f"{row.get('updown_ms', 0):>6.2f} "
                         f"{row.get('updown_l2_tb_s', 0):>5.1f} "
@@ -543,17 +437,6 @@ def main():
                     )
                     timed_variants = [v for v, _ in parse_variants(args.variants) if f"prefill[{v}]_ms" in row]
                     line += "".join(f"  [{v}] {row[f'prefill[{v}]_ms']:.3f}" for v in timed_variants)
-                    for v in timed_variants:
-                        if f"prefill[{v}]_stages" in row:
-                            st = row[f"prefill[{v}]_stages"]
-                            line += (
-                                f"\n      [{v}] pack {st['pack_ms']:.2f} (columns {st['columns_ms']:.2f}) updown "
-                                f"{st['updown_ms']:.2f} hidden {st['hidden_ms']:.2f} down {st['down_ms']:.2f} "
-                                f"union/block {st['union_per_block']:.0f} dense pairs {st['dense_pair_share']:.0%} "
-                                f"floors: v1 bytes {st['products_bytes_floor_ms']:.2f} flops "
-                                f"{st['products_flop_floor_ms']:.2f} hidden {st['hidden_floor_ms']:.2f} down "
-                                f"{st['down_floor_ms']:.2f} updown {st['updown_floor_ms']:.2f}"
-                            )
                     lines.append(line)
                     print(line, flush=True)
     path.write_text(json.dumps(result, indent=1))

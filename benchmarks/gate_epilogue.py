@@ -1,5 +1,5 @@
 """The gate + pack stage of the prefill path, every route in one run: cuBLAS alone (the floor of its
-GEMM), the pack pass after it (prefix sum and by bits, each config), the fused gate (each config), and
+GEMM), the pack pass after it (each config), the fused gate (each config), and
 the kernel before the fused gate's rebuild (its epilogue as a variant of one diagnostic kernel, below),
 at K=2048 N=5632 M=131072 (0.5% uniform and topic runs) and K=4096 N=14336 M=32768 (uniform).
 
@@ -148,7 +148,7 @@ def shape_rows(k: int, n: int, m: int, pattern: str) -> list[dict]:
     print(f"K={k} N={n} M={m} {pattern}: cuBLAS {cublas:.3f} ms", flush=True)
 
     def record(route, config, fn, exact=True):
-        words, counts = fn()[:2]
+        words, counts = fn()
         ms = do_bench(fn, return_mode="median")
         agree = float((counts == ref_counts).float().mean())
         same = bool(torch.equal(counts, ref_counts) and torch.equal(counted(words, counts), ref_words))
@@ -160,12 +160,8 @@ def shape_rows(k: int, n: int, m: int, pattern: str) -> list[dict]:
         print(f"  {route:12s} {str(config):22s} {ms:7.3f} ms  gate+pack {total:7.3f} ({total / cublas:.3f}x cuBLAS)"
               f"  counts agree {agree:.6f} exact {same}{flag}", flush=True)  # fmt: skip
 
-    for by_bits, table in ((False, gate.PACK_CONFIGS), (True, gate.PACK_BITS_CONFIGS)):
-        for config in table:
-            record(
-                "pack-bits" if by_bits else "pack-scan", config,
-                lambda c=config, b=by_bits: gate.pack_dense(pre, 0.0, 128, 16, config=c, by_bits=b),
-            )  # fmt: skip
+    for config in gate.PACK_CONFIGS:
+        record("pack-scan", config, lambda c=config: gate.pack_dense(pre, 0.0, 128, 16, config=c))
     for config in gate.GATE_CONFIGS:
         try:
             record("fused", config, lambda c=config: gate.gate_twell(x, wg, bg, 0.0, 128, 16, config=c), exact=False)

@@ -647,7 +647,9 @@ def _layer(k, n, m, density, config, seed=0):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("k,n,entries,hot", [(2048, 5632, 1, 0), (2048, 5632, 4, 0), (4096, 14336, 4, 0), (2048, 5632, 1, 256)])
+@pytest.mark.parametrize(
+    "k,n,entries,hot", [(2048, 5632, 1, 0), (2048, 5632, 4, 0), (4096, 14336, 4, 0), (2048, 5632, 1, 256)]
+)
 def test_gpu_real_shape_bf16_matches_dense_autograd(k, n, entries, hot, sparse_training_on):
     """bf16 at real shapes (4096 tokens, 1% skewed: rows past the record width too), the row kernels at
     1 and 4 entries a step."""
@@ -672,7 +674,9 @@ def test_gpu_real_shape_bf16_matches_dense_autograd(k, n, entries, hot, sparse_t
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dense_above,hot", [(None, 0), (0.005, 0), (None, 64)], ids=["sparse", "measured-dense", "hot"])
+@pytest.mark.parametrize(
+    "dense_above,hot", [(None, 0), (0.005, 0), (None, 64)], ids=["sparse", "measured-dense", "hot"]
+)
 def test_gpu_compiled_training_step_and_cuda_graph(dense_above, hot, sparse_training_on):
     """Eager, compiled and CUDA-graph steps agree; with train_dense_above under the layer's ~1% density,
     the first step trains sparse and the later ones (compiled, captured) dense; with hot neurons, the

@@ -74,7 +74,7 @@ def test_the_prefill_path_checks_its_inputs_once(fused, monkeypatch):
 
 
 def test_a_token_bucket_tunes_once(monkeypatch):
-    """The pack launcher asks the autotuner once per key (token bucket, shape, layout, dtype, hot, reuse rows), then
+    """The pack launcher asks the autotuner once per key (token bucket, shape, layout, dtype, hot), then
     launches its config directly, with the same results as that config launched by hand."""
     launch = common.TunedLaunch(gate._pack_dense_kernel)
     monkeypatch.setattr(gate, "_pack_dense_launch", launch)
@@ -84,7 +84,7 @@ def test_a_token_bucket_tunes_once(monkeypatch):
     for m in (70, 100, 70, 200, 129):
         h = torch.randn(m, 96, device=DEVICE)
         words, counts = gate.launch_pack_dense(h, 0.5, 32, 8)
-        config = launch.configs[(triton.next_power_of_2(m), 96, 32, 8, torch.float32, True, 0, False)]  # no reuse, scan
+        config = launch.configs[(triton.next_power_of_2(m), 96, 32, 8, torch.float32, True)]
         assert launch.best_config is config
         row = (config.kwargs["BLOCK_M"], config.num_warps, config.num_stages)
         by_hand = gate.pack_dense(h, 0.5, 32, 8, config=row)

@@ -55,15 +55,10 @@ def _counted(words, counts):
 @pytest.mark.parametrize(
     "m,n,tile_n,slots", [(1, 40, 16, 4), (37, 300, 64, 8), (130, 256, 256, 32)], ids=["m1-n40", "m37-n300", "m130-n256"]
 )
-@pytest.mark.parametrize(
-    "config,by_bits",
-    [((4, 2, 1), False), ((16, 4, 1), False), ((16, 4, 1), True), ((32, 2, 1), True)],
-    ids=["scan-rows4", "scan-rows16", "bits-rows16", "bits-rows32-2warps"],
-)
-def test_pack_dense_matches_the_spec(m, n, tile_n, slots, square, dtype, config, by_bits):
+@pytest.mark.parametrize("config", [(4, 2, 1), (16, 4, 1)], ids=["rows4", "rows16"])
+def test_pack_dense_matches_the_spec(m, n, tile_n, slots, square, dtype, config):
     """Bit-exact against format.pack, with a threshold (0.3) that fp16/bf16 cannot represent exactly,
-    at two row blocks (partial last blocks), by the prefix sum and by bits (whose rounds stop at the
-    slots: the overflow rows' first slots still hold their first entries)."""
+    at two row blocks (partial last blocks; the overflow rows' first slots hold their first entries)."""
     g = torch.Generator().manual_seed(m * n)
     h = torch.randn(m, n, generator=g)
     h[::3] -= 3.0  # mostly-empty rows
@@ -71,7 +66,7 @@ def test_pack_dense_matches_the_spec(m, n, tile_n, slots, square, dtype, config,
     h = h.to(dtype)
     h[0, :3] = 0.3  # exactly the rounded threshold: dropped, as torch drops it
     h[0, -2] = float("nan")  # kept, as by relu
-    words, counts = pack_dense(h.to(DEVICE), 0.3, tile_n, slots, square=square, config=config, by_bits=by_bits)
+    words, counts = pack_dense(h.to(DEVICE), 0.3, tile_n, slots, square=square, config=config)
     kept = torch.where(kept_mask(h, 0.3), h * h, 0.0) if square else h
     spec = twell.pack(kept, tile_n=tile_n, slots=slots, threshold=0.0 if square else 0.3)
     assert torch.equal(counts.cpu(), spec.counts)
@@ -80,24 +75,16 @@ def test_pack_dense_matches_the_spec(m, n, tile_n, slots, square, dtype, config,
     assert got.values.isnan().sum() == 1
 
 
-def test_pack_configs_are_pruned_to_the_formulation(monkeypatch):
-    """The pack's autotuner holds both formulations' rows and tunes each over its own table (and within a
-    reuse block); the interpreter's one config is a row of both."""
+def test_pack_autotunes_over_its_table(monkeypatch):
+    """On a GPU the pack's autotuner tunes over every row of PACK_CONFIGS; the interpreter's one config
+    (no tuning) is the table's first."""
     monkeypatch.setattr(gate, "interpreting", lambda: False)
-    configs = gate._pack_configs()
-
-    def kept(by_bits, rows):
-        pruned = gate._prune_pack(configs, {}, REUSE_ROWS=rows, BY_BITS=by_bits)
-        return [(c.kwargs["BLOCK_M"], c.num_warps, c.num_stages) for c in pruned]
-
-    assert sorted(kept(False, 0)) == sorted(gate.PACK_CONFIGS)
-    assert sorted(kept(True, 0)) == sorted(gate.PACK_BITS_CONFIGS)
-    assert kept(True, 16) == [(16, 4, 1)] and all(bm <= 16 for bm, _, _ in kept(False, 16))
-    assert gate.PACK_CONFIGS[0] in gate.PACK_BITS_CONFIGS
+    assert [(c.kwargs["BLOCK_M"], c.num_warps, c.num_stages) for c in gate._pack_configs()] == gate.PACK_CONFIGS
+    monkeypatch.setattr(gate, "interpreting", lambda: True)
+    assert [(c.kwargs["BLOCK_M"], c.num_warps, c.num_stages) for c in gate._pack_configs()] == gate.PACK_CONFIGS[:1]
 
 
-@pytest.mark.parametrize("by_bits", [False, True], ids=["scan", "bits"])
-def test_pack_dense_hands_over_hot_columns(by_bits):
+def test_pack_dense_hands_over_hot_columns():
     """Hot neurons' columns go to hot_values whole (pre-activations, NaN included) and never into TwELL;
     a position past hot_values packs its neuron instead of storing outside the buffer."""
     g = torch.Generator().manual_seed(3)
@@ -108,34 +95,15 @@ def test_pack_dense_hands_over_hot_columns(by_bits):
     pos = torch.full((300,), -1, dtype=torch.int32)
     pos[index] = torch.arange(len(index), dtype=torch.int32)
     hot = (pos.to(DEVICE), torch.full((37, len(index)), float("nan"), device=DEVICE))
-    words, counts = pack_dense(h.to(DEVICE), 0.0, 64, 8, hot=hot, by_bits=by_bits)
+    words, counts = pack_dense(h.to(DEVICE), 0.0, 64, 8, hot=hot)
     assert torch.allclose(hot[1].cpu(), h[:, index], rtol=0, atol=0, equal_nan=True)
     cold = h.clone()
     cold[:, index] = -1.0
     spec = twell.pack(cold, tile_n=64, slots=8, threshold=0.0)
     assert torch.equal(counts.cpu(), spec.counts) and torch.equal(_counted(words, counts), spec.words)
     bad = (pos.clone().index_fill_(0, torch.tensor([299]), 99).to(DEVICE), torch.zeros(37, len(index), device=DEVICE))
-    bad_counts = pack_dense(h.to(DEVICE), 0.0, 64, 8, hot=bad, by_bits=by_bits)[1]
+    bad_counts = pack_dense(h.to(DEVICE), 0.0, 64, 8, hot=bad)[1]
     assert int(bad_counts.sum()) == int(counts.sum()) + int((h[:, 299] > 0).sum())
-
-
-def test_pack_by_bits_leaves_the_reuse_blocks_dense_columns_out():
-    """With reuse blocks and hot neurons, the pack by bits gives the prefix-sum pack's arrays (tested
-    against the spec in test_reuse), in a block of its own rows and a block of two programs."""
-    g = torch.Generator().manual_seed(5)
-    h = torch.randn(70, 200, generator=g)
-    h[:32, 40:60] += 2.0  # columns kept in most rows of the first blocks: dense there
-    h[3::7] += 5.0  # overflow rows
-    pos = torch.full((200,), -1, dtype=torch.int32)
-    pos[[5, 77]] = torch.tensor([0, 1], dtype=torch.int32)
-    for rows in (16, 32):
-        hot = (pos.to(DEVICE), torch.full((70, 2), float("nan"), device=DEVICE))
-        scan = pack_dense(h.to(DEVICE), 0.0, 64, 8, hot=hot, config=(16, 4, 1), reuse=(rows, 3, 16))
-        hot_scan = hot[1].clone()
-        bits = pack_dense(h.to(DEVICE), 0.0, 64, 8, hot=hot, config=(16, 4, 1), reuse=(rows, 3, 16), by_bits=True)
-        assert int(scan[2].flags.sum()) > 0, "case was built to have dense columns"
-        assert torch.equal(scan[1], bits[1]) and torch.equal(_counted(*scan[:2]), _counted(*bits[:2]))
-        assert torch.equal(hot_scan.isnan(), hot[1].isnan()) and torch.equal(hot_scan.nan_to_num(), hot[1].nan_to_num())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
@@ -254,7 +222,7 @@ from twell.kernels import gate
 def arg_type(name):
     if not name.endswith("_ptr"):
         return "fp32" if name == "threshold" else "i32"
-    return {"words_ptr": "*i32", "cnt_ptr": "*i32", "pos_ptr": "*i32", "flag_ptr": "*u8"}.get(name, "*bf16")
+    return {"words_ptr": "*i32", "cnt_ptr": "*i32", "pos_ptr": "*i32"}.get(name, "*bf16")
 
 def stack(kernel, consts, options):
     signature = {n: "constexpr" if n in consts else arg_type(n) for n in kernel.arg_names}
@@ -266,12 +234,11 @@ def stack(kernel, consts, options):
     return int(usage.split("STACK:")[1].split()[0]), usage
 
 cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
-pack = dict(HAS_HOT=False, REUSE_ROWS=0, SQUARE=False, TILE_N=128, SLOTS=16, stride_hn=1)
-for by_bits, table in ((False, gate.PACK_CONFIGS), (True, gate.PACK_BITS_CONFIGS)):
-    for bm, warps, stages in table:
-        consts = dict(pack, BLOCK_M=bm, BY_BITS=by_bits)
-        spilled, usage = stack(gate._pack_dense_kernel.fn, consts, dict(num_warps=warps, num_stages=stages))
-        assert spilled == 0 and "LOCAL:0 " in usage, (consts, usage)
+pack = dict(HAS_HOT=False, SQUARE=False, TILE_N=128, SLOTS=16, stride_hn=1)
+for bm, warps, stages in gate.PACK_CONFIGS:
+    consts = dict(pack, BLOCK_M=bm)
+    spilled, usage = stack(gate._pack_dense_kernel.fn, consts, dict(num_warps=warps, num_stages=stages))
+    assert spilled == 0 and "LOCAL:0 " in usage, (consts, usage)
 fused = dict(HAS_BIAS=True, HAS_HOT=False, SQUARE=False, EVEN_N=True, DOT_PRECISION="tf32", VALUE=tl.bfloat16,
              TILE_N=128, SLOTS=16, PROGRAMS=132, GROUP_M=8)
 bm, bk, warps, stages = gate.GATE_CONFIGS[0]
@@ -283,9 +250,9 @@ assert spilled <= 512, usage
 
 
 def test_pack_and_gate_kernels_compile_for_hopper(tmp_path):
-    """Triton's compiler and ptxas build the pack pass (both formulations, every config of each) for
-    sm_90 without register spills, and the fused gate's first config (bf16, bias) with no more spills
-    than the lean probe kernel's (the spill that made the kernel before its rebuild slow)."""
+    """Triton's compiler and ptxas build the pack pass (every config) for sm_90 without register spills,
+    and the fused gate's first config (bf16, bias) with no more spills than the lean probe kernel's (the
+    spill that made the kernel before its rebuild slow)."""
     compile_for_hopper(GATE_SM90_COMPILE, tmp_path)
 
 
@@ -293,7 +260,7 @@ def test_pack_and_gate_kernels_compile_for_hopper(tmp_path):
 @pytest.mark.parametrize("k,n,m", [(2048, 5632, 16384), (4096, 14336, 4099)], ids=["2048x5632", "4096x14336-m4099"])
 def test_gate_and_pack_routes_agree_at_real_shapes(k, n, m):
     """bf16 at real shapes, ~0.5% density plus dense rows (overflow), a partial last row block, NaN in
-    the gate: the pack by bits gives the prefix-sum pack's arrays bit for bit, each at every config;
+    the gate: the pack gives the same arrays bit for bit at every config;
     the fused gate (each config) agrees with cuBLAS + pack wherever its own fp32 sums decide alike (its
     counts on >= 99.9% of (row, tile) pairs, and the words inside every count that agrees)."""
     g = torch.Generator(device="cuda").manual_seed(k + m)
@@ -305,11 +272,10 @@ def test_gate_and_pack_routes_agree_at_real_shapes(k, n, m):
     pre[3, 100] = float("nan")
     ref_words, ref_counts = pack_dense(pre, 0.0, 128, 16, config=gate.PACK_CONFIGS[0])
     assert (ref_counts > 16).any() and 0.002 < ref_counts.sum().item() / (m * n) < 0.02
-    for by_bits, table in ((False, gate.PACK_CONFIGS), (True, gate.PACK_BITS_CONFIGS)):
-        for config in table:
-            words, counts = pack_dense(pre, 0.0, 128, 16, config=config, by_bits=by_bits)
-            assert torch.equal(counts, ref_counts), (config, by_bits)
-            assert torch.equal(_counted(words, counts), _counted(ref_words, ref_counts)), (config, by_bits)
+    for config in gate.PACK_CONFIGS[1:]:
+        words, counts = pack_dense(pre, 0.0, 128, 16, config=config)
+        assert torch.equal(counts, ref_counts), config
+        assert torch.equal(_counted(words, counts), _counted(ref_words, ref_counts)), config
     cublas_words, cublas_counts = pack_dense(torch.nn.functional.linear(x, w, b), 0.0, 128, 16)
     for config in gate.GATE_CONFIGS:
         words, counts = gate_twell(x, w, b, 0.0, 128, 16, config=config)

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from twell.kernels import policy, reference
+from twell.kernels import policy
 from twell.kernels.common import check_bias, check_input, check_operand, check_threshold, dot_precision, threshold_in
 
 # Gate columns the forward compacts at a time: each step is a prefix sum across the program's threads
@@ -726,7 +726,18 @@ def train_forward(
 
 
 def _dense_forward(
-    x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold, drelu, square, width, state,
+    x,
+    gate_weight,
+    gate_bias,
+    up_weight,
+    up_bias,
+    down_weight_t,
+    down_bias,
+    threshold,
+    drelu,
+    square,
+    width,
+    state,
     hot,
 ) -> tuple[torch.Tensor, ...]:
     """train_forward's outputs for a layer training dense, and its rows past the width: what dense
@@ -790,8 +801,20 @@ def _saved_for(counts: torch.Tensor, m: int, n: int) -> tuple[torch.Tensor, ...]
 
 
 def _sparse_forward(
-    x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold, drelu, square, width, entries,
-    state=None, hot=0,
+    x,
+    gate_weight,
+    gate_bias,
+    up_weight,
+    up_bias,
+    down_weight_t,
+    down_bias,
+    threshold,
+    drelu,
+    square,
+    width,
+    entries,
+    state=None,
+    hot=0,
 ) -> tuple[torch.Tensor, ...]:
     """train_forward's outputs by the record kernel; the hot neurons (hot of them: _hot_columns) by
     cuBLAS products over just them, their gate columns hidden from the record (set to -inf)."""

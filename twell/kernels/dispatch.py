@@ -24,11 +24,6 @@ and TwELL layout; policy.route decides.
   tokens are cheaper dense. Which neurons are hot is measured on the device from a prefill call's
   first HOT_SAMPLE rows, read on the host once landed, re-measured every DENSE_RETRY prefill calls.
   Results never depend on which neurons are hot beyond rounding.
-- Weight-row reuse (prefill, the layer's reuse_rows / reuse_min; off by default): per block of
-  reuse_rows consecutive tokens, the pack pass (cuBLAS gate + pack: the fused gate has no such
-  epilogue) leaves out the neurons active in at least reuse_min of the block's rows and lists them;
-  twell.kernels.reuse computes them by dense products over just those neurons' rows (loaded once for
-  the block) and adds them to y after the sparse stage, whose overflow recompute leaves them out too.
 - Layer density: each prefill call queues a copy of its kept-entry counts (sparse and hot) to pinned
   host memory; a later call of the layer reads it once the copy is done (never waiting). A layer whose
   sparse share is denser than its dense_above (less the hot neurons' dense cost) then runs dense for
@@ -46,7 +41,6 @@ import triton
 
 from twell.kernels import dense as dense_route
 from twell.kernels import policy
-from twell.kernels import reuse as reuse_route
 from twell.kernels.decode import decode_ffn
 from twell.kernels.gate import fused_gate_supported, hot_values, launch_gate_twell, launch_pack_dense
 from twell.kernels.updown import launch_up_down
@@ -212,9 +206,8 @@ def _choose(x2, gate_weight, wd_t, config, capturing) -> tuple[str, _LayerState 
 def _prefill(
     x2, gate_weight, gate_bias, up_weight, up_bias, wd_t, down_bias, threshold, drelu, square, config, state, capturing
 ):
-    """The prefill path: the gate packed to TwELL (the hot neurons' columns handed over; with reuse_rows,
-    each row block's dense neurons listed), up+down, the hot neurons' and the blocks' dense products, and
-    the layer's density and hot-neuron probes."""
+    """The prefill path: the gate packed to TwELL (the hot neurons' columns handed over), up+down, the
+    hot neurons' dense products, and the layer's density and hot-neuron probes."""
     m = x2.shape[0]
     tile_n, slots = config.tile_n, config.slots
     n = gate_weight.shape[0]
@@ -225,8 +218,7 @@ def _prefill(
     measure = config.hot_rate is not None and not capturing and state.hot_pending is None and state.hot_calls_left == 0
     if config.hot_rate is not None and not capturing:
         state.hot_calls_left = policy.DENSE_RETRY if measure else max(state.hot_calls_left - 1, 0)
-    blocks = None
-    if config.fused_gate and config.reuse_rows == 0 and fused_gate_supported(x2, gate_weight, tile_n):
+    if config.fused_gate and fused_gate_supported(x2, gate_weight, tile_n):
         words, counts = launch_gate_twell(
             x2, gate_weight, gate_bias, threshold, tile_n, slots, square=square, hot=packed_hot
         )
@@ -236,16 +228,7 @@ def _prefill(
         pre = F.linear(x2, gate_weight, gate_bias)
         if measure:
             state.hot_pending = _measure_neurons(pre[: policy.HOT_SAMPLE], threshold)
-        reuse = None
-        if config.reuse_rows and triton.cdiv(m, config.reuse_rows) <= reuse_route.MAX_BLOCKS:
-            reuse = (config.reuse_rows, config.reuse_min, reuse_route.per_tile(tile_n))
-        packed = launch_pack_dense(pre, threshold, tile_n, slots, square=square, hot=packed_hot, reuse=reuse)
-        words, counts = packed[:2]
-        blocks = packed[2] if reuse is not None else None
-        if blocks is not None:  # the gate's values at the blocks' dense neurons, read while it lives
-            hidden = reuse_route.dense_hidden(
-                x2, pre, blocks, up_weight, up_bias, threshold=threshold, drelu=drelu, square=square
-            )
+        words, counts = launch_pack_dense(pre, threshold, tile_n, slots, square=square, hot=packed_hot)
         del pre
     if hot is not None:
         h_hot = packed_hot[1]
@@ -255,15 +238,10 @@ def _prefill(
     y, kept = launch_up_down(
         x2, words, counts, gate_weight, gate_bias, up_weight, up_bias, wd_t, down_bias, tile_n=tile_n,
         threshold=threshold, drelu=drelu, square=square, hot_pos=hot.pos if hot is not None else None,
-        reuse=(blocks.flags, blocks.rows) if blocks is not None else None,
     )  # fmt: skip
     if hot is not None:
         y.addmm_(h_hot, wd_t.index_select(0, hot.index))
-    if blocks is not None:
-        reuse_route.dense_down_(y, blocks, hidden, wd_t)
     if probe:  # kept: counts' total in parts, from the launch that orders the rows
-        if blocks is not None:  # the dense blocks' entries count as sparse ones: the layer's density stays its own
-            kept = torch.cat((kept, blocks.pairs.sum(dtype=kept.dtype).reshape(1)))
         if hot is not None:
             kept = torch.cat((kept, hot_kept.reshape(1)))
         state.pending = (*_to_host(kept), m * n, hot)

@@ -6,8 +6,7 @@ tile's SLOTS slots with a row-wise prefix sum, one word a slot (twell.kernels.wo
 in the tile); the true count goes to counts[m, tile]. Slots past the count are left unwritten (the
 consumers mask by count). The dense gate never reaches global memory. A count above SLOTS marks the
 row as an overflow row (the launchers never drop it: see twell.kernels.dispatch). The pack pass
-(pack_dense, for a cuBLAS gate) packs the same layout by the same prefix sum, or with by_bits by keep
-masks and per-row rounds (_pack_tile_bits: ~5 instructions a value on sm_90 against ~35).
+(pack_dense, for a cuBLAS gate) packs the same layout by the same prefix sum.
 
 hot (both launchers): (hot_pos, hot_values) for a caller that computes some neurons by dense products
 (twell.kernels.dispatch's hot neurons). hot_pos: int32 [N], neuron n's column in
@@ -43,7 +42,6 @@ from twell.kernels.common import (
     threshold_in,
     tl_dtype,
 )
-from twell.kernels.reuse import dense_columns
 from twell.kernels.words import encode
 
 SMEM_LIMIT = 227 * 1024  # H100 / H200 per-block shared memory
@@ -77,81 +75,13 @@ def _squared(value, SQUARE: tl.constexpr):
 
 
 @triton.jit
-def _hand_over(value, rows, row_ok, cols, N, pos_ptr, hot_ptr, n_hot, flag_ptr, block, HAS_HOT: tl.constexpr,
-               REUSE: tl.constexpr):  # fmt: skip
-    """value (fp32, any rank; rows, cols: int64 rows and global columns broadcasting to it) with the
-    columns it must not pack set to -inf: the hot neurons' (their values stored to hot_ptr [M, n_hot]
-    first) and, with REUSE, the columns reuse block `block` computes densely (flag_ptr, one byte per
-    (block, neuron): twell.kernels.reuse.dense_columns)."""
-    if HAS_HOT:
-        pos = tl.load(pos_ptr + cols, mask=cols < N, other=-1)
-        hot = (pos >= 0) & (pos < n_hot)  # a position past hot_values is no store
-        tl.store(hot_ptr + rows * n_hot + pos, value.to(hot_ptr.dtype.element_ty), mask=row_ok & hot)
-        value = tl.where(hot, float("-inf"), value)  # never kept, NaN included
-    if REUSE:
-        dense = tl.load(flag_ptr + block * N + cols, mask=cols < N, other=0)
-        value = tl.where(dense != 0, float("-inf"), value)
-    return value
-
-
-@triton.jit
-def _popcount(bits):
-    """Set bits of each int32 (the SWAR sum, which LLVM turns into one POPC instruction)."""
-    x = bits.to(tl.uint32, bitcast=True)
-    x = x - ((x >> 1) & 0x55555555)
-    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
-    x = (x + (x >> 4)) & 0x0F0F0F0F
-    return ((x * 0x01010101) >> 24).to(tl.int32)
-
-
-@triton.jit
-def _pack_tile_bits(
-    h_ptr, offs_m, tile, M, N, stride_hm, stride_hn, threshold, words_ptr, cnt_ptr, pos_ptr, hot_ptr, flag_ptr,
-    n_hot, block, n_tiles,
-    HAS_HOT: tl.constexpr, REUSE: tl.constexpr, SQUARE: tl.constexpr, TILE_N: tl.constexpr, SLOTS: tl.constexpr,
-):  # fmt: skip
-    """The pack of one [BLOCK_M, TILE_N] tile of h by keep masks, 32 columns (one word of bits) at a
-    time: each row's kept columns of the chunk as the bits of one int32 (a sum of shifted keeps: no
-    prefix sum), then one round a slot for all rows at once, as many as the chunk's fullest row needs
-    (and the slots left allow): each row's lowest set bit (its column), that value read back from h (a
-    line the chunk's load just cached) and one word stored. The work a value is a compare and a
-    shifted add; the rounds' work is per row."""
-    BITS: tl.constexpr = 32 if TILE_N > 32 else TILE_N
-    VEC: tl.constexpr = 128 // h_ptr.dtype.element_ty.primitive_bitwidth  # values in 16 bytes
-    # a chunk as [BITS // VEC, BLOCK_M, VEC]: rows across the threads, each thread holding its row's
-    # chunk (the default [BLOCK_M, BITS] spreads a row over BITS // VEC threads, whose rows the rounds
-    # then repeat on each of them and convert through shared memory every round)
-    bit = tl.arange(0, BITS // VEC)[:, None, None] * VEC + tl.arange(0, VEC)[None, None, :]
-    rows = offs_m.to(tl.int64)
-    row_ok = offs_m < M
-    row_base = h_ptr + rows * stride_hm + (tile * TILE_N) * stride_hn
-    slot_base = words_ptr + (rows * n_tiles + tile) * SLOTS
-    # the threshold is rounded to h's dtype (threshold_in): comparing in that dtype is exact, and a bf16
-    # or fp16 compare takes two values an instruction where fp32 needs each unpacked first
-    limit = tl.cast(threshold, h_ptr.dtype.element_ty)
-    before = tl.zeros([offs_m.shape[0]], dtype=tl.int32)
-    for chunk in tl.static_range(0, TILE_N, BITS):
-        cols = tile * TILE_N + chunk + bit
-        ptrs = row_base[None, :, None] + (chunk + bit) * stride_hn
-        h = tl.load(ptrs, mask=row_ok[None, :, None] & (cols < N), other=float("-inf"))
-        if HAS_HOT or REUSE:
-            h = _hand_over(
-                h.to(tl.float32), rows[None, :, None], row_ok[None, :, None], cols, N, pos_ptr, hot_ptr, n_hot,
-                flag_ptr, block, HAS_HOT, REUSE,
-            ).to(h_ptr.dtype.element_ty)  # fmt: skip
-        keep = ~(h <= limit)  # NaN is kept, as by relu; -inf (past M or N, handed over) never
-        bits = tl.sum(tl.sum(tl.where(keep, 1 << bit, 0), axis=2), axis=0)  # distinct bits: the sum is their or
-        count = _popcount(bits)
-        for r in range(tl.max(tl.minimum(count, SLOTS - before), axis=0)):
-            low = bits & -bits
-            # the lowest bit's index from its float's exponent (bit 31 converts to -2^31: exponent 31 too)
-            column = chunk + ((low.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-            live = (bits != 0) & (before + r < SLOTS)
-            value = _squared(tl.load(row_base + column * stride_hn, mask=live), SQUARE)
-            tl.store(slot_base + before + r, encode(value, column), mask=live)
-            bits ^= low
-        before += count
-    tl.store(cnt_ptr + rows * n_tiles + tile, before, mask=row_ok)
+def _hand_over(value, rows, row_ok, cols, N, pos_ptr, hot_ptr, n_hot):
+    """value (fp32, any rank; rows, cols: int64 rows and global columns broadcasting to it) with the hot
+    neurons' columns set to -inf (never packed), their values stored to hot_ptr [M, n_hot] first."""
+    pos = tl.load(pos_ptr + cols, mask=cols < N, other=-1)
+    hot = (pos >= 0) & (pos < n_hot)  # a position past hot_values is no store
+    tl.store(hot_ptr + rows * n_hot + pos, value.to(hot_ptr.dtype.element_ty), mask=row_ok & hot)
+    return tl.where(hot, float("-inf"), value)  # never kept, NaN included
 
 
 # (BLOCK_M, BLOCK_K, num_warps, num_stages); BLOCK_N is the TwELL tile width: one GEMM tile packs exactly
@@ -276,9 +206,8 @@ def _gate_twell_kernel(
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         if HAS_HOT:
             acc = _hand_over(
-                acc, offs_m.to(tl.int64)[:, None], (offs_m < M)[:, None], cols[None, :], N, pos_ptr, hot_ptr, n_hot,
-                hot_ptr, 0, True, False,
-            )  # fmt: skip
+                acc, offs_m.to(tl.int64)[:, None], (offs_m < M)[:, None], cols[None, :], N, pos_ptr, hot_ptr, n_hot
+            )
         # the value the dense FFN sees is the gate rounded to VALUE; threshold is the fp32 bound that
         # decides as that rounded value would (gate_threshold): the compare runs before the rounding
         keep = ~(acc <= threshold)  # NaN is kept, as by relu
@@ -297,42 +226,19 @@ PACK_CONFIGS = [
     (8, 4, 1),
     (16, 8, 1),
 ]
-# the pack by bits (BY_BITS): its rounds' per-row work wants many rows a program, one row a thread
-# (ptxas, sm_90: ~3 instructions a value and ~25 a round a thread at 128 rows, 4 warps; no spills);
-# rows down to 16 for reuse blocks of 16 rows
-PACK_BITS_CONFIGS = [
-    (128, 4, 1),
-    (64, 4, 1),
-    (128, 8, 1),
-    (32, 4, 1),
-    (16, 4, 1),
-]
 
 
 def _pack_configs() -> list[triton.Config]:
-    """Both formulations' configs; the first alone when interpreting (a row of both tables: with one
-    config the autotuner neither prunes nor tunes, which the interpreter cannot)."""
-    rows = PACK_CONFIGS[:1] if interpreting() else PACK_CONFIGS + PACK_BITS_CONFIGS
-    return [triton.Config({"BLOCK_M": bm}, num_warps=w, num_stages=s) for bm, w, s in dict.fromkeys(rows)]
-
-
-def _prune_pack(configs, named_args, **kwargs):
-    """The configs of the formulation being run (BY_BITS). With reuse, a program's rows lie in one reuse
-    block: BLOCK_M must divide REUSE_ROWS (both powers of two, so BLOCK_M <= REUSE_ROWS)."""
-    rows = kwargs["REUSE_ROWS"]
-    table = PACK_BITS_CONFIGS if kwargs["BY_BITS"] else PACK_CONFIGS
-    return [
-        c
-        for c in configs
-        if (c.kwargs["BLOCK_M"], c.num_warps, c.num_stages) in table and (rows == 0 or c.kwargs["BLOCK_M"] <= rows)
-    ]
+    """PACK_CONFIGS as the autotuner's configs; the first alone when interpreting (with one config the
+    autotuner does not tune, which the interpreter cannot)."""
+    rows = PACK_CONFIGS[:1] if interpreting() else PACK_CONFIGS
+    return [triton.Config({"BLOCK_M": bm}, num_warps=w, num_stages=s) for bm, w, s in rows]
 
 
 @triton.autotune(
     configs=_pack_configs(),
-    key=["M_BUCKET", "N", "TILE_N", "SLOTS", "REUSE_ROWS", "BY_BITS"],
+    key=["M_BUCKET", "N", "TILE_N", "SLOTS"],
     cache_results=True,
-    prune_configs_by={"early_config_prune": _prune_pack},
 )
 @triton.jit
 def _pack_dense_kernel(
@@ -341,7 +247,6 @@ def _pack_dense_kernel(
     cnt_ptr,
     pos_ptr,
     hot_ptr,
-    flag_ptr,
     n_hot,
     M,
     N,
@@ -351,40 +256,25 @@ def _pack_dense_kernel(
     stride_hm,
     stride_hn,
     HAS_HOT: tl.constexpr,
-    REUSE_ROWS: tl.constexpr,
     SQUARE: tl.constexpr,
     TILE_N: tl.constexpr,
     SLOTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    BY_BITS: tl.constexpr = False,
 ):
-    """One [BLOCK_M, TILE_N] tile a program, packed by a row-wise prefix sum (_pack_rows) or, with
-    BY_BITS, by keep masks and per-row rounds (_pack_tile_bits); with REUSE_ROWS, the columns its reuse
-    block lists as dense (flag_ptr: one byte per (block, neuron), twell.kernels.reuse.dense_columns)
-    are left out of TwELL."""
+    """One [BLOCK_M, TILE_N] tile a program, packed by a row-wise prefix sum (_pack_rows)."""
     pid_m = tl.program_id(0)
     tile = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    # BLOCK_M divides REUSE_ROWS (_prune_pack): the program's rows share a block
-    block = (pid_m * BLOCK_M // REUSE_ROWS).to(tl.int64) if REUSE_ROWS > 0 else 0
-    if BY_BITS:
-        _pack_tile_bits(
-            h_ptr, offs_m, tile, M, N, stride_hm, stride_hn, threshold, words_ptr, cnt_ptr, pos_ptr, hot_ptr,
-            flag_ptr, n_hot, block, n_tiles, HAS_HOT, REUSE_ROWS > 0, SQUARE, TILE_N, SLOTS,
-        )  # fmt: skip
-    else:
-        cols = tile * TILE_N + tl.arange(0, TILE_N)
-        rows = offs_m.to(tl.int64)[:, None]
-        row_ok = (offs_m < M)[:, None]
-        ptrs = h_ptr + rows * stride_hm + cols[None, :] * stride_hn
-        value = tl.load(ptrs, mask=row_ok & (cols < N)[None, :], other=float("-inf"))  # -inf: never kept
-        if HAS_HOT or REUSE_ROWS > 0:
-            value = _hand_over(
-                value.to(tl.float32), rows, row_ok, cols[None, :], N, pos_ptr, hot_ptr, n_hot, flag_ptr, block, HAS_HOT,
-                REUSE_ROWS > 0,
-            ).to(h_ptr.dtype.element_ty)  # fmt: skip
-        keep = ~(value <= tl.cast(threshold, h_ptr.dtype.element_ty))  # NaN is kept, as by relu
-        _pack_rows(keep, _squared(value, SQUARE), offs_m, M, tile, words_ptr, cnt_ptr, n_tiles, TILE_N, SLOTS)
+    cols = tile * TILE_N + tl.arange(0, TILE_N)
+    rows = offs_m.to(tl.int64)[:, None]
+    row_ok = (offs_m < M)[:, None]
+    ptrs = h_ptr + rows * stride_hm + cols[None, :] * stride_hn
+    value = tl.load(ptrs, mask=row_ok & (cols < N)[None, :], other=float("-inf"))  # -inf: never kept
+    if HAS_HOT:
+        value = _hand_over(value.to(tl.float32), rows, row_ok, cols[None, :], N, pos_ptr, hot_ptr, n_hot)
+        value = value.to(h_ptr.dtype.element_ty)
+    keep = ~(value <= tl.cast(threshold, h_ptr.dtype.element_ty))  # NaN is kept, as by relu
+    _pack_rows(keep, _squared(value, SQUARE), offs_m, M, tile, words_ptr, cnt_ptr, n_tiles, TILE_N, SLOTS)
 
 
 # the launchers' configs, chosen once per key by the autotuners
@@ -556,26 +446,20 @@ def pack_dense(
     square: bool = False,
     hot: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: tuple[int, int, int] | None = None,
-    reuse: tuple[int, int, int] | None = None,
-    by_bits: bool = False,
 ):
     """TwELL arrays (words, counts) of a dense pre-activation h [M, N]: the pack pass for a cuBLAS gate.
     hot: (hot_pos, hot_values), module docstring. config: one row of PACK_CONFIGS instead of autotuning
-    (tests, benchmarks). reuse: (rows, reuse_min, per_tile): per block of `rows` consecutive rows, the
-    columns kept in at least reuse_min of its rows (at most per_tile a tile, first by column) are left
-    out of TwELL and listed in a third return value, a twell.kernels.reuse.ReuseBlocks (its dense_columns
-    runs first: the pack itself only reads the block's flags). by_bits: the pack by keep masks and per-row
-    rounds (_pack_tile_bits) instead of the prefix sum, the same arrays."""
+    (tests, benchmarks)."""
     if not isinstance(h, torch.Tensor) or h.dim() != 2:
         raise ValueError(f"pack_dense expects h [M, N], got {list(h.shape) if isinstance(h, torch.Tensor) else h}")
     check_input("h", h)
     check_threshold(threshold)
     check_hot(hot, h.shape[0], h.shape[1], h)
     check_tile(tile_n, slots)
-    return launch_pack_dense(h, threshold, tile_n, slots, square, hot, config, reuse, by_bits)
+    return launch_pack_dense(h, threshold, tile_n, slots, square, hot, config)
 
 
-def launch_pack_dense(h, threshold, tile_n, slots, square=False, hot=None, config=None, reuse=None, by_bits=False):
+def launch_pack_dense(h, threshold, tile_n, slots, square=False, hot=None, config=None):
     """pack_dense without its input checks, for callers that checked at the op boundary (the
     dispatcher). Autotuned once per (token bucket, N, layout, dtype, hot or not), then launched with
     that config (TunedLaunch)."""
@@ -584,31 +468,18 @@ def launch_pack_dense(h, threshold, tile_n, slots, square=False, hot=None, confi
     n_tiles = counts.shape[1]
     bucket = m_bucket(m)
     pos, hot_buf, n_hot = _hot_args(hot, counts)
-    blocks = None
-    if reuse is not None:
-        blocks = dense_columns(h, threshold, tile_n, reuse, hot[0] if hot is not None else None, n_hot)
-    rows = blocks.rows if blocks is not None else 0
     args = (
-        h, words, counts, pos, hot_buf, blocks.flags if blocks is not None else counts, n_hot, m, n, bucket, n_tiles,
-        threshold_in(threshold, h.dtype), h.stride(0), h.stride(1),
+        h, words, counts, pos, hot_buf, n_hot, m, n, bucket, n_tiles, threshold_in(threshold, h.dtype), h.stride(0),
+        h.stride(1),
     )  # fmt: skip
-    flags = {
-        "HAS_HOT": hot is not None,
-        "REUSE_ROWS": rows,
-        "SQUARE": square,
-        "TILE_N": tile_n,
-        "SLOTS": slots,
-        "BY_BITS": by_bits,
-    }
+    flags = {"HAS_HOT": hot is not None, "SQUARE": square, "TILE_N": tile_n, "SLOTS": slots}
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]), n_tiles)
 
     if config is None:
-        _pack_dense_launch((bucket, n, tile_n, slots, h.dtype, hot is None, rows, by_bits), grid, *args, **flags)
+        _pack_dense_launch((bucket, n, tile_n, slots, h.dtype, hot is None), grid, *args, **flags)
     else:
         block_m, warps, stages = config
-        if rows % block_m:
-            raise ValueError(f"pack config BLOCK_M must divide the reuse rows {rows}, got {block_m}")
         _pack_dense_kernel.fn[grid](*args, **flags, BLOCK_M=block_m, num_warps=warps, num_stages=stages)
-    return (words, counts) if blocks is None else (words, counts, blocks)
+    return words, counts

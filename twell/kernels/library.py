@@ -59,8 +59,6 @@ def gated_ffn(
     dense_above: float = _D.dense_above,
     fused_gate: bool = _D.fused_gate,
     hot_rate: Optional[float] = _D.hot_rate,
-    reuse_rows: int = _D.reuse_rows,
-    reuse_min: int = _D.reuse_min,
     prefill_min_m_captured: Optional[int] = _D.prefill_min_m_captured,
 ) -> torch.Tensor:
     check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold)
@@ -73,8 +71,6 @@ def gated_ffn(
         dense_above,
         fused_gate,
         hot_rate,
-        reuse_rows,
-        reuse_min,
         prefill_min_m_captured,
     )
     return reference.gated_ffn_reference(
@@ -117,8 +113,6 @@ def ffn(
     dense_above: float = _D.dense_above,
     fused_gate: bool = _D.fused_gate,
     hot_rate: Optional[float] = _D.hot_rate,
-    reuse_rows: int = _D.reuse_rows,
-    reuse_min: int = _D.reuse_min,
     prefill_min_m_captured: Optional[int] = _D.prefill_min_m_captured,
 ) -> torch.Tensor:
     check_plain(x, up_weight, down_weight, up_bias, down_bias, threshold)
@@ -131,8 +125,6 @@ def ffn(
         dense_above,
         fused_gate,
         hot_rate,
-        reuse_rows,
-        reuse_min,
         prefill_min_m_captured,
     )
     return reference.ffn_reference(x, up_weight, down_weight, up_bias, down_bias, threshold, squared)
@@ -239,7 +231,11 @@ def _(
     ids = x.new_empty(m, width, dtype=torch.int32)
     up = x.new_empty(m, width if up_weight is not None else 0)
     counts = x.new_empty(m, dtype=torch.int32)
-    hot_record = (x.new_empty(hot, dtype=torch.int64), x.new_empty(m, hot), x.new_empty(m, hot if up_weight is not None else 0))
+    hot_record = (
+        x.new_empty(hot, dtype=torch.int64),
+        x.new_empty(m, hot),
+        x.new_empty(m, hot if up_weight is not None else 0),
+    )
     l1, nonzero = x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.int64)
     return x.new_empty(x.shape), ids, x.new_empty(m, width), up, counts, *hot_record, l1, nonzero
 

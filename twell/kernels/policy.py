@@ -53,15 +53,6 @@ TRAIN_MIN_M: int | None = None
 # measured on the GPU: 1 until it is (benchmarks/NOTES.md, v27).
 TRAIN_ENTRIES_DEFAULT = 1
 TRAIN_ENTRIES = (1, 2, 4, 8)
-# Weight-row reuse on the prefill path: per block of reuse_rows consecutive tokens, the neurons active in
-# at least reuse_min of its rows are computed by dense tensor-core products over just those neurons'
-# rows (twell.kernels.reuse), the rest sparse. A sparse pair gathers two 8 KB rows (~1.2 ns); a block's
-# dense neuron costs its three rows once and 6 x rows x K FLOPs (benchmarks/NOTES.md, "v32"). Off (0)
-# until measured on the GPU.
-REUSE_ROWS = 0
-REUSE_BLOCKS = (0, 16, 32, 64, 128)  # the row blocks the kernels take (0: off)
-REUSE_MIN = 3
-REUSE_MAX_SHARE = 0.25  # at most this share of N is dense in one block (its hidden buffer is [M, N / 4])
 # Training calls by measured density: a layer whose last measured sparse-path call was denser than this
 # (nonzero h over M x N), or had more than backward.BACKUP_MAX_SHARE of its rows past the record width,
 # trains its next call dense (cuBLAS, the record unused; measured on the device, read once landed), and
@@ -161,10 +152,6 @@ class LayerConfig:
         training path (None: none does).
     train_entries: record entries the sparse training path's row kernels (forward, dx) gather a step,
         one of TRAIN_ENTRIES.
-    reuse_rows: on the prefill path, per block of this many consecutive tokens (one of REUSE_BLOCKS;
-        0: off), the neurons active in at least reuse_min of its rows are computed by dense products
-        over just those neurons, the rest sparse.
-    reuse_min: see reuse_rows (an int >= 1).
     train_dense_above: on the sparse training path, a layer whose last measured call was denser than
         this, or had more than 1/8 of its rows past the record width, trains its next call dense (dense
         autograd's products, its activations kept as dense autograd keeps them), and its backward's
@@ -192,8 +179,6 @@ class LayerConfig:
     hot_rate: float | None = HOT_RATE  # op_args' order: train_min_m is no op argument
     train_min_m: int | None = TRAIN_MIN_M
     train_entries: int = TRAIN_ENTRIES_DEFAULT
-    reuse_rows: int = REUSE_ROWS
-    reuse_min: int = REUSE_MIN
     train_dense_above: float | None = TRAIN_DENSE_ABOVE
     prefill_min_m_captured: int | None = PREFILL_MIN_M_CAPTURED
     train_hot: int = TRAIN_HOT
@@ -215,11 +200,6 @@ class LayerConfig:
         entries = self.train_entries
         if not isinstance(entries, int) or isinstance(entries, bool) or entries not in TRAIN_ENTRIES:
             raise ValueError(f"train_entries must be one of {TRAIN_ENTRIES}, got {entries!r}")
-        rows = self.reuse_rows
-        if not isinstance(rows, int) or isinstance(rows, bool) or rows not in REUSE_BLOCKS:
-            raise ValueError(f"reuse_rows must be one of {REUSE_BLOCKS}, got {self.reuse_rows!r}")
-        if not isinstance(self.reuse_min, int) or isinstance(self.reuse_min, bool) or self.reuse_min < 1:
-            raise ValueError(f"reuse_min must be an int >= 1, got {self.reuse_min!r}")
         check_train_dense_above(self.train_dense_above)
         check_train_hot(self.train_hot)
         rate = self.hot_rate
@@ -257,7 +237,7 @@ DEFAULT = LayerConfig()
 # the fields op_args passes, in its order
 OP_FIELDS = (
     "tile_n", "slots", "decode_max_m", "decode_sparse_max_m", "prefill_min_m", "dense_above", "fused_gate",
-    "hot_rate", "reuse_rows", "reuse_min", "prefill_min_m_captured",
+    "hot_rate", "prefill_min_m_captured",
 )  # fmt: skip
 
 

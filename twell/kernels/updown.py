@@ -19,8 +19,7 @@ taken whole by one part. Neither path needs a dense backup buffer or the host.
 The row's entries are read from TwELL words (twell.kernels.words) inside each tile's count only.
 W_d is read as rows of down_weight^T ([N, K]): pass down_weight.t() with unit stride on K.
 hot_pos: the neurons the packer left out (twell.kernels.gate's hot map, -1: packed); recomputed
-tiles leave them out too, as they leave out each row block's dense neurons of the weight-row reuse
-(reuse: the pack pass's flags, twell.kernels.reuse).
+tiles leave them out too.
 """
 
 from __future__ import annotations
@@ -248,7 +247,6 @@ def _heavy_part(
     bu_ptr,
     wd_ptr,
     pos_ptr,
-    flag_ptr,
     g_row,
     n_row,
     N,
@@ -273,7 +271,6 @@ def _heavy_part(
     WIDTH: tl.constexpr,
     CHUNK: tl.constexpr,
     RECOMPUTE: tl.constexpr,
-    REUSE_ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """fp32 partial of y_m over part `part` of `parts` of row m: its share of the packed entries (one
@@ -314,8 +311,6 @@ def _heavy_part(
                 kept = ((g > threshold) | (g != g)) & ok  # not (g <= t): NaN kept, as by relu
                 if HAS_HOT:
                     kept = kept & (tl.load(pos_ptr + cols, mask=ok, other=-1) < 0)
-                if REUSE_ROWS > 0:  # the row block's dense neurons (twell.kernels.reuse)
-                    kept = kept & (tl.load(flag_ptr + (m // REUSE_ROWS) * N + cols, mask=ok, other=0) == 0)
                 if SQUARE:
                     g = (g * g).to(OUT_DTYPE).to(tl.float32)
                 slot = tl.cumsum(kept.to(tl.int32), axis=0) - 1
@@ -346,7 +341,6 @@ def _heavy_kernel(
     wd_ptr,
     bd_ptr,
     pos_ptr,
-    flag_ptr,
     y_ptr,
     g_ptr,
     n_ptr,
@@ -379,7 +373,6 @@ def _heavy_kernel(
     CHUNK: tl.constexpr,
     RECOMPUTE: tl.constexpr,
     SPLITS: tl.constexpr,
-    REUSE_ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """Persistent over the heavy list's SPLITS parts per row: rows i < capacity in SPLITS partials
@@ -403,10 +396,10 @@ def _heavy_kernel(
         for p in range(tl.where(split, part, 0), tl.where(split, part + 1, SPLITS)):
             y_p = _heavy_part(
                 xv, offs_k, k_ok, m, p, SPLITS, words_ptr, cnt_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr,
-                wd_ptr, pos_ptr, flag_ptr, g_row, n_row, N, n_tiles, threshold, stride_gn, stride_gk, stride_un,
+                wd_ptr, pos_ptr, g_row, n_row, N, n_tiles, threshold, stride_gn, stride_gk, stride_un,
                 stride_uk, stride_dn, stride_dk, HAS_UP, HAS_GATE_BIAS, HAS_HOT, HAS_UP_BIAS, DRELU, SQUARE,
                 y_ptr.dtype.element_ty,
-                TILE_N, SLOTS, TILES_PAD, WIDTH, CHUNK, RECOMPUTE, REUSE_ROWS, BLOCK_K,
+                TILE_N, SLOTS, TILES_PAD, WIDTH, CHUNK, RECOMPUTE, BLOCK_K,
             )  # fmt: skip
             y += y_p
         if split:
@@ -470,7 +463,6 @@ def twell_up_down(
     out: torch.Tensor | None = None,
     order: bool = True,
     hot_pos: torch.Tensor | None = None,
-    reuse: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """y [M, K] from x [M, K] and the TwELL arrays (words, counts; twell.format's layout, slots past
     each count never read) of act(x gate_weight^T + gate_bias).
@@ -481,8 +473,6 @@ def twell_up_down(
     whole rows are held in registers. order: rows heaviest first (an argsort of the row totals on the
     device; it changes which program takes a row, never the row's result). hot_pos: int32 [N], the
     packer's hot map (neurons >= 0 were packed without): overflowing tiles leave them out too.
-    reuse: (flags uint8 [cdiv(M, rows), N], rows): the pack pass's dense neurons of each block of `rows`
-    rows (twell.kernels.reuse.ReuseBlocks), left out of overflowing tiles too.
     """
     check_input("x", x)
     check_threshold(threshold)
@@ -518,26 +508,19 @@ def twell_up_down(
     for name, b, size in (("gate_bias", gate_bias, n), ("up_bias", up_bias, n), ("down_bias", down_bias, k)):
         check_bias(name, b, size, x)
     check_pos(hot_pos, n, x)
-    if reuse is not None:
-        reuse_flags, rows = reuse
-        if rows not in policy.REUSE_BLOCKS[1:] or isinstance(rows, bool):
-            raise ValueError(f"reuse rows must be one of {policy.REUSE_BLOCKS[1:]}, got {rows!r}")
-        check_operand("reuse flags", reuse_flags, (triton.cdiv(m, rows), n), x, torch.uint8)
-        if not reuse_flags.is_contiguous():
-            raise ValueError(f"reuse flags must be contiguous, got strides {reuse_flags.stride()}")
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.device != x.device):
         raise ValueError(
             f"out must be {list(x.shape)} {x.dtype} on {x.device}, got {list(out.shape)} {out.dtype} on {out.device}"
         )
     return launch_up_down(
         x, words, counts, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, tile_n=tile_n,
-        threshold=threshold, drelu=drelu, square=square, out=out, order=order, hot_pos=hot_pos, reuse=reuse,
+        threshold=threshold, drelu=drelu, square=square, out=out, order=order, hot_pos=hot_pos,
     )[0]  # fmt: skip
 
 
 def launch_up_down(
     x, words, counts, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, *, tile_n, threshold,
-    drelu=False, square=False, out=None, order=True, hot_pos=None, reuse=None,
+    drelu=False, square=False, out=None, order=True, hot_pos=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """twell_up_down without its input checks, for callers that checked at the op boundary (the
     dispatcher); returns (y, kept): kept, int64 [P] on the device, parts of the total of counts (the
@@ -600,10 +583,10 @@ def launch_up_down(
     _heavy_kernel[(programs,)](
         x, words, counts, heavy, heavy[1 + m :], partials, gate_weight,
         gate_bias if gate_bias is not None else dummy, *up, down_weight_t, down_bias,
-        hot_pos if hot_pos is not None else counts, reuse[0] if reuse is not None else counts, y, g_scratch,
+        hot_pos if hot_pos is not None else counts, y, g_scratch,
         n_scratch, n, k, n_tiles, capacity,
         threshold_in(threshold, x.dtype), x.stride(0), x.stride(1), gate_weight.stride(0), gate_weight.stride(1),
         *strides, HAS_GATE_BIAS=gate_bias is not None, HAS_HOT=hot_pos is not None, SQUARE=square, CHUNK=CHUNK,
-        RECOMPUTE=recompute, SPLITS=SPLITS, REUSE_ROWS=reuse[1] if reuse is not None else 0, num_warps=4, **flags,
+        RECOMPUTE=recompute, SPLITS=SPLITS, num_warps=4, **flags,
     )  # fmt: skip
     return y, kept
