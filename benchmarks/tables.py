@@ -103,11 +103,14 @@ def e2e_points(results: Path) -> list[dict]:
 
 def train_points(results: Path) -> list[dict]:
     """Per point (shape, tokens, pattern, density), the newest training run that measured it at the
-    shipped kernel settings (a run with another train_entries is a variant, not what users get)."""
+    shipped kernel settings (a run with another train_entries or train_hot is a variant, not what users
+    get)."""
     newest = {}
     for name, run in runs(results, "train"):
         for p in run["points"]:
             if p.get("train_entries", policy.TRAIN_ENTRIES_DEFAULT) != policy.TRAIN_ENTRIES_DEFAULT:
+                continue
+            if p.get("train_hot", policy.TRAIN_HOT) != policy.TRAIN_HOT:
                 continue
             key = (p["K"], p["N"], p["M"], p["pattern"], p["density"])
             newest.setdefault(key, {**p, "source": source(name, run)})
@@ -164,14 +167,15 @@ def e2e_table(points: list[dict]) -> str:
 
 def train_table(points: list[dict]) -> str:
     rows = [
-        "| K x N | tokens | pattern | density | dense ms | twell ms | speedup | peak memory twell / dense | source |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| K x N | tokens | pattern | density | dense ms | twell ms | speedup | path | peak memory twell / dense | source |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in points:
         dense = min(p["dense_eager_ms"], p["dense_compiled_ms"])
+        path = "dense mode (train_dense_above)" if p.get("fwd_sparse_ms", 1) == 0 else "sparse"
         rows.append(
             f"| {p['K']}x{p['N']} | {p['M']} | {p['pattern']} | {p['density']:.1%} | {ms(dense)} | {ms(p['twell_ms'])} "
-            f"| {speedup(dense / p['twell_ms'])} | {p['memory_ratio']:.0%} | {p['source']} |"
+            f"| {speedup(dense / p['twell_ms'])} | {path} | {p['memory_ratio']:.0%} | {p['source']} |"
         )
     return "\n".join(rows)
 

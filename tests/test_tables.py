@@ -87,6 +87,8 @@ def test_the_newest_run_of_each_point_counts(tmp_path):
     # newer, but a variant of the kernels' settings (not what users get)
     variant = {**ffn_point(32768, 3.0), "train_entries": 4}
     write(tmp_path, "train-20260103-000000.json", {"commit": "t3", "points": [variant]})
+    hot = {**ffn_point(32768, 4.0), "train_hot": 256}  # the hot-neuron hybrid, off by default: a variant too
+    write(tmp_path, "train-20260104-000000.json", {"commit": "t4", "points": [hot]})
 
     points = {p["M"]: p for p in tables.ffn_points(tmp_path)}
     assert (points[1]["speedup"], points[1]["source"]) == (2.5, "`ffn-20260102-000000.json` (new)")
@@ -100,7 +102,7 @@ def test_the_newest_run_of_each_point_counts(tmp_path):
 
     generated = tables.tables(tmp_path)
     assert "| 1.20x | `e2e-20260102-000000.json` (e2) |" in generated["summary"]
-    assert "| 1.05x | 40% | `train-20260102-000000.json` (t2) |" in generated["train"]
+    assert "| 1.05x | sparse | 40% | `train-20260102-000000.json` (t2) |" in generated["train"]
     assert "| 2.50x | decode | `ffn-20260102-000000.json` (new) |" in generated["ffn"]
 
 
