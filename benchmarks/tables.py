@@ -167,7 +167,8 @@ def e2e_table(points: list[dict]) -> str:
 
 def train_table(points: list[dict]) -> str:
     rows = [
-        "| K x N | tokens | pattern | density | dense ms | twell ms | speedup | path | peak memory twell / dense | source |",
+        "| K x N | tokens | pattern | density | dense ms | twell ms | speedup | path "
+        "| peak memory twell / dense | source |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in points:
