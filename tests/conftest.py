@@ -1,15 +1,24 @@
 """Test setup: without a CUDA GPU, Triton kernels run through Triton's interpreter on the CPU.
 
 TRITON_INTERPRET must be set before triton is first imported, hence here and at import time.
+
+Inductor's cache is kept per version of twell's sources: its key does not cover a custom op's schema, so a
+graph compiled before an op argument was removed would otherwise be loaded and call the op with it.
 """
 
+import hashlib
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
-import pytest
-import torch
+_SOURCES = sorted((Path(__file__).resolve().parents[1] / "twell").rglob("*.py"))
+_VERSION = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES)).hexdigest()[:12]
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / f"twell-inductor-{_VERSION}"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
