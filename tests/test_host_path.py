@@ -281,17 +281,24 @@ def _fresh_launchers(monkeypatch) -> None:
     monkeypatch.setattr(updown, "_up_down_launch", common.TunedLaunch(updown._twell_up_down_kernel))
 
 
-@pytest.mark.gpu
-def test_a_captured_8192_token_call_prefills_after_an_eager_one(monkeypatch):
-    """prefill_min_m_captured=8192: a capture of a layer never run at that size runs dense (no crash,
-    nothing tuned inside it); after one eager call (which prefills and tunes), the capture prefills,
-    tunes nothing, and its replay gives the eager prefill call's bits."""
+def _watched_prefill(monkeypatch) -> tuple[list, list]:
+    """Fresh prefill launchers; returns the autotuner runs (each: whether inside a capture) and the
+    prefill calls, appended as they happen."""
     _fresh_launchers(monkeypatch)
     tuning, paths = [], []
     _counting(monkeypatch, gate._pack_dense_kernel, tuning)
     _counting(monkeypatch, updown._twell_up_down_kernel, tuning)
     launch_up_down = dispatch.launch_up_down
     monkeypatch.setattr(dispatch, "launch_up_down", lambda *a, **k: paths.append("prefill") or launch_up_down(*a, **k))
+    return tuning, paths
+
+
+@pytest.mark.gpu
+def test_a_captured_8192_token_call_prefills_after_an_eager_one(monkeypatch):
+    """prefill_min_m_captured=8192: a capture of a layer never run at that size runs dense (no crash,
+    nothing tuned inside it); after one eager call (which prefills and tunes), the capture prefills,
+    tunes nothing, and its replay gives the eager prefill call's bits."""
+    tuning, paths = _watched_prefill(monkeypatch)
     block = _block_8192()
     twell.sparsify(block, layer_config={"hot_rate": None})
     x = torch.randn(8192, 2048, device="cuda", dtype=torch.bfloat16)
@@ -324,12 +331,7 @@ def test_a_captured_8192_token_call_prefills_after_an_eager_one(monkeypatch):
 def test_torch_compile_cuda_graphs_prefill_8192_tokens(monkeypatch):
     """torch.compile(mode="reduce-overhead"): its warm-up call runs eagerly (here: the prefill kernels,
     tuned), its recording captures the prefill path without tuning, the replays match."""
-    _fresh_launchers(monkeypatch)
-    tuning, paths = [], []
-    _counting(monkeypatch, gate._pack_dense_kernel, tuning)
-    _counting(monkeypatch, updown._twell_up_down_kernel, tuning)
-    launch_up_down = dispatch.launch_up_down
-    monkeypatch.setattr(dispatch, "launch_up_down", lambda *a, **k: paths.append("prefill") or launch_up_down(*a, **k))
+    tuning, paths = _watched_prefill(monkeypatch)
     block = _block_8192()
     twell.sparsify(block, layer_config={"hot_rate": None, "prefill_min_m_captured": 8192})
     x = torch.randn(8192, 2048, device="cuda", dtype=torch.bfloat16)
