@@ -70,7 +70,8 @@ def ffn_points(results: Path) -> list[dict]:
 
 
 def e2e_points(results: Path) -> list[dict]:
-    """Per (model, profile, phase, batch, seq): the newest run's faster dense and faster twell row."""
+    """Per (model, layers, profile, phase, batch, seq): the newest run's faster dense and faster twell row
+    (a run of fewer layers is another point: the FFN's share of the step differs)."""
     newest: dict[tuple, dict] = {}
     for name, run in runs(results, "e2e"):
         if run.get("smoke"):
@@ -85,19 +86,16 @@ def e2e_points(results: Path) -> list[dict]:
                     profiles = [row["profile"]] if side == "twell" else list(model.get("profiles") or [None])
                     for point in row.get(phase, []):
                         for profile in profiles:
-                            key = (model["model"], profile, phase, point["batch"], point.get("seq"))
+                            layers = model["config"]["num_hidden_layers"]
+                            key = (model["model"], layers, profile, phase, point["batch"], point.get("seq"))
                             best = sides.setdefault(key, {}).get(side)
                             if best is None or point["tokens_per_s"] > best["tokens_per_s"]:
                                 sides[key][side] = {**point, "row": row["row"]}
                 for key, both in sides.items():
                     if len(both) == 2 and key not in newest:
-                        newest[key] = {
-                            **both,
-                            "layers": model["config"]["num_hidden_layers"],
-                            "source": source(name, run),
-                        }
+                        newest[key] = {**both, "source": source(name, run)}
     order = {"prefill": 0, "generation": 1}
-    ranked = sorted(newest, key=lambda k: (k[0], str(k[1]), order[k[2]], k[3], k[4] or 0))
+    ranked = sorted(newest, key=lambda k: (k[0], -k[1], str(k[2]), order[k[3]], k[4], k[5] or 0))
     return [{"key": key, **newest[key]} for key in ranked]
 
 
@@ -129,7 +127,7 @@ def model_train_point(results: Path) -> dict | None:
 
 
 def shape(e: dict) -> str:
-    model, profile, phase, batch, seq = e["key"]
+    model, layers, profile, phase, batch, seq = e["key"]
     if phase == "prefill":
         return f"prefill, {batch} x {seq} tokens"
     return f"generation, batch {batch} ({e['twell']['prompt']}-token prompt, {e['twell']['new_tokens']} new tokens)"
@@ -158,7 +156,7 @@ def e2e_table(points: list[dict]) -> str:
     for e in points:
         dense, twell = e["dense"], e["twell"]
         rows.append(
-            f"| {e['key'][0]} ({e['layers']} layers) | {e['key'][1]} | {shape(e)} | {dense['tokens_per_s']:.0f} "
+            f"| {e['key'][0]} ({e['key'][1]} layers) | {e['key'][2]} | {shape(e)} | {dense['tokens_per_s']:.0f} "
             f"({dense['row']}) | {twell['tokens_per_s']:.0f} ({twell['row']}) "
             f"| {speedup(twell['tokens_per_s'] / dense['tokens_per_s'])} | {e['source']} |"
         )
@@ -188,26 +186,29 @@ def summary_table(ffn: list[dict], e2e: list[dict], train: list[dict], model: di
     rows = ["| what | measured | dense | twell | speedup | source |", "|---|---|---|---|---|---|"]
     for e in e2e:
         # the way docs/usage.md recommends running a sparsified model: compiled
-        if e["key"][:2] != (README_MODEL, README_PROFILE) or e["twell"]["row"] != "twell-compiled":
+        if (e["key"][0], e["key"][2]) != (README_MODEL, README_PROFILE) or e["twell"]["row"] != "twell-compiled":
             continue
         dense, twell = e["dense"], e["twell"]
         rows.append(
-            f"| whole model, {e['key'][0].upper()} shape ({e['layers']} layers, 0.5% {README_PROFILE}) | {shape(e)} "
+            f"| whole model, {e['key'][0].upper()} shape ({e['key'][1]} layers, 0.5% {README_PROFILE}) | {shape(e)} "
             f"| {dense['tokens_per_s']:.0f} tokens/s ({dense['row']}) | {twell['tokens_per_s']:.0f} tokens/s "
             f"({twell['row']}) | {speedup(twell['tokens_per_s'] / dense['tokens_per_s'])} | {e['source']} |"
         )
     if model is not None:
         dense, twell = model["rows"]["dense-compiled"], model["rows"]["twell-compiled"]
         layers = model["config"]["num_hidden_layers"]
+        variant = model.get("train_hot", policy.TRAIN_HOT) != policy.TRAIN_HOT
+        hot = f", train_hot {model['train_hot']}" if variant else ""
         rows.append(
             f"| a whole model's training step, 2B shape ({layers} layers, 0.5% skewed, AdamW, L1 penalty) "
             f"| {model['batch']} x {model['seq']} tokens | {dense['tokens_per_s']:.0f} tokens/s, "
             f"{dense['peak_gb']:.1f} GB (dense-compiled) | {twell['tokens_per_s']:.0f} tokens/s, "
-            f"{twell['peak_gb']:.1f} GB (twell-compiled, sparse training path) "
+            f"{twell['peak_gb']:.1f} GB (twell-compiled, sparse training path{hot}) "
             f"| {speedup(twell['tokens_per_s'] / dense['tokens_per_s'])} "
             f"| {model['source']} |"
         )
     step = [p for p in train if p["density"] == 0.005]
+    step = [p for p in step if p["M"] == max(q["M"] for q in step)]  # the paper's shape: the most tokens
     if step:
         dense = [min(p["dense_eager_ms"], p["dense_compiled_ms"]) for p in step]
         twell = [p["twell_ms"] for p in step]

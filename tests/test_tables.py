@@ -82,6 +82,9 @@ def test_the_newest_run_of_each_point_counts(tmp_path):
     write(tmp_path, "e2e-20260101-000000.json", e2e_run("e1", 1100.0))
     write(tmp_path, "e2e-20260102-000000.json", e2e_run("e2", 1200.0))
     write(tmp_path, "e2e-20260103-000000.json", e2e_run("e3", 5000.0, smoke=True))
+    fewer = e2e_run("e4", 7000.0)  # newer, of fewer layers: a point of its own, beside the 38-layer one
+    fewer["models"][0]["config"]["num_hidden_layers"] = 12
+    write(tmp_path, "e2e-20260104-000000.json", fewer)
     write(tmp_path, "train-20260101-000000.json", {"commit": "t1", "points": [ffn_point(32768, 0.5)]})
     write(tmp_path, "train-20260102-000000.json", {"commit": "t2", "points": [ffn_point(32768, 1.05)]})
     # newer, but a variant of the kernels' settings (not what users get)
@@ -94,9 +97,10 @@ def test_the_newest_run_of_each_point_counts(tmp_path):
     assert (points[1]["speedup"], points[1]["source"]) == (2.5, "`ffn-20260102-000000.json` (new)")
     assert (points[32768]["speedup"], points[32768]["source"]) == (1.2, "`ffn-20260101-000000.json` (old)")
 
-    e2e = {e["key"][2]: e for e in tables.e2e_points(tmp_path)}
-    prefill = e2e["prefill"]
-    assert prefill["key"] == ("2b", "skewed", "prefill", 16, 2048) and prefill["source"].endswith("(e2)")
+    e2e = {e["key"][1:4]: e for e in tables.e2e_points(tmp_path)}
+    assert e2e[12, "skewed", "prefill"]["source"].endswith("(e4)")
+    prefill = e2e[38, "skewed", "prefill"]
+    assert prefill["key"] == ("2b", 38, "skewed", "prefill", 16, 2048) and prefill["source"].endswith("(e2)")
     assert (prefill["dense"]["row"], prefill["twell"]["row"]) == ("dense-compiled", "twell-compiled")
     assert prefill["twell"]["tokens_per_s"] == 1200.0
 
