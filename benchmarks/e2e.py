@@ -54,6 +54,8 @@ generation):
   share is the difference of the two medians: decode_ms_per_step (the new tokens after the first,
   each one graph replay) and decode_tokens_per_s = batch / decode_ms_per_step, what a served model's
   steps give (decode_speedup, against the faster dense row's).
+- with --step-kernels, per generation point, one decode step's kernels (count, per name: count and us),
+  the row's forward run uncaptured under torch.profiler (benchmarks/step_profile.py's step_kernels).
 - peak memory (torch.cuda.max_memory_allocated over the timed calls, weights included) and energy
   per token (NVML's total-energy counter around the timed calls / tokens; null without NVML).
 - prefill time breakdown, eager rows: CUDA events recorded by hooks around every layer's attention and
@@ -370,6 +372,10 @@ def run_row(meter, model, forward, work: Workload, args, *, eager: bool, decoder
         decoder = decoders[b]
         m = measure_generation(meter, decoder, prompt, work.new_tokens, args.min_time)
         m["first_divergent_step"] = first_divergence(decoder.generate(prompt, work.new_tokens), reference["tokens"][b])
+        if args.step_kernels and meter.cuda:  # after the timed calls: the profiler's set-up stays out of them
+            from step_profile import step_kernels  # it imports this module
+
+            m["step_kernels"] = step_kernels(decoder, prompt)
         row["generation"].append(m)
         decode = f", decode steps {m['decode_tokens_per_s']:9.1f}" if m["decode_tokens_per_s"] else ""
         print(
@@ -587,6 +593,12 @@ def main():
     parser.add_argument("--min-time", type=float, default=0.5, help="seconds of timed calls per measurement")
     parser.add_argument(
         "--cost-model", default="auto", help="the calibrated rows' calibration cost model (auto: benchmark on CUDA)"
+    )
+    parser.add_argument(
+        "--step-kernels",
+        action="store_true",
+        help="CUDA: per generation point, the kernels of one decode step (step_profile.step_kernels: the row's "
+        "forward run uncaptured under torch.profiler, the same kernels its graph replays)",
     )
     parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU, eager rows, JSON to /tmp")
     parser.add_argument("--out", default=None, help="result folder (default benchmarks/results; /tmp with --smoke)")
