@@ -40,14 +40,22 @@ at least 3 calls and at least --min-time seconds, after untimed calls whose seco
 autotuning and graph capture included, are recorded as warmup_s: --warmup per prefill point, one per
 generation):
 - prefill: one forward of [batch, seq] random tokens, no KV cache, logits of the last position only
-  (as a serving prefill); seq in --seqs, batch = tokens / seq for tokens in --tokens. Each point
+  (as a serving prefill); seq in --seqs, batch = tokens / seq for tokens in --tokens (--seqs '': no
+  prefill points, generation only; the logits check then has no point either). Each point
   records its layer count: all of them by default (the 2B's 131072-token points take about 1 s and
   under 20 GB per forward by FLOP and byte counts); --layers reduces a model's layers.
 - generation: benchmarks/generation.py's greedy loop (static cache, the decode step replayed as a
   CUDA graph), a --prompt token prompt + --new-tokens tokens, at each of --batches. The prompt's
-  forward runs the eager model (in the compiled rows the dense one: compiling it too would cost two
-  more compilations per row), the decode steps the row's forward. tokens/s = batch * new tokens /
-  time of the whole generation.
+  forward runs the row's model eagerly (compiling it too would cost two more compilations per row):
+  in the twell rows the sparsified model, whose FFN calls pay the op's eager host path (a prompt
+  forward of 16-1024 tokens is host-bound), the decode steps the row's forward. tokens_per_s = batch
+  * new tokens / time of the whole generation, prompt included; the prompt alone is timed the same
+  way (generate with one new token: the prompt's forward and its greedy token), so the decode steps'
+  share is the difference of the two medians: decode_ms_per_step (the new tokens after the first,
+  each one graph replay) and decode_tokens_per_s = batch / decode_ms_per_step, what a served model's
+  steps give (decode_speedup, against the faster dense row's).
+- with --step-kernels, per generation point, one decode step's kernels (count, per name: count and us),
+  the row's forward run uncaptured under torch.profiler (benchmarks/step_profile.py's step_kernels).
 - peak memory (torch.cuda.max_memory_allocated over the timed calls, weights included) and energy
   per token (NVML's total-energy counter around the timed calls / tokens; null without NVML).
 - prefill time breakdown, eager rows: CUDA events recorded by hooks around every layer's attention and
@@ -315,16 +323,20 @@ class Workload:
     def __init__(self, args, vocab: int, device: str):
         g = torch.Generator().manual_seed(1)
         self.prefill = []
-        for seq in map(int, args.seqs.split(",")):
-            for tokens in map(int, args.tokens.split(",")):
+        for seq in ints(args.seqs):
+            for tokens in ints(args.tokens):
                 ids = torch.randint(0, vocab, (tokens // seq, seq), generator=g).to(device)
                 self.prefill.append({"seq": seq, "batch": tokens // seq, "tokens": tokens, "ids": ids})
         self.prompts = {
-            b: torch.randint(0, vocab, (b, args.prompt), generator=g).to(device)
-            for b in map(int, args.batches.split(","))
+            b: torch.randint(0, vocab, (b, args.prompt), generator=g).to(device) for b in ints(args.batches)
         }
         self.new_tokens = args.new_tokens
         self.max_len = args.prompt + args.new_tokens
+
+
+def ints(csv: str) -> list[int]:
+    """The integers of a comma-separated flag ('' gives none)."""
+    return [int(v) for v in csv.split(",") if v]
 
 
 def prefill_call(forward, ids):
@@ -358,18 +370,35 @@ def run_row(meter, model, forward, work: Workload, args, *, eager: bool, decoder
             breakdown.remove()
     for b, prompt in work.prompts.items():
         decoder = decoders[b]
-        m = meter.measure(
-            lambda d=decoder, p=prompt: d.generate(p, work.new_tokens),
-            units=b * work.new_tokens,
-            warmup=1,
-            min_time=args.min_time,
-        )
-        m.update(batch=b, prompt=prompt.shape[1], new_tokens=work.new_tokens)
-        m["tokens_per_s"] = b * work.new_tokens / m["ms"] * 1e3
+        m = measure_generation(meter, decoder, prompt, work.new_tokens, args.min_time)
         m["first_divergent_step"] = first_divergence(decoder.generate(prompt, work.new_tokens), reference["tokens"][b])
+        if args.step_kernels and meter.cuda:  # after the timed calls: the profiler's set-up stays out of them
+            from step_profile import step_kernels  # it imports this module
+
+            m["step_kernels"] = step_kernels(decoder, prompt)
         row["generation"].append(m)
-        print(f"  generation batch {b:>3}: {m['tokens_per_s']:9.1f} tok/s", flush=True)
+        decode = f", decode steps {m['decode_tokens_per_s']:9.1f}" if m["decode_tokens_per_s"] else ""
+        print(
+            f"  generation batch {b:>3}: {m['tokens_per_s']:9.1f} tok/s (prompt {m['prompt_ms']:.2f} ms{decode})",
+            flush=True,
+        )
     return row
+
+
+def measure_generation(meter, decoder, prompt, new_tokens: int, min_time: float) -> dict:
+    """The whole generation's median (warm-up: one call, the capture with it), then the prompt's alone
+    (generate with one new token) right after, and the decode steps' share: the difference."""
+    b = prompt.shape[0]
+    m = meter.measure(lambda: decoder.generate(prompt, new_tokens), units=b * new_tokens, warmup=1, min_time=min_time)
+    m.update(batch=b, prompt=prompt.shape[1], new_tokens=new_tokens)
+    m["tokens_per_s"] = b * new_tokens / m["ms"] * 1e3
+    first = meter.measure(lambda: decoder.generate(prompt, 1), units=b, warmup=1, min_time=min_time)
+    m["prompt_ms"], m["prompt_calls"] = first["ms"], first["calls"]
+    steps = new_tokens - 1
+    step_ms = (m["ms"] - first["ms"]) / steps if steps else None
+    m["decode_ms_per_step"] = step_ms
+    m["decode_tokens_per_s"] = b / step_ms * 1e3 if step_ms and step_ms > 0 else None
+    return m
 
 
 def chosen_configs(model, work: Workload) -> dict:
@@ -400,7 +429,9 @@ def make_decoders(model, work, cuda, forward=None) -> dict:
 def run_model(name, shape, args, meter, demo, cuda, save) -> dict:
     """Every row of one model; `save(result)` is called after each row with the results so far."""
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    model = llama(device, dtype, max_position_embeddings=max(map(int, args.seqs.split(","))), **shape)
+    model = llama(
+        device, dtype, max_position_embeddings=max(ints(args.seqs) + [args.prompt + args.new_tokens]), **shape
+    )
     g = torch.Generator().manual_seed(2)
     share_gate_direction(model, ROW_SPREAD, g)
     calib = torch.randint(0, shape["vocab_size"], (CALIB_TOKENS // 256, 256), generator=g).to(device)
@@ -429,8 +460,10 @@ def run_model(name, shape, args, meter, demo, cuda, save) -> dict:
     references = {}
     for profile in profiles:
         load_gate_biases(model, biases[profile])
-        with torch.no_grad():
-            logits = prefill_call(model, work.prefill[0]["ids"])().float()
+        logits = None
+        if work.prefill:
+            with torch.no_grad():
+                logits = prefill_call(model, work.prefill[0]["ids"])().float()
         tokens = {b: d.generate(work.prompts[b], work.new_tokens) for b, d in dense_decoders.items()}
         references[profile] = {"logits": logits, "tokens": tokens}
     first = next(iter(profiles))
@@ -497,7 +530,8 @@ def run_model(name, shape, args, meter, demo, cuda, save) -> dict:
 
 
 def add_speedups(result: dict) -> None:
-    """speedup: the faster dense row's time over this row's, per prefill point and generation batch."""
+    """speedup: the faster dense row's time over this row's, per prefill point and generation batch;
+    decode_speedup: the same of the generation's decode steps alone (where both were measured)."""
     dense = [r for r in result["rows"] if r["row"].startswith("dense") and "error" not in r]
     if not dense:
         return
@@ -505,6 +539,10 @@ def add_speedups(result: dict) -> None:
         for kind in ("prefill", "generation"):
             for i, m in enumerate(row[kind]):
                 m["speedup"] = min(d[kind][i]["ms"] for d in dense) / m["ms"]
+        for i, m in enumerate(row["generation"]):
+            steps = [d["generation"][i]["decode_ms_per_step"] for d in dense]
+            if m["decode_ms_per_step"] and all(s and s > 0 for s in steps) and m["decode_ms_per_step"] > 0:
+                m["decode_speedup"] = min(steps) / m["decode_ms_per_step"]
 
 
 def table(models: list[dict]) -> str:
@@ -514,7 +552,7 @@ def table(models: list[dict]) -> str:
         if not done:
             continue
         prefill = [f"pf {p['batch']}x{p['seq']}" for p in done[0]["prefill"]]
-        generation = [f"gen b{g['batch']}" for g in done[0]["generation"]]
+        generation = [f"{kind} b{g['batch']}" for kind in ("gen", "steps") for g in done[0]["generation"]]
         lines.append(f"{model['model']}: tokens/s (x speedup against the faster dense row)")
         lines.append(
             f"{'row':>15} {'profile':>8} " + " ".join(f"{c:>16}" for c in prefill + generation) + "  logit err"
@@ -526,9 +564,16 @@ def table(models: list[dict]) -> str:
             cells = [
                 f"{m['tokens_per_s']:>9.0f} ({m.get('speedup', 1):.2f}x)" for m in row["prefill"] + row["generation"]
             ]
+            cells += [
+                f"{m['decode_tokens_per_s']:>9.0f} ({m.get('decode_speedup', 1):.2f}x)"
+                if m["decode_tokens_per_s"]
+                else "-"
+                for m in row["generation"]
+            ]
             err = row.get("logits_rel_err")
+            err = "-" if err is None else f"{err:.1e}"
             lines.append(
-                f"{row['row']:>15} {row['profile'] or '-':>8} " + " ".join(f"{c:>16}" for c in cells) + f"  {err:.1e}"
+                f"{row['row']:>15} {row['profile'] or '-':>8} " + " ".join(f"{c:>16}" for c in cells) + f"  {err}"
             )
     return "\n".join(lines)
 
@@ -548,6 +593,12 @@ def main():
     parser.add_argument("--min-time", type=float, default=0.5, help="seconds of timed calls per measurement")
     parser.add_argument(
         "--cost-model", default="auto", help="the calibrated rows' calibration cost model (auto: benchmark on CUDA)"
+    )
+    parser.add_argument(
+        "--step-kernels",
+        action="store_true",
+        help="CUDA: per generation point, the kernels of one decode step (step_profile.step_kernels: the row's "
+        "forward run uncaptured under torch.profiler, the same kernels its graph replays)",
     )
     parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU, eager rows, JSON to /tmp")
     parser.add_argument("--out", default=None, help="result folder (default benchmarks/results; /tmp with --smoke)")
