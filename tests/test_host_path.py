@@ -296,8 +296,8 @@ def _watched_prefill(monkeypatch) -> tuple[list, list]:
 @pytest.mark.gpu
 def test_a_captured_8192_token_call_prefills_after_an_eager_one(monkeypatch):
     """prefill_min_m_captured=8192: a capture of a layer never run at that size runs dense (no crash,
-    nothing tuned inside it, the bits of a captured dense call); after one eager call (which prefills and tunes), the capture prefills,
-    tunes nothing, and its replay gives the eager prefill call's bits."""
+    nothing tuned inside it, the bits of a captured dense call); after one eager call (which prefills
+    and tunes), the capture prefills, tunes nothing, and its replay gives the eager prefill call's bits."""
     tuning, paths = _watched_prefill(monkeypatch)
     block = _block_8192()
     # no captured threshold while the dense reference runs: with one, that first eager call would prefill
