@@ -81,8 +81,8 @@ TRAIN_HOT = 0
 # torch elementwise ops +1.15; 0.21 ns a (token, hot neuron)): 0.035 of a pair; with those ops fused
 # into two kernels (backward._hot_hidden, _hot_grads) predicted ~0.12 ns (0.020). 0.025 between: the
 # skewed layer takes 256 (saving ~7.8 pairs a token: 1.3x of dense compiled), a uniform one (top 256
-# ~5-12% of the pairs, under 2% of the tokens each) 0. Equivalently: the hot neurons must fire in more
-# than TRAIN_HOT_RATE of the tokens on average (benchmarks/NOTES.md, "Training hot v2").
+# ~5-12% of the pairs, each firing on ~0.7% of the tokens) 0. A size saves only where its neurons fire
+# in more than TRAIN_HOT_RATE of the tokens on average (benchmarks/NOTES.md, "Training hot v2").
 TRAIN_HOT_SIZES = (128, 256, 512)
 TRAIN_HOT_RATE = 0.025
 # Prefill threshold of calls captured into a CUDA graph (their host time is paid once, at capture), where
