@@ -31,10 +31,12 @@ weights built from a transformers LlamaConfig with hidden_act="relu" and gate bi
 downloaded), --batch x --seq tokens (16 x 2048), the 0.5% skewed profile of benchmarks/e2e.py set
 through the gate biases on the batch each step trains on. A step: language-model loss + LAM *
 twell.train.l1_penalty(model), backward, AdamW step. Rows: dense eager, dense compiled
-(torch.compile(model)), twell eager and twell compiled (twell.sparsify(model,
-layer_config={"train_min_m": 1}), then compiled); the weights are restored before each row, with a fresh
-optimizer. Per row: median step ms, tokens/s, peak memory (GB, weights and optimizer state included) and
-energy per token (NVML; null without it).
+(torch.compile(model)), twell eager and twell compiled (twell.sparsify(model, [batch],
+layer_config={"train_min_m": 1}): calibrated on the step's batch, so each layer's train_hot is
+calibration's choice, policy.calibrated_train_hot, unless --hot sets every layer's; then compiled); the
+weights are restored before each row, with a fresh optimizer; the JSON's "calibration" holds each
+layer's choice and the shares it came from. Per row: median step ms, tokens/s, peak memory (GB, weights
+and optimizer state included) and energy per token (NVML; null without it).
 """
 
 from __future__ import annotations
@@ -335,6 +337,18 @@ def kernel_table(step, steps: int = 2, top: int = 30) -> dict:
     }
 
 
+def calibration_choice(model, seconds: float) -> dict:
+    """What calibration chose for the twell rows: each rewritten layer's train_hot and every layer's
+    shares of kept pairs held by its most frequent neurons (Decision.hot_pair_shares)."""
+    records = [r for r in twell.report(model) if r.decision is not None]
+    return {
+        "seconds": seconds,
+        "train_hot": {path: c.train_hot for path, c in twell.layer_configs(model).items()},
+        "hot_pair_shares": {r.path: r.decision["hot_pair_shares"] for r in records},
+        "density": {r.path: r.decision["density"] for r in records},
+    }
+
+
 def model_main(args, constants: dict) -> None:
     """The whole-model training step (module docstring, --model)."""
     from decode import llama, set_gate_biases
@@ -370,7 +384,7 @@ def model_main(args, constants: dict) -> None:
         "layers": layers,
         "train_entries": args.entries,
         "train_dense_above": args.dense_above,
-        "train_hot": args.hot,
+        "train_hot": args.hot,  # None: calibration's, per layer (result["calibration"])
         "fresh_ids": args.fresh_ids,
         "backward_constants": constants,
         "rows": {},
@@ -380,10 +394,15 @@ def model_main(args, constants: dict) -> None:
         if row not in MODEL_ROWS:
             raise SystemExit(f"--rows takes {','.join(MODEL_ROWS)}, got {row!r}")
         if row.startswith("twell") and not hasattr(model, "_twell_sparsified"):
-            # the sparse training path: opt-in
+            # the sparse training path: opt-in; calibrated on the step's batch (the layers' train_hot)
             layer_config = {"train_min_m": 1, "train_entries": args.entries, "train_dense_above": args.dense_above}
-            layer_config["train_hot"] = args.hot
-            twell.sparsify(model, layer_config=layer_config)
+            if args.hot is not None:
+                layer_config["train_hot"] = args.hot
+            started = time.perf_counter()
+            config = {"progress": False, "cost_model": "analytic", "decode_steps": 0, "timing_repeats": 0}
+            twell.sparsify(model, [calib], config=config, layer_config=layer_config)
+            result["calibration"] = calibration_choice(model, time.perf_counter() - started)
+            print(f"calibration: train_hot by layer {list(result['calibration']['train_hot'].values())}", flush=True)
             model._twell_sparsified = True
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -464,7 +483,13 @@ def main():
         help="twell's LayerConfig.train_dense_above (default: the shipped value; none: every call sparse; 0: "
         "every call after the first dense)",
     )
-    parser.add_argument("--hot", type=int, default=policy.TRAIN_HOT, help="twell's LayerConfig.train_hot (a variant)")
+    parser.add_argument(
+        "--hot",
+        type=int,
+        default=None,
+        help="twell's LayerConfig.train_hot for every layer (a variant; default: --model calibration's choice per "
+        "layer, a layer alone the shipped default)",
+    )
     args = parser.parse_args()
     if SMOKE_WITHOUT_CUDA:
         smoke_without_cuda()
@@ -480,6 +505,7 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     compiled = torch.compile(dense_loss, dynamic=True)
     # the layer's settings bound as constants: dynamic=True would trace an int argument as a symbol
+    args.hot = policy.TRAIN_HOT if args.hot is None else args.hot  # a layer alone is not calibrated
     settings = {"entries": args.entries, "dense_above": args.dense_above, "hot": args.hot}
     twell_compiled = torch.compile(functools.partial(twell_loss, **settings), dynamic=True)
     result = {**environment(), "ceilings": ceilings(), "lam": LAM, "backward_constants": constants, "points": []}

@@ -398,6 +398,106 @@ def test_hot_neurons_are_the_most_frequent_of_the_previous_call(monkeypatch):
     assert set(state.hot.tolist()) == set(hot_ids.tolist())
 
 
+# the hot columns' elementwise kernels: (gated, threshold, drelu, squared) of VARIANTS' kinds
+HOT_KINDS = {
+    "gated-relu": (True, 0.0, False, False),
+    "gated-fatrelu": (True, 0.05, False, False),
+    "gated-drelu": (True, 0.0, True, False),
+    "plain-relu": (False, 0.0, False, False),
+    "plain-fatrelu-relu2": (False, 0.05, False, True),
+}
+HOT_SHAPES = [(45, 16), (70, 48), (33, 64)]  # M past a multiple of BACKUP_BLOCK_T, H from 16 to 64
+
+
+def _hot_columns_case(m, n_hot, dtype, seed):
+    """Gate g and up u [M, H] (a third of g kept, some of u negative, exact zeros in both), dhp [M, H]."""
+    gen = torch.Generator().manual_seed(seed)
+    g, u, dhp = (torch.randn(m, n_hot, generator=gen) for _ in range(3))
+    g[:, ::5] = 0.0
+    u[::7] = 0.0
+    g -= 0.4
+    return g.to(DEVICE, dtype), u.to(DEVICE, dtype), dhp.to(DEVICE, dtype)
+
+
+def _hot_h(g, u, threshold, drelu, squared):
+    """h of the hot columns as torch computes it in g's dtype (the torch ops the kernels replace), and
+    the kept mask."""
+    kept = ~(g <= threshold)
+    gf = g.float()
+    if u is not None:
+        h = gf * (torch.relu(u.float()) if drelu else u.float())
+    else:
+        h = gf * gf if squared else gf
+    return torch.where(kept, h, 0.0).to(g.dtype), kept
+
+
+@pytest.mark.parametrize("m,n_hot", HOT_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("kind", HOT_KINDS)
+def test_hot_forward_kernel_matches_the_torch_ops(kind, dtype, m, n_hot):
+    """backward._hot_hidden (one kernel): the hot columns' h bit for bit as the torch ops gave it, sum
+    |h| against float64 and the nonzero count exact (outputs NaN-poisoned)."""
+    gated, threshold, drelu, squared = HOT_KINDS[kind]
+    g, u, _ = _hot_columns_case(m, n_hot, dtype, seed=m + n_hot)
+    u = u if gated else None
+    h, l1, nonzero = backward._hot_hidden(g, u, threshold, drelu, squared)
+    want, _ = _hot_h(g, u, threshold, drelu, squared)
+    assert torch.equal(h, want)
+    exact, _ = _hot_h(g.double(), u.double() if gated else None, threshold_of(threshold, dtype), drelu, squared)
+    assert rel_err(l1, exact.abs().sum()) <= GRAD_TOL[dtype]
+    assert nonzero.dtype == torch.int64 and nonzero.item() == torch.count_nonzero(want).item() > 0
+
+
+def threshold_of(threshold, dtype):
+    """The threshold as a `dtype` tensor's comparison takes it (rounded to the dtype)."""
+    return torch.tensor(threshold, dtype=dtype).item()
+
+
+@pytest.mark.parametrize("biases", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("m,n_hot", HOT_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("kind", HOT_KINDS)
+def test_hot_backward_kernel_matches_the_torch_ops(kind, dtype, m, n_hot, biases):
+    """backward._hot_grads (one kernel): dg, du and h of the hot columns bit for bit as the torch ops
+    gave them (dh = dhp + dl1 sign h, zero outside kept entries), their bias sums added at the hot
+    neurons of the fp32 accumulators (the others untouched) against float64, and each hot column's
+    kept count exact (outputs NaN-poisoned)."""
+    gated, threshold, drelu, squared = HOT_KINDS[kind]
+    g, u, dhp = _hot_columns_case(m, n_hot, dtype, seed=2 * m + n_hot)
+    u = u if gated else None
+    n = 3 * n_hot + 5
+    hot_ids = torch.randperm(n, generator=torch.Generator().manual_seed(m))[:n_hot].to(DEVICE)
+    start = torch.randn(2, n, generator=torch.Generator().manual_seed(n)).to(DEVICE)
+    acc_bg, acc_bu = start[0].clone(), start[1].clone()
+    counts = torch.randint(0, 20, (m,), dtype=torch.int32).to(DEVICE)
+    dl1 = torch.tensor([0.3], device=DEVICE)
+    dg, du, h, kept = backward._hot_grads(
+        g, u, dhp, counts, dl1, hot_ids, acc_bg if biases else None, acc_bu if biases and gated else None,
+        threshold=threshold, drelu=drelu, square=squared,
+    )  # fmt: skip
+    want_h, mask = _hot_h(g, u, threshold, drelu, squared)
+    dh = dhp.float() + dl1 * torch.sign(want_h.float())
+    gf = g.float()
+    if gated:
+        uf = u.float()
+        want_dg = dh * (torch.relu(uf) if drelu else uf)
+        want_du = torch.where(uf > 0, dh * gf, 0.0) if drelu else dh * gf
+        assert torch.equal(du, torch.where(mask, want_du, 0.0).to(dtype)), "du"
+    else:
+        want_dg = 2.0 * gf * dh if squared else dh
+        assert du is dg
+    want_dg = torch.where(mask, want_dg, 0.0)
+    assert torch.equal(h, want_h), "h"
+    assert torch.equal(dg, want_dg.to(dtype)), "dg"
+    assert torch.equal(kept, mask.sum(0, dtype=torch.int32)), "kept counts"
+    others = ~torch.isin(torch.arange(n, device=DEVICE), hot_ids)
+    for acc, grad, on in ((acc_bg, dg, biases), (acc_bu, du, biases and gated)):
+        want = start[0 if acc is acc_bg else 1].double().clone()
+        if on:
+            want[hot_ids] += grad.double().sum(0)
+        assert rel_err(acc, want) <= GRAD_TOL[dtype] and torch.equal(acc[others], want[others].float())
+
+
 def test_hot_neurons_with_dense_above(monkeypatch):
     """Hot neurons and measured dense mode together: sparse, dense, back to sparse, every gradient exact."""
     dense = make_ffn(13, 24, 70, [0.3, 1.0, 0.5], torch.float64, DEVICE, seed=7, biases=True)
@@ -578,13 +678,13 @@ def arg_type(name):
         return "fp32" if name == "threshold" else "i32"
     base = name[: -len("_ptr")]
     return {"ids": "*i32", "cnt": "*i32", "nz": "*i32", "kept": "*i32", "rows": "*i64", "order": "*i64",
-            "starts": "*i32"}.get(base, "*fp32" if base in FP32 else "*bf16")
+            "starts": "*i32", "cols": "*i64", "colcnt": "*i32"}.get(base, "*fp32" if base in FP32 else "*bf16")
 
 cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
 flags = dict(HAS_UP_BIAS=True, HAS_DOWN_BIAS=True, DRELU=False, SQUARE=False, HAS_GATE_BIAS=True,
              SCAN=backward.SCAN, CHUNK=256, ROWS=1, PRECISION="tf32", GROUP=backward.DW_GROUP,
              PAIRS=backward.DW_PAIRS, STAGES=backward.DW_STAGES, BLOCK_T=backward.BACKUP_BLOCK_T,
-             BLOCK_N=backward.BACKUP_BLOCK_N, STORE_H=True)
+             BLOCK_N=backward.BACKUP_BLOCK_N, STORE_H=True, HOT=False)
 warps = backward._row_warps
 for kernel, block_k, entries, options in [
     (backward._train_forward_kernel, 8192, 1, {"num_warps": warps(8192)}),
@@ -597,11 +697,14 @@ for kernel, block_k, entries, options in [
     (backward._train_backup_kernel, 4096, 1, {"num_warps": warps(4096, True)}),  # spills at 8192
     (backward._train_dw_kernel, backward.DW_BLOCK_K, 1, {"num_warps": backward.DW_WARPS}),
     (backward._backup_grads_kernel, 0, 1, {"num_warps": backward.BACKUP_WARPS}),
+    (backward._backup_grads_kernel, -1, 1, {"num_warps": backward.BACKUP_WARPS}),  # HOT (_hot_grads)
     (backward._dense_hidden_kernel, 0, 1, {"num_warps": backward.BACKUP_WARPS}),
 ]:
     for has_up in (True, False):
         names = [p.name for p in kernel.params if p.is_constexpr]
         given = {**flags, "HAS_UP": has_up, "WIDTH": 512, "BLOCK_K": block_k, "ENTRIES": entries}
+        if block_k == -1:
+            given.update(HOT=True, WIDTH=-1)
         consts = {n: v for n, v in given.items() if n in names}
         signature = {n: "constexpr" if n in consts else arg_type(n) for n in kernel.arg_names}
         # pointers and strides divisible by 16, as the launcher specialises them (vectorised row loads)

@@ -25,6 +25,7 @@ from twell.calibrate import (
     predicted_model_speedup,
     save_plan,
 )
+from twell.calibrate.decisions import HOT_MIN_ROWS
 from twell.kernels import policy
 from twell.kernels.policy import LayerConfig
 
@@ -760,3 +761,87 @@ def test_bad_config_fails_before_the_model_runs(config, match):
     with pytest.raises(ValueError, match=match):
         calibrate(model, [candidate_of(model, 0)], [{"x": sparse_input(4, 32, 0.02)}], config={**FAST, **config})
     assert not calls
+
+
+def test_calibrated_train_hot_takes_the_size_that_saves_most():
+    """policy.calibrated_train_hot on the measured shapes' shares: the skewed 0.5% layer (top 256 held 44%
+    of its 32.3 kept pairs a row) takes 256, a uniform one (top 256 ~5-12%) none; sizes past a quarter of N,
+    unmeasured sizes and no measurement give none; a lower rate takes more neurons."""
+    skewed = {"128": 0.31, "256": 0.44, "512": 0.58}
+    assert policy.calibrated_train_hot(skewed, 32.3, 5632) == 256
+    assert policy.calibrated_train_hot(skewed, 32.3, 5632, rate=0.01) == 512
+    assert policy.calibrated_train_hot(skewed, 32.3, 5632, rate=0.04) == 128
+    assert policy.calibrated_train_hot({"128": 0.03, "256": 0.05, "512": 0.12}, 36.5, 5632) == 0
+    assert policy.calibrated_train_hot(skewed, 32.3, 1000) == 128  # 256 > 1000 / 4
+    assert policy.calibrated_train_hot({"512": 0.35}, 32.3, 5632) == 0  # 11.3 pairs moved for 12.8
+    assert policy.calibrated_train_hot({}, 32.3, 5632) == policy.calibrated_train_hot(skewed, None, 5632) == 0
+
+
+def hot_input(rows: int, n: int = 1024) -> torch.Tensor:
+    """[rows, n] pre-activations: neurons 0-127 fire on every 32nd row each, 4 a row (128 * 64 of the
+    pairs at 2048 rows), and one of 64 other neurons on every even row (16 rows each): 0.44% dense."""
+    x = torch.full((rows, n), -1.0)
+    i = torch.arange(rows)[:, None]
+    hot = torch.arange(128)[None, :]
+    x[:, :128] = torch.where((i + hot) % 32 == 0, 1.0, -1.0)
+    even = torch.arange(0, rows, 2)
+    x[even, 128 + (7 * even) % 896] = 1.0
+    return x
+
+
+def test_calibration_chooses_train_hot_per_layer():
+    """Calibration measures the share of a layer's kept pairs held by its most frequent neurons and takes
+    the train_hot that saves most where the layer trains sparse (calibrated_train_min_m): here 128 (8/9 of
+    the pairs; 256 and 512 cost more than they move). Fewer than HOT_MIN_ROWS rows measure none; a layer
+    training dense gets none unless sparsify's changes turn sparse training on; changes' train_hot wins."""
+    model = Stack(GatedFFN(1024, 1024, identity_gate=True))
+    config = {**FAST, "min_speedup": 0.0}
+    decision = calibrate(model, [candidate_of(model, 0)], [{"x": hot_input(2048)}], config=config)["blocks.0"]
+    assert decision.density == pytest.approx(9216 / (2048 * 1024))
+    assert decision.hot_pair_shares == pytest.approx({"128": 8192 / 9216, "256": 1.0, "512": 1.0})
+    assert decision.train_hot == 128 and decision.rewrite
+    assert decision.layer_config().train_min_m == policy.calibrated_train_min_m(decision.density)
+    assert decision.layer_config().train_hot == 128
+    assert decision.layer_config({"train_hot": 256}).train_hot == 256
+    assert Decision.from_dict(json.loads(json.dumps(decision.to_dict()))).layer_config().train_hot == 128
+
+    few = calibrate(model, [candidate_of(model, 0)], [{"x": hot_input(1000)}], config=config)["blocks.0"]
+    assert 1000 < HOT_MIN_ROWS and few.hot_pair_shares == {} and few.train_hot == 0
+
+    dense = Decision(path="mlp", rewrite=True, reason="", density=0.02, hidden_size=1024, train_hot=128)
+    assert dense.layer_config().train_min_m is None and dense.layer_config().train_hot == 0
+    assert dense.layer_config({"train_min_m": 1}).train_hot == 128
+
+
+def test_calibration_keeps_uniform_rates_off_the_hot_hybrid():
+    """A layer whose neurons fire at one rate (4 of 1024 a row, each on 8 of 2048 rows): its top 128
+    hold an eighth of the pairs, which saves nothing: train_hot 0 though it trains sparse."""
+    x = torch.full((2048, 1024), -1.0)
+    i = torch.arange(2048)
+    for j in range(4):
+        x[i, (4 * i + j) % 1024] = 1.0
+    model = Stack(GatedFFN(1024, 1024, identity_gate=True))
+    decision = calibrate(model, [candidate_of(model, 0)], [{"x": x}], config={**FAST, "min_speedup": 0.0})["blocks.0"]
+    assert decision.hot_pair_shares["128"] == pytest.approx(0.125) and decision.train_hot == 0
+    config = decision.layer_config()
+    assert config.train_min_m is not None and config.train_hot == 0
+
+
+def test_layer_configs_and_the_report_show_train_hot(tmp_path):
+    """A plan's train_hot reaches each rewritten layer that trains sparse (twell.layer_configs), and the
+    report's decisions carry it with the shares it came from."""
+    from models import build, token_ids
+
+    config = {"decode_steps": 0, "timing_repeats": 0, "progress": False, "min_speedup": 0.0, "max_overflow": 0.99}
+    model = twell.sparsify(build("llama"), [token_ids()], config=config)
+    plan = tmp_path / "plan.json"
+    twell.save_plan(model, plan)
+    data = json.loads(plan.read_text())
+    for decision in data["decisions"].values():
+        decision["density"], decision["train_hot"], decision["hot_pair_shares"] = 0.005, 16, {"128": 0.5}
+    plan.write_text(json.dumps(data))
+    model = twell.sparsify(build("llama"), plan=plan)
+    configs = twell.layer_configs(model)
+    assert configs and {(c.train_min_m, c.train_hot) for c in configs.values()} == {(32768, 16)}
+    records = twell.report(model).to_dict()["records"]
+    assert {(r["decision"]["train_hot"], r["decision"]["hot_pair_shares"]["128"]) for r in records} == {(16, 0.5)}

@@ -26,7 +26,10 @@ class Decision:
     written inline in a bigger module, the time of its linears). min_speedup: the threshold the
     predicted speedups were held against (None when nothing was predicted). dense_phases: the phases of
     a rewritten FFN whose calls run dense because twell was predicted slower there (their
-    predicted_speedup is then 1).
+    predicted_speedup is then 1). hot_pair_shares: {str(H): share of the layer's kept pairs held by its
+    H most frequent neurons} over all calibration rows, for H of policy.TRAIN_HOT_SIZES up to N (empty
+    below HOT_MIN_ROWS rows); train_hot: the hot neurons of its sparse training calls chosen from them
+    (policy.calibrated_train_hot), which layer_config takes where the layer trains sparse.
     """
 
     path: str
@@ -47,6 +50,8 @@ class Decision:
     cost_model: str | None = None
     min_speedup: float | None = None
     dense_phases: list[str] = field(default_factory=list)
+    hot_pair_shares: dict[str, float] = field(default_factory=dict)
+    train_hot: int = 0
 
     def to_dict(self) -> dict:
         """JSON-serialisable dict (round-trips through from_dict)."""
@@ -54,15 +59,20 @@ class Decision:
 
     def layer_config(self, changes: Mapping | None = None) -> LayerConfig:
         """The LayerConfig the FFN runs with once rewritten: this decision's layout (the defaults without
-        one) and its dense phases' routes turned off, then `changes` (checked by layer_changes)."""
+        one) and its dense phases' routes turned off, then `changes` (checked by layer_changes); where
+        the result trains sparse (train_min_m set) and `changes` do not set train_hot, its train_hot."""
         density = self.stats.get("decode", {}).get("density", self.density)
+        changes = dict(changes or {})
         config = policy.DEFAULT.replace(
             decode_max_m=policy.calibrated_decode_max_m(density, self.model_size),
             train_min_m=policy.calibrated_train_min_m(self.density),
         )
         if self.tile_n is not None:
             config = config.replace(tile_n=self.tile_n, slots=self.slots)
-        return config.replace(**{**self.route_changes(), **(changes or {})})
+        config = config.replace(**{**self.route_changes(), **changes})
+        if config.train_min_m is not None and "train_hot" not in changes:
+            config = config.replace(train_hot=self.train_hot)
+        return config
 
     def route_changes(self) -> dict:
         """LayerConfig changes that send the dense phases' calls to the dense route."""
@@ -155,6 +165,10 @@ def decide(
     kept = sum(s["density"] * s["rows"] for s in decision.stats.values())
     decision.density = kept / max(rows, 1)
     decision.dead_neurons = recorder.dead_neurons()
+    decision.hot_pair_shares = _hot_pair_shares(recorder, rows)
+    decision.train_hot = policy.calibrated_train_hot(
+        decision.hot_pair_shares, decision.density * decision.hidden_size, decision.hidden_size
+    )
 
     fitting = [(t, s) for t, s in layouts if recorder.overflow_fraction(t, s) <= cfg.max_overflow]
     if not fitting:
@@ -208,6 +222,17 @@ def decide(
 # Fewer calibration rows than this give no hot-neuron estimate: from a few rows a neuron's rate cannot
 # tell 2% from 0 (the dispatcher measures from up to policy.HOT_SAMPLE rows of a prefill call).
 HOT_MIN_ROWS = 1024
+
+
+def _hot_pair_shares(recorder: LayerRecorder, rows: int) -> dict[str, float]:
+    """Decision.hot_pair_shares: over every phase's calibration rows (none below HOT_MIN_ROWS, or
+    without a kept entry)."""
+    counts = sum(c.neuron_counts for c in recorder.phases.values())
+    total = int(counts.sum())
+    if rows < HOT_MIN_ROWS or total == 0:
+        return {}
+    held = counts.sort(descending=True).values.cumsum(0)
+    return {str(h): int(held[h - 1]) / total for h in policy.TRAIN_HOT_SIZES if h <= counts.shape[0]}
 
 
 def _sparse_share(counter: PhaseCounter, config: LayerConfig, stats: dict, m: int, k: int) -> tuple[float, float]:

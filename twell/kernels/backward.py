@@ -455,15 +455,19 @@ def _train_backup_kernel(
 
 @triton.jit
 def _backup_grads_kernel(
-    pre_ptr, up_ptr, dhp_ptr, cnt_ptr, dl1_ptr, dg_ptr, du_ptr, h_ptr, accbg_ptr, accbu_ptr, T, N, threshold,
+    pre_ptr, up_ptr, dhp_ptr, cnt_ptr, dl1_ptr, dg_ptr, du_ptr, h_ptr, accbg_ptr, accbu_ptr, cols_ptr, colcnt_ptr,
+    T, N, threshold,
     HAS_UP: tl.constexpr, HAS_GATE_BIAS: tl.constexpr, HAS_UP_BIAS: tl.constexpr, DRELU: tl.constexpr,
     SQUARE: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, STORE_H: tl.constexpr,
+    HOT: tl.constexpr,
 ):  # fmt: skip
     """The dense pass's hidden gradients, one [BLOCK_T, BLOCK_N] tile of its [T, N] products at a time
     (all [T, N], unit stride on N): from the gate g (pre), up u and dh = dy W_d^T of the pass's rows,
     (dg, du, h) in the dtype (h only with STORE_H: a dense-mode layer kept its forward's), zero outside
     kept entries of dense-backup rows (count > WIDTH), and the tile's column sums of dg / du added to
-    the fp32 bias accumulators. One pass over the tile in place of torch's ~20 elementwise kernels."""
+    the fp32 bias accumulators. One pass over the tile in place of torch's ~20 elementwise kernels.
+    HOT: the N columns are the hot neurons cols [N] (int64; _hot_grads, WIDTH -1: every row): the bias
+    sums land at their neurons, and each column's kept entries are counted into colcnt [N] (int32)."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     backup = tl.load(cnt_ptr + offs_t, mask=offs_t < T, other=0) > WIDTH
@@ -482,13 +486,17 @@ def _backup_grads_kernel(
     tl.store(dg_ptr + at, dg.to(dtype), mask=ok)
     if STORE_H:
         tl.store(h_ptr + at, h.to(dtype), mask=ok)
+    neurons = offs_n
+    if HOT:
+        neurons = tl.load(cols_ptr + offs_n, mask=offs_n < N, other=0)
+        tl.atomic_add(colcnt_ptr + offs_n, tl.sum(kept.to(tl.int32), axis=0), mask=offs_n < N, sem="relaxed")
     if HAS_GATE_BIAS:
-        tl.atomic_add(accbg_ptr + offs_n, tl.sum(dg, axis=0), mask=offs_n < N, sem="relaxed")
+        tl.atomic_add(accbg_ptr + neurons, tl.sum(dg, axis=0), mask=offs_n < N, sem="relaxed")
     if HAS_UP:
         du = tl.where(kept, du, 0.0)
         tl.store(du_ptr + at, du.to(dtype), mask=ok)
         if HAS_UP_BIAS:
-            tl.atomic_add(accbu_ptr + offs_n, tl.sum(du, axis=0), mask=offs_n < N, sem="relaxed")
+            tl.atomic_add(accbu_ptr + neurons, tl.sum(du, axis=0), mask=offs_n < N, sem="relaxed")
 
 
 @triton.jit
@@ -850,10 +858,11 @@ def _sparse_forward(
         if up_weight is not None:
             hot_bias = up_bias.index_select(0, hot_ids) if up_bias is not None else None
             hot_up = F.linear(x, up_weight.index_select(0, hot_ids), hot_bias)
-        h, _ = _hot_hidden(hot_gate, hot_up if up_weight is not None else None, threshold, drelu, square)
+        h, hot_l1, hot_nonzero = _hot_hidden(
+            hot_gate, hot_up if up_weight is not None else None, threshold, drelu, square
+        )
         y.addmm_(h, down_weight_t.index_select(0, hot_ids))
-        l1 = l1 + h.abs().sum(dtype=torch.float32)
-        nonzero = nonzero + torch.count_nonzero(h)
+        l1, nonzero = l1 + hot_l1, nonzero + hot_nonzero
     return y, ids, gate, up, counts, hot_ids, hot_gate, hot_up, l1, nonzero
 
 
@@ -868,17 +877,23 @@ def _hot_columns(state: _TrainState | None, pre: torch.Tensor, hot: int, thresho
     return state.hot.clone()
 
 
-def _hot_hidden(g, u, threshold, drelu, square) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h, kept) of the hot columns from their gate g and up u [M, H] in the dtype (u None for a plain
-    FFN), as the record kernels compute h: kept = not g <= threshold, rounded once to the dtype."""
-    kept = ~(g <= threshold)
-    gf = g.float()
-    if u is not None:
-        uf = u.float()
-        h = gf * (torch.relu(uf) if drelu else uf)
-    else:
-        h = gf * gf if square else gf
-    return torch.where(kept, h, 0.0).to(g.dtype), kept
+def _hot_hidden(g, u, threshold, drelu, square) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h, sum |h|, nonzero h) of the hot columns from their gate g and up u [M, H] in the dtype (u None
+    for a plain FFN), as the record kernels compute h, in one elementwise kernel (_dense_hidden_kernel
+    over the H columns): h in the dtype, the sum fp32 and the count int64 (one-element tensors)."""
+    m, n_hot = g.shape
+    h = _alloc((m, n_hot), g.dtype, g.device)
+    programs = triton.cdiv(m, BACKUP_BLOCK_T)
+    rows_kept = _alloc((m,), torch.int32, g.device)  # unused: the record's counts exclude the hot columns
+    l1 = _alloc((programs,), torch.float32, g.device)
+    nonzero = _alloc((programs,), torch.int32, g.device)
+    if m > 0:
+        _dense_hidden_kernel[(programs,)](
+            g, u if u is not None else g, h, rows_kept, l1, nonzero, m, n_hot, threshold_in(threshold, g.dtype),
+            HAS_UP=u is not None, DRELU=drelu, SQUARE=square, BLOCK_T=BACKUP_BLOCK_T, BLOCK_N=BACKUP_BLOCK_N,
+            num_warps=BACKUP_WARPS,
+        )  # fmt: skip
+    return h, l1.sum(), nonzero.sum(dtype=torch.int64)
 
 
 def _neuron_segments(ids: torch.Tensor, counts: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -943,10 +958,10 @@ def _hidden_pass(
     dg = _alloc((t, n), x.dtype, x.device)
     du = _alloc((t, n), x.dtype, x.device) if has_up else dg
     _backup_grads_kernel[(triton.cdiv(t, BACKUP_BLOCK_T), triton.cdiv(n, BACKUP_BLOCK_N))](
-        pre, up, dhp, counts, l1_grad, dg, du, h, bias_acc[0], bias_acc[1], t, n,
+        pre, up, dhp, counts, l1_grad, dg, du, h, bias_acc[0], bias_acc[1], counts, counts, t, n,
         threshold_in(threshold, x.dtype), HAS_UP=has_up, HAS_GATE_BIAS=gate_bias is not None,
         HAS_UP_BIAS=up_bias is not None, DRELU=drelu, SQUARE=square, WIDTH=width, BLOCK_T=BACKUP_BLOCK_T,
-        BLOCK_N=BACKUP_BLOCK_N, STORE_H=saved is None, num_warps=BACKUP_WARPS,
+        BLOCK_N=BACKUP_BLOCK_N, STORE_H=saved is None, HOT=False, num_warps=BACKUP_WARPS,
     )  # fmt: skip
     return dg, du, h
 
@@ -982,53 +997,73 @@ def _check_hot(x, n, hot, has_up):
     check_operand("hot_ids", hot_ids, (h,), x, torch.int64)
     check_operand("hot_gate", hot_gate, (x.shape[0], h), x, x.dtype)
     check_operand("hot_up", hot_up, (x.shape[0], h if has_up else 0), x, x.dtype)
+    for name, t in (("hot_gate", hot_gate), ("hot_up", hot_up)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (indexed as a dense array), got strides {t.stride()}")
     if h > n:
         raise ValueError(f"hot_ids must name at most the {n} hidden neurons, got {h}")
     return hot
 
 
-def _hot_backward(hot, dx, dy, l1_grad, x, gate_weight, up_weight, down_weight_t, acc, *, threshold, drelu, square):
-    """The hot neurons' share of the gradients, by cuBLAS products over just them: dh = dy W_d^T[hot]
-    (+ dl1 sign h), (dg, du) elementwise as the kernels take them, dx += dg W_g[hot] + du W_u[hot], and
-    their dW rows and dbias terms added to the fp32 accumulators acc = (g, u, d, bg, bu) (empty bias
+def _hot_backward(
+    hot, dx, dy, l1_grad, x, gate_weight, up_weight, down_weight_t, counts, acc, *, threshold, drelu, square,
+    has_gate_bias,
+) -> torch.Tensor:  # fmt: skip
+    """The hot neurons' share of the gradients, by cuBLAS products over just them: dh = dy W_d^T[hot],
+    (dg, du, h) with the dl1 sign h term and their dbias terms by _hot_grads, dx += dg W_g[hot] + du
+    W_u[hot], and their dW rows added to the fp32 accumulators acc = (g, u, d, bg, bu) (empty bias
     accumulators take none; u is g's for a plain FFN), which the dW kernel adds (no record pair of a
-    hot neuron: the forward hid them)."""
+    hot neuron: the forward hid them). Returns the hot columns' kept counts (int32 [H], _next_hot)."""
     hot_ids, g, u = hot
     has_up = up_weight is not None
-    wd = down_weight_t.index_select(0, hot_ids)
-    h, kept = _hot_hidden(g, u if has_up else None, threshold, drelu, square)
-    dh = F.linear(dy, wd).float() + l1_grad * torch.sign(h.float())
-    gf = g.float()
-    if has_up:
-        uf = u.float()
-        dg = dh * (torch.relu(uf) if drelu else uf)
-        du = torch.where(uf > 0, dh * gf, 0.0) if drelu else dh * gf
-    else:
-        dg = 2.0 * gf * dh if square else dh
-    dg = torch.where(kept, dg, 0.0).to(x.dtype)
     acc_g, acc_u, acc_d, acc_bg, acc_bu = acc
+    dhp = F.linear(dy, down_weight_t.index_select(0, hot_ids))
+    dg, du, h, kept = _hot_grads(
+        g, u if has_up else None, dhp, counts, l1_grad, hot_ids, acc_bg if has_gate_bias else None,
+        acc_bu if acc_bu.numel() else None, threshold=threshold, drelu=drelu, square=square,
+    )  # fmt: skip
     dx.addmm_(dg, gate_weight.index_select(0, hot_ids))
     acc_g.index_add_(0, hot_ids, (dg.t() @ x).float())
     acc_d.index_add_(0, hot_ids, (h.t() @ dy).float())
-    if acc_bg.numel():
-        acc_bg.index_add_(0, hot_ids, dg.sum(0, dtype=torch.float32))
     if has_up:
-        du = torch.where(kept, du, 0.0).to(x.dtype)
         dx.addmm_(du, up_weight.index_select(0, hot_ids))
         acc_u.index_add_(0, hot_ids, (du.t() @ x).float())
-        if acc_bu.numel():
-            acc_bu.index_add_(0, hot_ids, du.sum(0, dtype=torch.float32))
+    return kept
 
 
-def _next_hot(state: _TrainState, hot, starts: torch.Tensor, threshold: float) -> None:
+def _hot_grads(
+    g, u, dhp, counts, l1_grad, hot_ids, acc_bg, acc_bu, *, threshold, drelu, square
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """(dg, du, h, kept) of the hot columns in one elementwise kernel (_backup_grads_kernel with HOT):
+    from their gate g, up u (None: plain FFN; du is then dg) and dhp = dy W_d^T[hot] [M, H] in the dtype
+    and the L1 term dl1 * sign h, zero outside kept entries; their column sums of dg / du added to
+    acc_bg / acc_bu (fp32 [N], at the hot neurons; None: no bias), kept: each column's kept entries
+    (int32 [H]). counts: the record's [M] (every row taken)."""
+    m, n_hot = g.shape
+    has_up = u is not None
+    dg = _alloc((m, n_hot), g.dtype, g.device)
+    du = _alloc((m, n_hot), g.dtype, g.device) if has_up else dg
+    h = _alloc((m, n_hot), g.dtype, g.device)
+    kept = torch.zeros(n_hot, dtype=torch.int32, device=g.device)
+    if m > 0 and n_hot > 0:
+        _backup_grads_kernel[(triton.cdiv(m, BACKUP_BLOCK_T), triton.cdiv(n_hot, BACKUP_BLOCK_N))](
+            g, u if has_up else g, dhp, counts, l1_grad, dg, du, h, acc_bg if acc_bg is not None else dg,
+            acc_bu if acc_bu is not None else dg, hot_ids, kept, m, n_hot, threshold_in(threshold, g.dtype),
+            HAS_UP=has_up, HAS_GATE_BIAS=acc_bg is not None, HAS_UP_BIAS=acc_bu is not None, DRELU=drelu,
+            SQUARE=square, WIDTH=-1, BLOCK_T=BACKUP_BLOCK_T, BLOCK_N=BACKUP_BLOCK_N, STORE_H=True, HOT=True,
+            num_warps=BACKUP_WARPS,
+        )  # fmt: skip
+    return dg, du, h, kept
+
+
+def _next_hot(state: _TrainState, hot_ids: torch.Tensor, hot_kept: torch.Tensor, starts: torch.Tensor) -> None:
     """The layer's hot neurons for its next call, in place (a CUDA graph's replays re-derive them): the
     most frequent of this call's, counted from the record's neuron segments (rows within the width)
-    and the hot columns' kept entries."""
-    hot_ids, g, _ = hot
+    and the hot columns' kept entries (hot_kept, _hot_backward's)."""
     if state.hot is None or state.hot.shape != hot_ids.shape:
         return
     counts = (starts[1:] - starts[:-1]).to(torch.int64)
-    counts.index_copy_(0, hot_ids, (~(g <= threshold)).sum(0))
+    counts.index_copy_(0, hot_ids, hot_kept.to(torch.int64))
     state.hot.copy_(torch.topk(counts, hot_ids.numel(), sorted=False).indices)
 
 
@@ -1132,11 +1167,12 @@ def train_backward(
             num_warps=_row_warps(block_k, True),
         )  # fmt: skip
         if hot is not None:
-            _hot_backward(
-                hot, dx, dy, l1_grad, x, gate_weight, up_weight, down_weight_t, (acc_g, acc_u, acc_d, acc_bg, acc_bu),
-                threshold=threshold, drelu=drelu, square=square,
+            hot_kept = _hot_backward(
+                hot, dx, dy, l1_grad, x, gate_weight, up_weight, down_weight_t, counts,
+                (acc_g, acc_u, acc_d, acc_bg, acc_bu), threshold=threshold, drelu=drelu, square=square,
+                has_gate_bias=gate_bias is not None,
             )  # fmt: skip
-            _next_hot(state, hot, starts, threshold)
+            _next_hot(state, hot[0], hot_kept, starts)
         dw_block_k = min(DW_BLOCK_K, max(16, block_k))
         # every K-block program of a neuron group reads all its coefficients: copied into neuron order once
         # (contiguous reads); gathered through the slot list in the kernel instead, dW took 6.77 ms

@@ -68,8 +68,23 @@ TRAIN_ENTRIES = (1, 2, 4, 8)
 TRAIN_DENSE_ABOVE: float | None = 0.007
 # The hot-neuron hybrid of the sparse training path: a layer's train_hot most frequent neurons of its
 # previous call (a multiple of HOT_ALIGN) by cuBLAS products over just them, forward and backward; the
-# record holds the rest. Off (0) until measured on the GPU (benchmarks/NOTES.md, "Training v4").
+# record holds the rest. 0 (off) for a layer without calibration: on uniform rates it is predicted
+# slower; calibration chooses it per layer (calibrated_train_hot).
 TRAIN_HOT = 0
+# Calibration's train_hot: of TRAIN_HOT_SIZES (at most HOT_MAX_SHARE of N), the H whose hot products
+# save the most, by the layer's share of kept (token, neuron) pairs held by its H most frequent neurons:
+# a token's saving is share * kept-per-row sparse pairs moved off the record kernels less H *
+# TRAIN_HOT_RATE, the hot products' cost of one (token, hot neuron) in sparse pairs; 0 where no H saves.
+# Measured at K=2048 N=5632 32768 tokens, 0.5% skewed (32.3 kept a row; train-20261202-055339.json
+# against train-20261202-034919.json): H=256, whose neurons held ~44% of the pairs, took 2.84 ms off
+# the pair-bound kernels (fwd + dx + dW: 6.1 ns a moved pair) and added 1.77 (gemm +0.54, the hot part's
+# torch elementwise ops +1.15; 0.21 ns a (token, hot neuron)): 0.035 of a pair; with those ops fused
+# into two kernels (backward._hot_hidden, _hot_grads) predicted ~0.12 ns (0.020). 0.025 between: the
+# skewed layer takes 256 (saving ~7.8 pairs a token: 1.3x of dense compiled), a uniform one (top 256
+# ~5-12% of the pairs, each firing on ~0.7% of the tokens) 0. A size saves only where its neurons fire
+# in more than TRAIN_HOT_RATE of the tokens on average (benchmarks/NOTES.md, "Training hot v2").
+TRAIN_HOT_SIZES = (128, 256, 512)
+TRAIN_HOT_RATE = 0.025
 # Prefill threshold of calls captured into a CUDA graph (their host time is paid once, at capture), where
 # an eager call is host-bound: the kernels' GPU time in a graph replay against dense, K=2048 0.5%:
 # 1.04x / 1.205x / 1.375x at 4096 / 8192 / 16384 tokens uniform (host_time-20261202-033002.json), 1.42x
@@ -292,6 +307,25 @@ def calibrated_train_min_m(density: float | None, crossover=TRAIN_CROSSOVER) -> 
     if density is None:
         return None
     return next((tokens for most, tokens in crossover if density <= most), None)
+
+
+def calibrated_train_hot(
+    shares, kept_per_row: float | None, n: int, sizes=TRAIN_HOT_SIZES, rate: float = TRAIN_HOT_RATE
+) -> int:
+    """The train_hot of a layer of n neurons calibrated at kept_per_row kept neurons a token (density *
+    n), shares: {str(H): share of its kept pairs held by its H most frequent neurons} (empty: not
+    measured): the H of `sizes` (at most HOT_MAX_SHARE of n) with the largest positive saving share *
+    kept_per_row - H * rate (TRAIN_HOT_RATE); 0 where none has one."""
+    best, saving = 0, 0.0
+    if not shares or kept_per_row is None:
+        return best
+    for h in sizes:
+        share = shares.get(str(h))
+        if share is None or h > n * HOT_MAX_SHARE:
+            continue
+        if share * kept_per_row - h * rate > saving:
+            best, saving = h, share * kept_per_row - h * rate
+    return best
 
 
 def hot_count(counts, rows: int, rate: float) -> int:
