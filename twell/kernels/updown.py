@@ -431,6 +431,11 @@ def _heavy_kernel(
             _store_row(y, m, bd_ptr, y_ptr, offs_k, k_ok, stride_ym, stride_yk, HAS_DOWN_BIAS)
 
 
+def row_width(n_tiles: int, slots: int) -> int:
+    """Scratch entries a row of the main kernel holds (its WIDTH): rows with more take _heavy_kernel."""
+    return min(n_tiles * slots, MAX_WIDTH)
+
+
 # the main kernel's configs, chosen once per key by its autotuner
 _up_down_launch = TunedLaunch(_twell_up_down_kernel)
 
@@ -549,7 +554,7 @@ def launch_up_down(
     n = gate_weight.shape[0]
     n_tiles, slots = words.shape[1], words.shape[2]
     y = torch.empty_like(x) if out is None else out
-    width = min(n_tiles * slots, MAX_WIDTH)
+    width = row_width(n_tiles, slots)
     programs = persistent_programs(x.device, 8)
     # a row's entries (main kernel), then a heavy-row program's (after it, in stream order)
     g_scratch = torch.empty(max(m, programs), width, dtype=torch.float32, device=x.device)
