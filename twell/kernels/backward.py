@@ -51,7 +51,15 @@ import triton
 import triton.language as tl
 
 from twell.kernels import policy
-from twell.kernels.common import check_bias, check_input, check_operand, check_threshold, dot_precision, threshold_in
+from twell.kernels.common import (
+    check_bias,
+    check_input,
+    check_operand,
+    check_threshold,
+    dot_precision,
+    persistent_programs,
+    threshold_in,
+)
 from twell.kernels.gate import launch_pack_dense
 from twell.kernels.updown import launch_up_down, row_width
 from twell.kernels.words import decode
@@ -103,6 +111,10 @@ BACKUP_WARPS = 8
 PACK_TILE_N = policy.TILE_N
 PACK_SLOTS = policy.SLOTS
 PACK_BLOCK_M = 32
+# The rows it leaves go through the row kernel, persistent (a program an SM), REDO_ENTRIES entries a step
+# (at most _row_entries'): a few long rows (~260 entries past the width), each a program's alone, where one
+# entry a step would take ~1.4 us an entry.
+REDO_ENTRIES = 8
 
 
 @dataclass
@@ -275,21 +287,16 @@ def _forward_entries(
 
 
 @triton.jit
-def _train_forward_kernel(
-    pre_ptr, x_ptr, wu_ptr, bu_ptr, wd_ptr, bd_ptr, y_ptr, ids_ptr, gate_ptr, up_ptr, cnt_ptr, l1_ptr, nz_ptr,
-    redo_ptr, N, K, threshold, stride_pm, stride_xm, stride_un, stride_dn, stride_ym,
+def _forward_row(
+    m, pre_ptr, x_ptr, wu_ptr, bu_ptr, wd_ptr, bd_ptr, y_ptr, ids_ptr, gate_ptr, up_ptr, cnt_ptr, l1_ptr, nz_ptr,
+    N, K, threshold, stride_pm, stride_xm, stride_un, stride_dn, stride_ym,
     HAS_UP: tl.constexpr, HAS_UP_BIAS: tl.constexpr, HAS_DOWN_BIAS: tl.constexpr, DRELU: tl.constexpr,
     SQUARE: tl.constexpr, WIDTH: tl.constexpr, SCAN: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
-    ENTRIES: tl.constexpr, REDO: tl.constexpr,
+    ENTRIES: tl.constexpr,
 ):  # fmt: skip
-    """Row m: compact the dense gate row into the record, then y_m = sum h W_d^T[n] (+ b_d), and the
-    row's sum |h| and nonzero count for the L1 penalty. A row past WIDTH walks its gate row again, CHUNK
-    columns (<= WIDTH) at a time through its record slots. REDO: only rows m with redo[m] != 0 (the
-    rows _pack_record_kernel leaves), all their outputs written (y over the up+down kernel's)."""
-    m = tl.program_id(0).to(tl.int64)
-    if REDO:
-        if tl.load(redo_ptr + m) == 0:
-            return
+    """Row m (int64): compact the dense gate row into the record, then y_m = sum h W_d^T[n] (+ b_d), and
+    the row's sum |h| and nonzero count for the L1 penalty. A row past WIDTH walks its gate row again,
+    CHUNK columns (<= WIDTH) at a time through its record slots."""
     pre_row = pre_ptr + m * stride_pm
     ids_row = ids_ptr + m * WIDTH
     gate_row = gate_ptr + m * WIDTH
@@ -338,6 +345,33 @@ def _train_forward_kernel(
 
 
 @triton.jit
+def _train_forward_kernel(
+    pre_ptr, x_ptr, wu_ptr, bu_ptr, wd_ptr, bd_ptr, y_ptr, ids_ptr, gate_ptr, up_ptr, cnt_ptr, l1_ptr, nz_ptr,
+    rows_ptr, N, K, threshold, stride_pm, stride_xm, stride_un, stride_dn, stride_ym,
+    HAS_UP: tl.constexpr, HAS_UP_BIAS: tl.constexpr, HAS_DOWN_BIAS: tl.constexpr, DRELU: tl.constexpr,
+    SQUARE: tl.constexpr, WIDTH: tl.constexpr, SCAN: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+    ENTRIES: tl.constexpr, LISTED: tl.constexpr,
+):  # fmt: skip
+    """_forward_row of row program_id; LISTED: persistent over the rows listed in rows (rows[0]: their
+    number, rows[1 + i]: row ids; the rows _pack_record_kernel leaves), all their outputs written (y
+    over the up+down kernel's)."""
+    if LISTED:
+        for i in range(tl.program_id(0), tl.load(rows_ptr), tl.num_programs(0)):
+            _forward_row(
+                tl.load(rows_ptr + 1 + i).to(tl.int64), pre_ptr, x_ptr, wu_ptr, bu_ptr, wd_ptr, bd_ptr, y_ptr,
+                ids_ptr, gate_ptr, up_ptr, cnt_ptr, l1_ptr, nz_ptr, N, K, threshold, stride_pm, stride_xm, stride_un,
+                stride_dn, stride_ym, HAS_UP, HAS_UP_BIAS, HAS_DOWN_BIAS, DRELU, SQUARE, WIDTH, SCAN, CHUNK,
+                BLOCK_K, ENTRIES,
+            )  # fmt: skip
+    else:
+        _forward_row(
+            tl.program_id(0).to(tl.int64), pre_ptr, x_ptr, wu_ptr, bu_ptr, wd_ptr, bd_ptr, y_ptr, ids_ptr,
+            gate_ptr, up_ptr, cnt_ptr, l1_ptr, nz_ptr, N, K, threshold, stride_pm, stride_xm, stride_un, stride_dn,
+            stride_ym, HAS_UP, HAS_UP_BIAS, HAS_DOWN_BIAS, DRELU, SQUARE, WIDTH, SCAN, CHUNK, BLOCK_K, ENTRIES,
+        )  # fmt: skip
+
+
+@triton.jit
 def _pack_record_kernel(
     words_ptr, tcnt_ptr, ids_ptr, gate_ptr, up_ptr, cnt_ptr, l1_ptr, nz_ptr, redo_ptr, M, n_tiles,
     HAS_UP: tl.constexpr, DRELU: tl.constexpr, TILE_N: tl.constexpr, SLOTS: tl.constexpr, WIDTH: tl.constexpr,
@@ -347,8 +381,8 @@ def _pack_record_kernel(
     counts of their dense gate: a row with no tile over SLOTS and at most LIMIT entries (<= WIDTH;
     the up+down kernel stored its entries' u in the record's up slots, in entry order) gets its
     entries tile by tile (ids = tile * TILE_N + column, gate: the word's value), zero pads, its count,
-    sum |h| and nonzero h; redo[m] = 0. Other rows: redo[m] = 1, nothing else written (the row kernel
-    with REDO takes them)."""
+    sum |h| and nonzero h. Other rows are appended to the list redo (redo[0]: their number, zeroed by
+    the caller; redo[1 + i]: row ids), nothing else written (the row kernel takes them: LISTED)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = offs_m.to(tl.int64)
     offs_t = tl.arange(0, TILES_PAD)
@@ -357,7 +391,9 @@ def _pack_record_kernel(
     cnt = tl.load(tcnt_ptr + tiles, mask=row_ok[:, None] & (offs_t < n_tiles)[None, :], other=0)
     total = tl.sum(cnt, axis=1)
     packed = row_ok & (tl.max(cnt, axis=1) <= SLOTS) & (total <= LIMIT)
-    tl.store(redo_ptr + offs_m, (~packed).to(tl.int8), mask=row_ok)
+    left = row_ok & ~packed
+    first = tl.atomic_add(redo_ptr, tl.sum(left.to(tl.int32), axis=0))
+    tl.store(redo_ptr + 1 + first + tl.cumsum(left.to(tl.int32), axis=0) - 1, offs_m, mask=left)
     tl.store(cnt_ptr + offs_m, total, mask=packed)
     dtype = gate_ptr.dtype.element_ty
     offs_s = tl.arange(0, SLOTS)
@@ -915,14 +951,18 @@ def _sparse_forward(
                 pre, x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold, drelu,
                 (y, ids, gate, up, counts, row_l1, row_nonzero),
             )  # fmt: skip
-        _train_forward_kernel[(m,)](
+        grid, listed = (m,), redo is not None
+        if listed:  # the rows _pack_forward left: persistent, more entries a step (few rows, each alone)
+            row_entries = _row_entries(REDO_ENTRIES, block_k)
+            grid = (persistent_programs(x.device, 1),)
+        _train_forward_kernel[grid](
             pre, x, up_weight if up_weight is not None else x, up_bias if up_bias is not None else x,
             down_weight_t, down_bias if down_bias is not None else x, y, ids, gate, up, counts, row_l1, row_nonzero,
             redo, n, k, threshold_in(threshold, x.dtype), pre.stride(0), x.stride(0),
             up_weight.stride(0) if up_weight is not None else 0, down_weight_t.stride(0), y.stride(0),
             HAS_UP=up_weight is not None, HAS_UP_BIAS=up_bias is not None, HAS_DOWN_BIAS=down_bias is not None,
             DRELU=drelu, SQUARE=square, WIDTH=width, SCAN=SCAN, CHUNK=_chunk(width), BLOCK_K=block_k,
-            ENTRIES=row_entries, REDO=redo is not None, num_warps=_row_warps(block_k, entries=row_entries),
+            ENTRIES=row_entries, LISTED=listed, num_warps=_row_warps(block_k, entries=row_entries),
         )  # fmt: skip
     l1, nonzero = row_l1.sum(), row_nonzero.sum(dtype=torch.int64)
     hot_up = x.new_empty(m, 0)
@@ -943,10 +983,10 @@ def _pack_forward(
     """LayerConfig.train_forward_pack: the dense gate pre [M, N] packed to TwELL (launch_pack_dense),
     y by the up+down kernel (launch_up_down, storing its rows' u in the record's up slots), then the
     record, sum |h| and nonzero h of every row without an overflowing tile and within both the record's
-    width and the up+down kernel's row width (_pack_record_kernel); returns redo int8 [M]: the other
-    rows (overflowing tiles, past a width: ~0.04% of the rows at K=2048, 0.5% uniform), which the row
-    kernel then computes whole, as without the switch (their y from it too). record: (y, ids, gate,
-    up, counts, row_l1, row_nonzero), written in place."""
+    width and the up+down kernel's row width (_pack_record_kernel); returns redo int32 [1 + M]: the list
+    of the other rows (overflowing tiles, past a width: ~0.04% of the rows at K=2048, 0.5% uniform),
+    which the row kernel then computes whole, as without the switch (their y from it too). record: (y,
+    ids, gate, up, counts, row_l1, row_nonzero), written in place."""
     y, ids, gate, up, counts, row_l1, row_nonzero = record
     m, width = ids.shape
     has_up = up_weight is not None
@@ -956,7 +996,7 @@ def _pack_forward(
         tile_n=PACK_TILE_N, threshold=threshold, drelu=drelu, out=y, up_out=up if has_up else None,
     )  # fmt: skip
     n_tiles = tile_counts.shape[1]
-    redo = _alloc((m,), torch.int8, x.device)
+    redo = torch.zeros(1 + m, dtype=torch.int32, device=x.device)
     _pack_record_kernel[(triton.cdiv(m, PACK_BLOCK_M),)](
         words, tile_counts, ids, gate, up, counts, row_l1, row_nonzero, redo, m, n_tiles, HAS_UP=has_up,
         DRELU=drelu, TILE_N=PACK_TILE_N, SLOTS=PACK_SLOTS, WIDTH=width,

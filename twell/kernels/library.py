@@ -321,8 +321,6 @@ def _check_train(
     policy.check_train_hot(int(hot) if isinstance(hot, torch.SymInt) else hot)
     if hot > gate_weight.shape[0]:
         raise ValueError(f"hot must be at most the {gate_weight.shape[0]} hidden neurons, got {hot}")
-    if not isinstance(forward_pack, bool):
-        raise ValueError(f"forward_pack must be a bool, got {forward_pack!r}")
 
 
 def _train_setup(ctx, inputs, output):
