@@ -92,6 +92,22 @@ def test_forward_matches_the_row_kernel(variant, dtype, layout, monkeypatch):
     assert rel_err(on["y"], ref) <= tol and rel_err(on["y"], off["y"]) <= tol
 
 
+@pytest.mark.parametrize("layout", [(64, 16)], indirect=True, ids=["t64s16"])
+def test_rows_past_the_width_within_their_tiles(layout, monkeypatch):
+    """N=128 at 16 slots a tile of 64: rows of ~26 entries fit their tiles (the up+down kernel's main
+    rows, row width 32) but not the record's 16: listed, recorded as the row kernel records them."""
+    redo = _spy_redo(monkeypatch)
+    case = make_ffn(16, 24, 128, [0.2, 0.05], torch.float32, DEVICE, seed=6)
+    off, on = _both(case, True, 0.0, False)
+    tiles = pack(F.linear(case["x"], case["gate_weight"]), tile_n=64, slots=16).counts
+    past = (tiles.sum(1) > 16) & (tiles <= 16).all(1)
+    assert past.any()
+    assert torch.equal(redo[0].long(), ((tiles > 16).any(1) | (tiles.sum(1) > 16)).nonzero().flatten())
+    for name in ("ids", "gate", "up", "counts", "nonzero"):
+        assert torch.equal(on[name], off[name]), name
+    assert rel_err(on["y"], off["y"]) <= 1e-5 and rel_err(on["l1"], off["l1"]) <= 1e-5
+
+
 @pytest.mark.parametrize("layout", [(32, 8)], indirect=True, ids=["t32s8"])
 def test_nan_in_x(layout, monkeypatch):
     """A NaN in x makes its row's gate NaN (all kept: past the width, redone); the other rows packed."""
@@ -164,6 +180,35 @@ def test_hot_neurons_with_the_switch(layout, monkeypatch):
         if leaf is not None:
             assert rel_err(leaf.grad, ref_leaves[name].grad) <= 1e-4, name
     backward.forget_train_layers()
+
+
+def test_up_down_stores_u_in_entry_order():
+    """launch_up_down's up_out: each row of the main kernel stores its first U entries' u (before the
+    activation, rounded; entry order = the kept neurons in order), nothing past U (not in the next row,
+    not past the buffer), heavy rows' nothing; y bit for bit as without up_out."""
+    from twell.kernels.gate import launch_pack_dense
+    from twell.kernels.updown import launch_up_down
+
+    case = make_ffn(12, 24, 64, [0.1, 0.15, 0.6], torch.float32, DEVICE, seed=4, biases=True)
+    x, wg, bg, wu, bu = (case[n] for n in ("x", "gate_weight", "gate_bias", "up_weight", "up_bias"))
+    wd = case["down_weight"].t()
+    pre = F.linear(x, wg, bg)
+    words, tiles = launch_pack_dense(pre, 0.0, 32, 16)
+    u_width = 4
+    buffer = torch.full((13 * u_width,), float("nan"))
+    up_out = buffer[: 12 * u_width].view(12, u_width)
+    args = (x, words, tiles, wg, bg, wu, bu, wd, None)
+    y = launch_up_down(*args, tile_n=32, threshold=0.0, drelu=True, up_out=up_out)[0]
+    assert torch.equal(y, launch_up_down(*args, tile_n=32, threshold=0.0, drelu=True)[0])
+    u = F.linear(x, wu, bu)
+    kept = ~(pre <= 0)
+    main = (tiles <= 16).all(1)  # row width 2 * 16 = 32 >= every row's total here
+    assert main.any() and (~main).any() and (kept.sum(1)[main] > u_width).any()
+    for m in range(12):
+        stored = min(int(kept[m].sum()), u_width) if main[m] else 0
+        torch.testing.assert_close(up_out[m, :stored], u[m, kept[m]][:stored], rtol=1e-6, atol=1e-6)
+        assert torch.isnan(up_out[m, stored:]).all()
+    assert torch.isnan(buffer[12 * u_width :]).all()
 
 
 def test_switch_is_checked():
