@@ -101,14 +101,16 @@ def e2e_points(results: Path) -> list[dict]:
 
 def train_points(results: Path) -> list[dict]:
     """Per point (shape, tokens, pattern, density), the newest training run that measured it at the
-    shipped kernel settings (a run with another train_entries or train_hot is a variant, not what users
-    get)."""
+    shipped kernel settings (a run with another train_entries, train_hot or train_forward_pack is a
+    variant, not what users get)."""
     newest = {}
     for name, run in runs(results, "train"):
         for p in run["points"]:
             if p.get("train_entries", policy.TRAIN_ENTRIES_DEFAULT) != policy.TRAIN_ENTRIES_DEFAULT:
                 continue
             if p.get("train_hot", policy.TRAIN_HOT) != policy.TRAIN_HOT:
+                continue
+            if p.get("train_forward_pack", policy.TRAIN_FORWARD_PACK) != policy.TRAIN_FORWARD_PACK:
                 continue
             key = (p["K"], p["N"], p["M"], p["pattern"], p["density"])
             newest.setdefault(key, {**p, "source": source(name, run)})

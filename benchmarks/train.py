@@ -71,6 +71,13 @@ L2_TB_S = 8.0  # gathered rows of an L2-resident matrix (PAPER: 8.2-9.4 TB/s mea
 HBM_TB_S = 4.0  # device copy (4.26 TB/s measured)
 STAGES = {  # profiler kernel-name fragments -> stage
     "_train_forward_kernel": "fwd_sparse",
+    # --forward-pack: the prefill kernels and the record kernel (the up+down launch's row-order argsort
+    # is a radix sort: counted in "sort")
+    "_pack_dense_kernel": "fwd_sparse",
+    "_row_totals_kernel": "fwd_sparse",
+    "_twell_up_down_kernel": "fwd_sparse",
+    "_heavy_kernel": "fwd_sparse",
+    "_pack_record_kernel": "fwd_sparse",
     "_train_dx_kernel": "dx",
     "_train_dw_kernel": "dw",
     "RadixSort": "sort",
@@ -90,13 +97,13 @@ def dense_loss(x, dy, gate_weight, gate_bias, up_weight, down_weight):
     return (F.linear(hidden, down_weight) * dy).float().sum() + LAM * hidden.abs().float().mean()
 
 
-def twell_loss(x, dy, gate_weight, gate_bias, up_weight, down_weight, entries, dense_above, hot):
+def twell_loss(x, dy, gate_weight, gate_bias, up_weight, down_weight, entries, dense_above, hot, forward_pack):
     """The sparsified layer's loss as one function of its weights (twell's compiled side): the sparse
     training op, its L1 term the mean |h| from the op's own sum (as twell.train's penalty takes it)."""
     n = gate_weight.shape[0]
     y, *_, l1_sum, _ = torch.ops.twell.ffn_train(
         x, gate_weight, up_weight, down_weight, gate_bias, None, None, 0.0, False, False, policy.train_width(n),
-        entries, dense_above, hot,
+        entries, dense_above, hot, forward_pack,
     )  # fmt: skip
     return (y * dy).float().sum() + LAM * l1_sum / (x.shape[0] * n)
 
@@ -153,7 +160,9 @@ def floors(k, n, m, pairs, gemm_tflop_s) -> dict:
     }
 
 
-def bench_point(k, n, m, density, pattern, compiled, twell_compiled, gemm_tflop_s, entries, dense_above, hot) -> dict:
+def bench_point(
+    k, n, m, density, pattern, compiled, twell_compiled, gemm_tflop_s, entries, dense_above, hot, forward_pack
+) -> dict:  # fmt: skip
     x0, block = make_inputs(m, k, n, density, pattern, seed=m + n)
     block.train()
     # more input sets for the same layer: x does not depend on the weights (make_inputs), only its seed
@@ -190,6 +199,7 @@ def bench_point(k, n, m, density, pattern, compiled, twell_compiled, gemm_tflop_
 
     # the sparse training path is opt-in: at every size
     layer_config = {"train_min_m": 1, "train_entries": entries, "train_dense_above": dense_above, "train_hot": hot}
+    layer_config["train_forward_pack"] = forward_pack
     twell.sparsify(block, layer_config=layer_config)
     tracker = twell.train.track_l1(block)
     twell_ms, twell_peak, (twell_dx, twell_grads) = measure(user_step)
@@ -221,6 +231,7 @@ def bench_point(k, n, m, density, pattern, compiled, twell_compiled, gemm_tflop_
         "train_entries": entries,
         "train_dense_above": dense_above,
         "train_hot": hot,
+        "train_forward_pack": forward_pack,
         "nnz_mean": nnz.float().mean().item(),
         "nnz_max": nnz.max().item(),
         "backup_rows": (nnz > width).sum().item(),
@@ -385,6 +396,7 @@ def model_main(args, constants: dict) -> None:
         "train_entries": args.entries,
         "train_dense_above": args.dense_above,
         "train_hot": args.hot,  # None: calibration's, per layer (result["calibration"])
+        "train_forward_pack": args.forward_pack,
         "fresh_ids": args.fresh_ids,
         "backward_constants": constants,
         "rows": {},
@@ -398,6 +410,7 @@ def model_main(args, constants: dict) -> None:
             layer_config = {"train_min_m": 1, "train_entries": args.entries, "train_dense_above": args.dense_above}
             if args.hot is not None:
                 layer_config["train_hot"] = args.hot
+            layer_config["train_forward_pack"] = args.forward_pack
             started = time.perf_counter()
             config = {"progress": False, "cost_model": "analytic", "decode_steps": 0, "timing_repeats": 0}
             twell.sparsify(model, [calib], config=config, layer_config=layer_config)
@@ -490,6 +503,12 @@ def main():
         help="twell's LayerConfig.train_hot for every layer (a variant; default: --model calibration's choice per "
         "layer, a layer alone the shipped default)",
     )
+    parser.add_argument(
+        "--forward-pack",
+        action="store_true",
+        default=policy.TRAIN_FORWARD_PACK,
+        help="twell's LayerConfig.train_forward_pack: the forward through the prefill kernels (a variant)",
+    )
     args = parser.parse_args()
     if SMOKE_WITHOUT_CUDA:
         smoke_without_cuda()
@@ -507,6 +526,7 @@ def main():
     # the layer's settings bound as constants: dynamic=True would trace an int argument as a symbol
     args.hot = policy.TRAIN_HOT if args.hot is None else args.hot  # a layer alone is not calibrated
     settings = {"entries": args.entries, "dense_above": args.dense_above, "hot": args.hot}
+    settings["forward_pack"] = args.forward_pack
     twell_compiled = torch.compile(functools.partial(twell_loss, **settings), dynamic=True)
     result = {**environment(), "ceilings": ceilings(), "lam": LAM, "backward_constants": constants, "points": []}
     print(json.dumps(result["ceilings"]), flush=True)
@@ -532,6 +552,7 @@ def main():
                         args.entries,
                         args.dense_above,
                         args.hot,
+                        args.forward_pack,
                     )
                     torch.cuda.empty_cache()
                     result["points"].append(row)

@@ -37,20 +37,24 @@ def _leaves(case, dtype=None):
 
 
 def _train_op(
-    leaves, gated, threshold=0.0, drelu=False, squared=False, width=16, entries=1, dense_above=None, hot=0
+    leaves, gated, threshold=0.0, drelu=False, squared=False, width=16, entries=1, dense_above=None, hot=0,
+    forward_pack=False,
 ):  # fmt: skip
     if gated:
         args = (leaves["gate_weight"], leaves["up_weight"], leaves["down_weight"], leaves["gate_bias"])
         args += (leaves["up_bias"], leaves["down_bias"])
     else:
         args = (leaves["up_weight"], None, leaves["down_weight"], leaves["up_bias"], None, leaves["down_bias"])
-    return torch.ops.twell.ffn_train(leaves["x"], *args, threshold, drelu, squared, width, entries, dense_above, hot)
+    train = (width, entries, dense_above, hot, forward_pack)
+    return torch.ops.twell.ffn_train(leaves["x"], *args, threshold, drelu, squared, *train)
 
 
-def _check_grads(case, gated, dtype, threshold=0.0, drelu=False, squared=False, width=16, entries=1):
+def _check_grads(
+    case, gated, dtype, threshold=0.0, drelu=False, squared=False, width=16, entries=1, forward_pack=False
+):
     """Output and every gradient of the training op against float64 dense autograd."""
     leaves = _leaves(case)
-    y = _train_op(leaves, gated, threshold, drelu, squared, width, entries)[0]
+    y = _train_op(leaves, gated, threshold, drelu, squared, width, entries, forward_pack=forward_pack)[0]
     dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
     y.backward(dy.to(DEVICE))
     ref_leaves = _leaves(case, torch.float64)
@@ -684,7 +688,7 @@ cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
 flags = dict(HAS_UP_BIAS=True, HAS_DOWN_BIAS=True, DRELU=False, SQUARE=False, HAS_GATE_BIAS=True,
              SCAN=backward.SCAN, CHUNK=256, ROWS=1, PRECISION="tf32", GROUP=backward.DW_GROUP,
              PAIRS=backward.DW_PAIRS, STAGES=backward.DW_STAGES, BLOCK_T=backward.BACKUP_BLOCK_T,
-             BLOCK_N=backward.BACKUP_BLOCK_N, STORE_H=True, HOT=False)
+             BLOCK_N=backward.BACKUP_BLOCK_N, STORE_H=True, HOT=False, LISTED=False)
 warps = backward._row_warps
 for kernel, block_k, entries, options in [
     (backward._train_forward_kernel, 8192, 1, {"num_warps": warps(8192)}),

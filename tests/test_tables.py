@@ -92,6 +92,8 @@ def test_the_newest_run_of_each_point_counts(tmp_path):
     write(tmp_path, "train-20260103-000000.json", {"commit": "t3", "points": [variant]})
     hot = {**ffn_point(32768, 4.0), "train_hot": 256}  # the hot-neuron hybrid, off by default: a variant too
     write(tmp_path, "train-20260104-000000.json", {"commit": "t4", "points": [hot]})
+    packed = {**ffn_point(32768, 5.0), "train_forward_pack": True}  # the forward through the pack: off, a variant
+    write(tmp_path, "train-20260105-000000.json", {"commit": "t5", "points": [packed]})
 
     points = {p["M"]: p for p in tables.ffn_points(tmp_path)}
     assert (points[1]["speedup"], points[1]["source"]) == (2.5, "`ffn-20260102-000000.json` (new)")

@@ -78,7 +78,7 @@ def _run(args: tuple, drelu: bool, squared: bool, return_l1: bool, config: Layer
     biases = (gate_bias, up_bias, down_bias)
     if library.sparse_training(x, gate_weight, up_weight, down_weight, biases, config.train_min_m):
         width = policy.train_width(gate_weight.shape[0])
-        train = (width, config.train_entries, config.train_dense_above, config.train_hot)
+        train = (width, config.train_entries, config.train_dense_above, config.train_hot, config.train_forward_pack)
         y, *_, l1_sum, nonzero = torch.ops.twell.ffn_train(*args, drelu, squared, *train)
         if not return_l1:
             return y

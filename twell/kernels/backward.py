@@ -51,7 +51,18 @@ import triton
 import triton.language as tl
 
 from twell.kernels import policy
-from twell.kernels.common import check_bias, check_input, check_operand, check_threshold, dot_precision, threshold_in
+from twell.kernels.common import (
+    check_bias,
+    check_input,
+    check_operand,
+    check_threshold,
+    dot_precision,
+    persistent_programs,
+    threshold_in,
+)
+from twell.kernels.gate import launch_pack_dense
+from twell.kernels.updown import launch_up_down, row_width
+from twell.kernels.words import decode
 
 # Gate columns the forward compacts at a time: each step is a prefix sum across the program's threads
 # (shuffles and a barrier), so 1024 columns (8 a thread at 4 warps) take a quarter of the steps of 256.
@@ -94,6 +105,16 @@ BACKUP_MAX_SHARE = 0.125
 BACKUP_BLOCK_T = 32
 BACKUP_BLOCK_N = 128
 BACKUP_WARPS = 8
+# LayerConfig.train_forward_pack (_pack_forward): the dense gate packed to TwELL at the prefill path's
+# layout (policy.TILE_N / SLOTS), y by the prefill up+down kernel, the record written from the TwELL
+# words by _pack_record_kernel, PACK_BLOCK_M rows a program (a [PACK_BLOCK_M, SLOTS] tile a tile step).
+PACK_TILE_N = policy.TILE_N
+PACK_SLOTS = policy.SLOTS
+PACK_BLOCK_M = 32
+# The rows it leaves go through the row kernel, persistent (a program an SM), REDO_ENTRIES entries a step
+# (at most _row_entries'): a few long rows (~260 entries past the width), each a program's alone, where one
+# entry a step would take ~1.4 us an entry.
+REDO_ENTRIES = 8
 
 
 @dataclass
@@ -266,17 +287,16 @@ def _forward_entries(
 
 
 @triton.jit
-def _train_forward_kernel(
-    pre_ptr, x_ptr, wu_ptr, bu_ptr, wd_ptr, bd_ptr, y_ptr, ids_ptr, gate_ptr, up_ptr, cnt_ptr, l1_ptr, nz_ptr,
+def _forward_row(
+    m, pre_ptr, x_ptr, wu_ptr, bu_ptr, wd_ptr, bd_ptr, y_ptr, ids_ptr, gate_ptr, up_ptr, cnt_ptr, l1_ptr, nz_ptr,
     N, K, threshold, stride_pm, stride_xm, stride_un, stride_dn, stride_ym,
     HAS_UP: tl.constexpr, HAS_UP_BIAS: tl.constexpr, HAS_DOWN_BIAS: tl.constexpr, DRELU: tl.constexpr,
     SQUARE: tl.constexpr, WIDTH: tl.constexpr, SCAN: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
     ENTRIES: tl.constexpr,
 ):  # fmt: skip
-    """Row m: compact the dense gate row into the record, then y_m = sum h W_d^T[n] (+ b_d), and the
-    row's sum |h| and nonzero count for the L1 penalty. A row past WIDTH walks its gate row again, CHUNK
-    columns (<= WIDTH) at a time through its record slots."""
-    m = tl.program_id(0).to(tl.int64)
+    """Row m (int64): compact the dense gate row into the record, then y_m = sum h W_d^T[n] (+ b_d), and
+    the row's sum |h| and nonzero count for the L1 penalty. A row past WIDTH walks its gate row again,
+    CHUNK columns (<= WIDTH) at a time through its record slots."""
     pre_row = pre_ptr + m * stride_pm
     ids_row = ids_ptr + m * WIDTH
     gate_row = gate_ptr + m * WIDTH
@@ -322,6 +342,89 @@ def _train_forward_kernel(
     tl.store(y_ptr + m * stride_ym + offs_k, y.to(dtype), mask=k_ok)
     tl.store(l1_ptr + m, l1)
     tl.store(nz_ptr + m, nonzero)
+
+
+@triton.jit
+def _train_forward_kernel(
+    pre_ptr, x_ptr, wu_ptr, bu_ptr, wd_ptr, bd_ptr, y_ptr, ids_ptr, gate_ptr, up_ptr, cnt_ptr, l1_ptr, nz_ptr,
+    rows_ptr, N, K, threshold, stride_pm, stride_xm, stride_un, stride_dn, stride_ym,
+    HAS_UP: tl.constexpr, HAS_UP_BIAS: tl.constexpr, HAS_DOWN_BIAS: tl.constexpr, DRELU: tl.constexpr,
+    SQUARE: tl.constexpr, WIDTH: tl.constexpr, SCAN: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+    ENTRIES: tl.constexpr, LISTED: tl.constexpr,
+):  # fmt: skip
+    """_forward_row of row program_id; LISTED: persistent over the rows listed in rows (rows[0]: their
+    number, rows[1 + i]: row ids; the rows _pack_record_kernel leaves), all their outputs written (y
+    over the up+down kernel's)."""
+    if LISTED:
+        for i in range(tl.program_id(0), tl.load(rows_ptr), tl.num_programs(0)):
+            _forward_row(
+                tl.load(rows_ptr + 1 + i).to(tl.int64), pre_ptr, x_ptr, wu_ptr, bu_ptr, wd_ptr, bd_ptr, y_ptr,
+                ids_ptr, gate_ptr, up_ptr, cnt_ptr, l1_ptr, nz_ptr, N, K, threshold, stride_pm, stride_xm, stride_un,
+                stride_dn, stride_ym, HAS_UP, HAS_UP_BIAS, HAS_DOWN_BIAS, DRELU, SQUARE, WIDTH, SCAN, CHUNK,
+                BLOCK_K, ENTRIES,
+            )  # fmt: skip
+    else:
+        _forward_row(
+            tl.program_id(0).to(tl.int64), pre_ptr, x_ptr, wu_ptr, bu_ptr, wd_ptr, bd_ptr, y_ptr, ids_ptr,
+            gate_ptr, up_ptr, cnt_ptr, l1_ptr, nz_ptr, N, K, threshold, stride_pm, stride_xm, stride_un, stride_dn,
+            stride_ym, HAS_UP, HAS_UP_BIAS, HAS_DOWN_BIAS, DRELU, SQUARE, WIDTH, SCAN, CHUNK, BLOCK_K, ENTRIES,
+        )  # fmt: skip
+
+
+@triton.jit
+def _pack_record_kernel(
+    words_ptr, tcnt_ptr, ids_ptr, gate_ptr, up_ptr, cnt_ptr, l1_ptr, nz_ptr, redo_ptr, M, n_tiles,
+    HAS_UP: tl.constexpr, DRELU: tl.constexpr, TILE_N: tl.constexpr, SLOTS: tl.constexpr, WIDTH: tl.constexpr,
+    LIMIT: tl.constexpr, TILES_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """The record of rows [m0, m0 + BLOCK_M) (m0 = BLOCK_M * program_id) from the TwELL words and
+    counts of their dense gate: a row with no tile over SLOTS and at most LIMIT entries (<= WIDTH;
+    the up+down kernel stored its entries' u in the record's up slots, in entry order) gets its
+    entries tile by tile (ids = tile * TILE_N + column, gate: the word's value), zero pads, its count,
+    sum |h| and nonzero h. Other rows are appended to the list redo (redo[0]: their number, zeroed by
+    the caller; redo[1 + i]: row ids), nothing else written (the row kernel takes them: LISTED)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = offs_m.to(tl.int64)
+    offs_t = tl.arange(0, TILES_PAD)
+    row_ok = offs_m < M
+    tiles = rows[:, None] * n_tiles + offs_t[None, :]
+    cnt = tl.load(tcnt_ptr + tiles, mask=row_ok[:, None] & (offs_t < n_tiles)[None, :], other=0)
+    total = tl.sum(cnt, axis=1)
+    packed = row_ok & (tl.max(cnt, axis=1) <= SLOTS) & (total <= LIMIT)
+    left = row_ok & ~packed
+    first = tl.atomic_add(redo_ptr, tl.sum(left.to(tl.int32), axis=0))
+    tl.store(redo_ptr + 1 + first + tl.cumsum(left.to(tl.int32), axis=0) - 1, offs_m, mask=left)
+    tl.store(cnt_ptr + offs_m, total, mask=packed)
+    dtype = gate_ptr.dtype.element_ty
+    offs_s = tl.arange(0, SLOTS)
+    before = tl.zeros([BLOCK_M], dtype=tl.int32)
+    l1 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    nonzero = tl.zeros([BLOCK_M], dtype=tl.int32)
+    for t in range(0, n_tiles):
+        c = tl.load(tcnt_ptr + rows * n_tiles + t, mask=packed, other=0)
+        valid = offs_s[None, :] < c[:, None]  # c is 0 on rows not packed here
+        word = tl.load(words_ptr + (rows * n_tiles + t)[:, None] * SLOTS + offs_s[None, :], mask=valid, other=0)
+        g, column = decode(word, dtype)
+        slot = rows[:, None] * WIDTH + before[:, None] + offs_s[None, :]
+        tl.store(ids_ptr + slot, t * TILE_N + column, mask=valid)
+        tl.store(gate_ptr + slot, g.to(dtype), mask=valid)
+        u = g
+        if HAS_UP:
+            u = tl.load(up_ptr + slot, mask=valid, other=0.0).to(tl.float32)
+        h = _hidden(g, u, HAS_UP, DRELU, False, dtype)  # 0 outside valid: g and u load as 0
+        l1 += tl.sum(tl.abs(h), axis=1)
+        nonzero += tl.sum((h != 0.0).to(tl.int32), axis=1)
+        before += c
+    for c0 in range(0, WIDTH, CHUNK):
+        slots = c0 + tl.arange(0, CHUNK)
+        pad = packed[:, None] & (slots[None, :] >= total[:, None]) & (slots < WIDTH)[None, :]
+        at = rows[:, None] * WIDTH + slots[None, :]
+        tl.store(ids_ptr + at, tl.zeros([BLOCK_M, CHUNK], dtype=tl.int32), mask=pad)
+        tl.store(gate_ptr + at, tl.zeros([BLOCK_M, CHUNK], dtype=dtype), mask=pad)
+        if HAS_UP:
+            tl.store(up_ptr + at, tl.zeros([BLOCK_M, CHUNK], dtype=dtype), mask=pad)
+    tl.store(l1_ptr + offs_m, l1, mask=packed)
+    tl.store(nz_ptr + offs_m, nonzero, mask=packed)
 
 
 @triton.jit
@@ -695,6 +798,7 @@ def train_forward(
     entries: int = 1,
     dense_above: float | None = None,
     hot: int = 0,
+    forward_pack: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """(y, ids, gate, up, counts, l1, nonzero): y [M, K] of the FFN, its record (module docstring),
     sum |h| over the hidden activation h [M, N] (fp32) and the number of its nonzeros (int64).
@@ -704,12 +808,16 @@ def train_forward(
     record entries the row kernel gathers a step (LayerConfig.train_entries). dense_above:
     LayerConfig.train_dense_above; a layer training dense (_TrainState) runs _dense_forward. hot:
     LayerConfig.train_hot, the layer's hot neurons (_hot_columns) by cuBLAS products over just them.
+    forward_pack: LayerConfig.train_forward_pack, the sparse forward through the prefill kernels
+    (_pack_forward; relu² keeps the row kernel).
     """
     check_input("x", x, unit_stride=True)
     check_threshold(threshold)
     _check_entries(entries)
     policy.check_train_dense_above(dense_above)
     policy.check_train_hot(hot)
+    if not isinstance(forward_pack, bool):
+        raise ValueError(f"forward_pack must be a bool, got {forward_pack!r}")
     m, n = _check_weights(x, gate_weight, up_weight, down_weight_t, width)
     if hot > n:
         raise ValueError(f"hot must be at most the {n} hidden neurons, got {hot}")
@@ -717,7 +825,7 @@ def train_forward(
     args = (x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold, drelu, square, width)
     state = train_state(gate_weight) if dense_above is not None or hot else None
     if dense_above is None:
-        return _sparse_forward(*args, entries, state, hot)
+        return _sparse_forward(*args, entries, state, hot, forward_pack)
     # under CUDA-graph capture the layer's state is frozen: no event queries, no new measurements
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     if not capturing:
@@ -726,7 +834,7 @@ def train_forward(
     if state.dense:
         *out, past_width = _dense_forward(*args, state, hot)
     else:
-        out = _sparse_forward(*args, entries, state, hot)
+        out = _sparse_forward(*args, entries, state, hot, forward_pack)
         past_width = (out[4] > width).sum()
     if not capturing:
         state.measure(out[-1], past_width, m * n, m)
@@ -823,9 +931,11 @@ def _sparse_forward(
     entries,
     state=None,
     hot=0,
+    pack=False,
 ) -> tuple[torch.Tensor, ...]:
-    """train_forward's outputs by the record kernel; the hot neurons (hot of them: _hot_columns) by
-    cuBLAS products over just them, their gate columns hidden from the record (set to -inf)."""
+    """train_forward's outputs by the record kernel, or with `pack` (not relu²) by _pack_forward and
+    the record kernel for the rows it leaves; the hot neurons (hot of them: _hot_columns) by cuBLAS
+    products over just them, their gate columns hidden from the record (set to -inf)."""
     m, k = x.shape
     n = gate_weight.shape[0]
     pre = torch.nn.functional.linear(x, gate_weight, gate_bias)  # dense: the gate GEMM (cuBLAS)
@@ -843,14 +953,24 @@ def _sparse_forward(
     if m > 0:
         block_k = triton.next_power_of_2(k)
         row_entries = _row_entries(entries, block_k)
-        _train_forward_kernel[(m,)](
+        redo = None
+        if pack and not square:
+            redo = _pack_forward(
+                pre, x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold, drelu,
+                (y, ids, gate, up, counts, row_l1, row_nonzero),
+            )  # fmt: skip
+        grid, listed = (m,), redo is not None
+        if listed:  # the rows _pack_forward left: persistent, more entries a step (few rows, each alone)
+            row_entries = _row_entries(REDO_ENTRIES, block_k)
+            grid = (persistent_programs(x.device, 1),)
+        _train_forward_kernel[grid](
             pre, x, up_weight if up_weight is not None else x, up_bias if up_bias is not None else x,
             down_weight_t, down_bias if down_bias is not None else x, y, ids, gate, up, counts, row_l1, row_nonzero,
-            n, k, threshold_in(threshold, x.dtype), pre.stride(0), x.stride(0),
+            redo, n, k, threshold_in(threshold, x.dtype), pre.stride(0), x.stride(0),
             up_weight.stride(0) if up_weight is not None else 0, down_weight_t.stride(0), y.stride(0),
             HAS_UP=up_weight is not None, HAS_UP_BIAS=up_bias is not None, HAS_DOWN_BIAS=down_bias is not None,
             DRELU=drelu, SQUARE=square, WIDTH=width, SCAN=SCAN, CHUNK=_chunk(width), BLOCK_K=block_k,
-            ENTRIES=row_entries, num_warps=_row_warps(block_k, entries=row_entries),
+            ENTRIES=row_entries, LISTED=listed, num_warps=_row_warps(block_k, entries=row_entries),
         )  # fmt: skip
     l1, nonzero = row_l1.sum(), row_nonzero.sum(dtype=torch.int64)
     hot_up = x.new_empty(m, 0)
@@ -864,6 +984,35 @@ def _sparse_forward(
         y.addmm_(h, down_weight_t.index_select(0, hot_ids))
         l1, nonzero = l1 + hot_l1, nonzero + hot_nonzero
     return y, ids, gate, up, counts, hot_ids, hot_gate, hot_up, l1, nonzero
+
+
+def _pack_forward(
+    pre, x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold, drelu, record
+) -> torch.Tensor:  # fmt: skip
+    """LayerConfig.train_forward_pack: the dense gate pre [M, N] packed to TwELL (launch_pack_dense),
+    y by the up+down kernel (launch_up_down, storing its rows' u in the record's up slots), then the
+    record, sum |h| and nonzero h of every row without an overflowing tile and within both the record's
+    width and the up+down kernel's row width (_pack_record_kernel); returns redo int32 [1 + M]: the list
+    of the other rows (overflowing tiles, past a width: ~0.04% of the rows at K=2048, 0.5% uniform),
+    which the row kernel then computes whole, as without the switch (their y from it too). record: (y,
+    ids, gate, up, counts, row_l1, row_nonzero), written in place."""
+    y, ids, gate, up, counts, row_l1, row_nonzero = record
+    m, width = ids.shape
+    has_up = up_weight is not None
+    words, tile_counts = launch_pack_dense(pre, threshold, PACK_TILE_N, PACK_SLOTS)
+    launch_up_down(
+        x, words, tile_counts, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias,
+        tile_n=PACK_TILE_N, threshold=threshold, drelu=drelu, out=y, up_out=up if has_up else None,
+    )  # fmt: skip
+    n_tiles = tile_counts.shape[1]
+    redo = torch.zeros(1 + m, dtype=torch.int32, device=x.device)
+    _pack_record_kernel[(triton.cdiv(m, PACK_BLOCK_M),)](
+        words, tile_counts, ids, gate, up, counts, row_l1, row_nonzero, redo, m, n_tiles, HAS_UP=has_up,
+        DRELU=drelu, TILE_N=PACK_TILE_N, SLOTS=PACK_SLOTS, WIDTH=width,
+        LIMIT=min(width, row_width(n_tiles, PACK_SLOTS)), TILES_PAD=max(2, triton.next_power_of_2(n_tiles)),
+        BLOCK_M=PACK_BLOCK_M, CHUNK=min(64, triton.next_power_of_2(width)),
+    )  # fmt: skip
+    return redo
 
 
 def _hot_columns(state: _TrainState | None, pre: torch.Tensor, hot: int, threshold: float) -> torch.Tensor:

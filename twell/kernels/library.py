@@ -192,6 +192,7 @@ def ffn_train(
     entries: int = policy.TRAIN_ENTRIES_DEFAULT,
     dense_above: Optional[float] = policy.TRAIN_DENSE_ABOVE,
     hot: int = policy.TRAIN_HOT,
+    forward_pack: bool = policy.TRAIN_FORWARD_PACK,
 ) -> tuple[
     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
     torch.Tensor, torch.Tensor,
@@ -202,18 +203,19 @@ def ffn_train(
     [M, hot]), and sum |h| (fp32, differentiable: the L1 penalty's) and the count of nonzero h (int64)
     over its hidden activation h. entries: LayerConfig.train_entries (the row kernels' entries a step;
     the backward's too); dense_above: LayerConfig.train_dense_above (a layer measured denser trains
-    dense); hot: LayerConfig.train_hot. Triton kernels: CUDA, or CPU under TRITON_INTERPRET=1."""
+    dense); hot: LayerConfig.train_hot; forward_pack: LayerConfig.train_forward_pack. Triton kernels:
+    CUDA, or CPU under TRITON_INTERPRET=1."""
     from twell.kernels import backward
 
     _check_train(
         x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, width, entries, dense_above,
-        hot,
+        hot, forward_pack,
     )  # fmt: skip
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     y, *record = backward.train_forward(
         x2, gate_weight, _unit(gate_bias), up_weight, _unit(up_bias), down_weight.t(), _unit(down_bias),
         threshold=threshold, drelu=drelu, square=squared, width=width, entries=entries, dense_above=dense_above,
-        hot=hot,
+        hot=hot, forward_pack=forward_pack,
     )  # fmt: skip
     return (y.reshape(x.shape), *record)
 
@@ -221,11 +223,11 @@ def ffn_train(
 @ffn_train.register_fake
 def _(
     x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu, squared, width, entries=1,
-    dense_above=None, hot=0,
+    dense_above=None, hot=0, forward_pack=False,
 ):  # fmt: skip
     _check_train(
         x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, width, entries, dense_above,
-        hot,
+        hot, forward_pack,
     )  # fmt: skip
     m = x.numel() // x.shape[-1]
     ids = x.new_empty(m, width, dtype=torch.int32)
@@ -300,8 +302,9 @@ def _unit(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def _check_train(
-    x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, width, entries, dense_above, hot
-) -> None:
+    x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, width, entries, dense_above, hot,
+    forward_pack,
+) -> None:  # fmt: skip
     if up_weight is None:
         if up_bias is not None:
             raise ValueError("up_bias needs up_weight (a plain FFN has its bias as gate_bias)")
@@ -339,7 +342,7 @@ def _train_backward(ctx, dy, _ids, _gate, _up, _counts, _hot_ids, _hot_gate, _ho
         drelu, squared, entries, dense_above,
     )  # fmt: skip
     present = (True, True, up_weight is not None, True, gate_bias is not None, up_bias is not None, has_down_bias)
-    return (*(g if p else None for g, p in zip(grads, present, strict=True)), *[None] * 7)
+    return (*(g if p else None for g, p in zip(grads, present, strict=True)), *[None] * 8)
 
 
 ffn_train.register_autograd(_train_backward, setup_context=_train_setup)

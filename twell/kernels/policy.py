@@ -85,6 +85,12 @@ TRAIN_HOT = 0
 # in more than TRAIN_HOT_RATE of the tokens on average (benchmarks/NOTES.md, "Training hot v2").
 TRAIN_HOT_SIZES = (128, 256, 512)
 TRAIN_HOT_RATE = 0.025
+# The sparse training forward through the prefill kernels (backward._pack_forward: the pack pass over the
+# dense gate, the up+down kernel, a light kernel writing the record from the TwELL words) in place of the
+# one-row-a-program record kernel (2.58 ms at K=2048, N=5632, 32768 tokens, 0.5% uniform, against a floor
+# of 1.38: train-20261202-055339.json). Off until measured on the GPU (benchmarks/NOTES.md, "Training
+# forward through the prefill kernels").
+TRAIN_FORWARD_PACK = False
 # Prefill threshold of calls captured into a CUDA graph (their host time is paid once, at capture), where
 # an eager call is host-bound: the kernels' GPU time in a graph replay against dense, K=2048 0.5%:
 # 1.04x / 1.205x / 1.375x at 4096 / 8192 / 16384 tokens uniform (host_time-20261202-033002.json), 1.42x
@@ -181,6 +187,8 @@ class LayerConfig:
     train_hot: on the sparse training path, this many neurons (a multiple of HOT_ALIGN; 0: off), the
         most frequent of the layer's previous call, are computed by dense products over just them,
         forward and backward; the record holds the others.
+    train_forward_pack: the sparse training path's forward through the prefill kernels (TwELL pack,
+        up+down) and a kernel writing the record from the TwELL words (relu² FFNs keep the row kernel).
     Every other call runs dense, as do all calls with K > MAX_K.
     """
 
@@ -197,6 +205,7 @@ class LayerConfig:
     train_dense_above: float | None = TRAIN_DENSE_ABOVE
     prefill_min_m_captured: int | None = PREFILL_MIN_M_CAPTURED
     train_hot: int = TRAIN_HOT
+    train_forward_pack: bool = TRAIN_FORWARD_PACK
 
     def __post_init__(self):
         check_tile(self.tile_n, self.slots)
@@ -210,8 +219,9 @@ class LayerConfig:
             raise ValueError(f"{name} must be {expected}, got {value!r}")
         if isinstance(self.dense_above, bool) or not isinstance(self.dense_above, (int, float)):
             raise ValueError(f"dense_above must be a number, got {self.dense_above!r}")
-        if not isinstance(self.fused_gate, bool):
-            raise ValueError(f"fused_gate must be a bool, got {self.fused_gate!r}")
+        for name in ("fused_gate", "train_forward_pack"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         entries = self.train_entries
         if not isinstance(entries, int) or isinstance(entries, bool) or entries not in TRAIN_ENTRIES:
             raise ValueError(f"train_entries must be one of {TRAIN_ENTRIES}, got {entries!r}")

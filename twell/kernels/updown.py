@@ -94,19 +94,22 @@ def _entry(
     HAS_UP_BIAS: tl.constexpr,
     DRELU: tl.constexpr,
 ):
-    """y + (g * u) W_d[neuron] with u = x . W_u[neuron] (+ bias, dReLU), or y + g W_d[neuron]."""
+    """(y + (g * u) W_d[neuron] with u = x . W_u[neuron] (+ bias, dReLU), or y + g W_d[neuron]; u
+    before the activation, fp32: g for a plain FFN)."""
     wd = tl.load(wd_ptr + neuron * stride_dn + offs_k * stride_dk, mask=k_ok, other=0.0).to(tl.float32)
     if HAS_UP:
         wu = tl.load(wu_ptr + neuron * stride_un + offs_k * stride_uk, mask=k_ok, other=0.0).to(tl.float32)
         u = tl.sum(wu * xv, axis=0)
         if HAS_UP_BIAS:
             u += tl.load(bu_ptr + neuron).to(tl.float32)
+        a = u
         if DRELU:
-            u = tl.where(u <= 0.0, 0.0, u)
-        h = g * u
+            a = tl.where(u <= 0.0, 0.0, u)
+        h = g * a
     else:
+        u = g
         h = g
-    return y + h * wd
+    return y + h * wd, u
 
 
 @triton.jit
@@ -127,14 +130,18 @@ def _flatten(
 @triton.jit
 def _walk(
     y, xv, g_row, n_row, count, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un, stride_uk, stride_dn, stride_dk,
-    HAS_UP: tl.constexpr, HAS_UP_BIAS: tl.constexpr, DRELU: tl.constexpr,
+    u_row, HAS_UP: tl.constexpr, HAS_UP_BIAS: tl.constexpr, DRELU: tl.constexpr, STORE_U: tl.constexpr,
+    U_WIDTH: tl.constexpr,
 ):  # fmt: skip
-    """y plus the first `count` scratch entries' contributions, one entry after another."""
+    """y plus the first `count` scratch entries' contributions, one entry after another; with STORE_U
+    entry e's u (before the activation) to u_row[e] for e < U_WIDTH."""
     for e in range(0, count):
-        y = _entry(
+        y, u = _entry(
             y, xv, tl.load(g_row + e), tl.load(n_row + e).to(tl.int64), offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr,
             stride_un, stride_uk, stride_dn, stride_dk, HAS_UP, HAS_UP_BIAS, DRELU,
         )  # fmt: skip
+        if STORE_U:
+            tl.store(u_row + e, u.to(u_row.dtype.element_ty), mask=e < U_WIDTH)
     return y
 
 
@@ -176,6 +183,7 @@ def _twell_up_down_kernel(
     y_ptr,
     g_ptr,
     n_ptr,
+    u_ptr,
     K,
     n_tiles,
     M_BUCKET,
@@ -198,10 +206,14 @@ def _twell_up_down_kernel(
     WIDTH: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    STORE_U: tl.constexpr,
+    U_WIDTH: tl.constexpr,
 ):
     """The common row: no overflowing tile and at most WIDTH entries; the others are appended to the
     heavy list (heavy[0]: their number, heavy[1 + i]: row ids) for _heavy_kernel. Program i takes
-    row order[i] with HAS_ORDER (heaviest first), else row i."""
+    row order[i] with HAS_ORDER (heaviest first), else row i. STORE_U (the training forward's record,
+    twell.kernels.backward): the row's first U_WIDTH entries' u, in entry order, to u [M, U_WIDTH]
+    (u_ptr None without: the inference kernel unchanged); heavy rows' are not stored."""
     if HAS_ORDER:
         m = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
     else:
@@ -224,9 +236,12 @@ def _twell_up_down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     k_ok = offs_k < K
     xv = tl.load(x_ptr + m * stride_xm + offs_k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
+    u_row = u_ptr
+    if STORE_U:
+        u_row = u_ptr + m * U_WIDTH
     y = _walk(
         tl.zeros([BLOCK_K], dtype=tl.float32), xv, g_row, n_row, total, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr,
-        stride_un, stride_uk, stride_dn, stride_dk, HAS_UP, HAS_UP_BIAS, DRELU,
+        stride_un, stride_uk, stride_dn, stride_dk, u_row, HAS_UP, HAS_UP_BIAS, DRELU, STORE_U, U_WIDTH,
     )  # fmt: skip
     _store_row(y, m, bd_ptr, y_ptr, offs_k, k_ok, stride_ym, stride_yk, HAS_DOWN_BIAS)
 
@@ -291,7 +306,7 @@ def _heavy_part(
         tl.debug_barrier()
         y = _walk(
             y, xv, g_row, n_row, block, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un, stride_uk, stride_dn,
-            stride_dk, HAS_UP, HAS_UP_BIAS, DRELU,
+            stride_dk, g_row, HAS_UP, HAS_UP_BIAS, DRELU, False, 0,
         )  # fmt: skip
         tl.debug_barrier()  # the next block overwrites the scratch
     offs_r = tl.arange(0, RECOMPUTE)
@@ -320,7 +335,7 @@ def _heavy_part(
                 tl.debug_barrier()
                 y = _walk(
                     y, xv, g_row, n_row, n_kept, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un, stride_uk,
-                    stride_dn, stride_dk, HAS_UP, HAS_UP_BIAS, DRELU,
+                    stride_dn, stride_dk, g_row, HAS_UP, HAS_UP_BIAS, DRELU, False, 0,
                 )  # fmt: skip
                 tl.debug_barrier()
     return y
@@ -414,6 +429,11 @@ def _heavy_kernel(
                 _store_row(y, m, bd_ptr, y_ptr, offs_k, k_ok, stride_ym, stride_yk, HAS_DOWN_BIAS)
         else:
             _store_row(y, m, bd_ptr, y_ptr, offs_k, k_ok, stride_ym, stride_yk, HAS_DOWN_BIAS)
+
+
+def row_width(n_tiles: int, slots: int) -> int:
+    """Scratch entries a row of the main kernel holds (its WIDTH): rows with more take _heavy_kernel."""
+    return min(n_tiles * slots, MAX_WIDTH)
 
 
 # the main kernel's configs, chosen once per key by its autotuner
@@ -520,18 +540,21 @@ def twell_up_down(
 
 def launch_up_down(
     x, words, counts, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, *, tile_n, threshold,
-    drelu=False, square=False, out=None, order=True, hot_pos=None,
+    drelu=False, square=False, out=None, order=True, hot_pos=None, up_out=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """twell_up_down without its input checks, for callers that checked at the op boundary (the
     dispatcher); returns (y, kept): kept, int64 [P] on the device, parts of the total of counts (the
-    density probe's numerator: their sum; counted by the launch that builds the row order). Launches:
+    density probe's numerator: their sum; counted by the launch that builds the row order). up_out:
+    None, or [M, U] contiguous in x's dtype (the training forward's record): the main kernel's rows
+    (no overflowing tile, at most min(T * S, MAX_WIDTH) entries) store their first U entries' u there,
+    in entry order (tiles, then slots), rounded to the dtype; other slots are left as they were. Launches:
     row totals, the argsort of their keys (order), the main kernel (autotuned once per key,
     TunedLaunch), the heavy-row kernel; no zero fill."""
     m, k = x.shape
     n = gate_weight.shape[0]
     n_tiles, slots = words.shape[1], words.shape[2]
     y = torch.empty_like(x) if out is None else out
-    width = min(n_tiles * slots, MAX_WIDTH)
+    width = row_width(n_tiles, slots)
     programs = persistent_programs(x.device, 8)
     # a row's entries (main kernel), then a heavy-row program's (after it, in stream order)
     g_scratch = torch.empty(max(m, programs), width, dtype=torch.float32, device=x.device)
@@ -574,9 +597,10 @@ def launch_up_down(
     row_order = torch.argsort(keys, descending=True) if order else counts  # int64: the kernel reads either
     bucket = m_bucket(m)
     _up_down_launch(
-        (bucket, k, tile_n, slots, flags["HAS_UP"], width, x.dtype, order), (m,),
-        x, words, counts, row_order, heavy, *up, down_weight_t, down_bias, y, g_scratch, n_scratch, k,
-        n_tiles, bucket, x.stride(0), x.stride(1), *strides, HAS_ORDER=order, CHUNK=CHUNK, **flags,
+        (bucket, k, tile_n, slots, flags["HAS_UP"], width, x.dtype, order, up_out is not None), (m,),
+        x, words, counts, row_order, heavy, *up, down_weight_t, down_bias, y, g_scratch, n_scratch, up_out, k,
+        n_tiles, bucket, x.stride(0), x.stride(1), *strides, HAS_ORDER=order, CHUNK=CHUNK,
+        STORE_U=up_out is not None, U_WIDTH=up_out.shape[1] if up_out is not None else 0, **flags,
     )  # fmt: skip
     # neurons recomputed at a time: a [RECOMPUTE, BLOCK_K] tile of W_g in registers, kept ones fit the scratch
     recompute = 1 << (min(16, max(1, 16384 // flags["BLOCK_K"]), tile_n, width).bit_length() - 1)
