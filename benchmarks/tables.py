@@ -199,8 +199,13 @@ def summary_table(ffn: list[dict], e2e: list[dict], train: list[dict], model: di
     if model is not None:
         dense, twell = model["rows"]["dense-compiled"], model["rows"]["twell-compiled"]
         layers = model["config"]["num_hidden_layers"]
-        variant = model.get("train_hot", policy.TRAIN_HOT) != policy.TRAIN_HOT
-        hot = f", train_hot {model['train_hot']}" if variant else ""
+        chosen = sorted(set((model.get("calibration") or {}).get("train_hot", {}).values()))
+        if model.get("train_hot", policy.TRAIN_HOT) is None and chosen:  # calibration's choice, per layer
+            hot = f", train_hot by calibration: {'/'.join(map(str, chosen))}"
+        elif model.get("train_hot", policy.TRAIN_HOT) != policy.TRAIN_HOT:  # one size for every layer: a variant
+            hot = f", train_hot {model['train_hot']}"
+        else:
+            hot = ""
         rows.append(
             f"| a whole model's training step, 2B shape ({layers} layers, 0.5% skewed, AdamW, L1 penalty) "
             f"| {model['batch']} x {model['seq']} tokens | {dense['tokens_per_s']:.0f} tokens/s, "
