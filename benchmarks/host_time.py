@@ -23,6 +23,11 @@ Triton launches themselves, with and without the density probe, with and without
 torch ops of one call (each a launch on CUDA, bar views and allocations), the Triton launches and
 their argument counts, and the op boundary's time (torch.ops.twell.gated_ffn on meta tensors: its
 dispatch, checks and fake). Runs on any tree (also an older commit's, for a comparison).
+The last point: the eager module path on CPU tensors (x [16, 64], a ReLU LlamaMLP K=64 N=176), us a
+call of the dense module, of its SparseFFN after twell.sparsify, of twell.ops.gated_ffn, of
+torch.ops.twell.gated_ffn, of the op's own function (checks + plain-torch reference, the custom op's
+layers left out), of SparseFFN and of twell.ops with the op replaced by a stub returning x (their
+Python alone), and a cProfile of the SparseFFN call.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ import io
 import json
 import pstats
 import time
+import unittest.mock
+from types import SimpleNamespace
 
 import torch
 from ffn import environment, make_inputs, result_path, timed
@@ -41,6 +48,7 @@ from ffn import environment, make_inputs, result_path, timed
 import twell
 from twell.kernels import dispatch, library  # library: registers torch.ops.twell.*
 from twell.kernels.policy import LayerConfig
+from twell.passes.modules import SparseFFN
 
 CALLS = 20
 # aten ops that launch nothing on CUDA (views, allocation, metadata)
@@ -245,6 +253,44 @@ def cpu_point(hot: int, m: int = 64, k: int = 64, n: int = 256) -> dict:
     return row
 
 
+def module_point(m: int = 16, k: int = 64, n: int = 176) -> dict:
+    """The eager module path's host cost on CPU tensors (module docstring): where SparseFFN's time goes."""
+    import transformers
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=k, intermediate_size=n, hidden_act="relu")
+    mlp = transformers.models.llama.modeling_llama.LlamaMLP(config).eval()
+    x = torch.randn(m, k)
+    row = {"K": k, "N": n, "M": m}
+    with torch.no_grad():
+        row["us_dense_module"] = _us_per_call(lambda: mlp(x))
+        sparse = twell.sparsify(torch.nn.Sequential(mlp))[0]  # a child: sparsify swaps it
+        assert isinstance(sparse, SparseFFN), type(sparse)
+        gate, up, down = sparse.gate_proj.weight, sparse.up_proj.weight, sparse.down_proj.weight
+        route = sparse.layer_config.op_args()
+        ffn_args = (x, gate, up, down, None, None, None, 0.0, False)
+        row["us_sparse_module"] = _us_per_call(lambda: sparse(x))
+        row["us_twell_ops"] = _us_per_call(lambda: twell.ops.gated_ffn(x, gate, up, down))
+        row["us_op"] = _us_per_call(lambda: torch.ops.twell.gated_ffn(*ffn_args, *route))
+        row["us_op_inner"] = _us_per_call(lambda: library.gated_ffn._init_fn(*ffn_args, *route))
+        stub = SimpleNamespace(gated_ffn=lambda x, *args: x)  # the only torch.ops.twell op such a call makes
+        with unittest.mock.patch.object(twell.ops, "torch", SimpleNamespace(ops=SimpleNamespace(twell=stub))):
+            row["us_sparse_module_stub_op"] = _us_per_call(lambda: sparse(x))
+            row["us_twell_ops_stub_op"] = _us_per_call(lambda: twell.ops.gated_ffn(x, gate, up, down))
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(50):
+            sparse(x)
+        prof.disable()
+        out = io.StringIO()
+        stats = pstats.Stats(prof, stream=out)
+        row["python_calls_per_call"] = stats.total_calls / 50
+        stats.sort_stats("tottime").print_stats(20)
+        row["profile"] = out.getvalue()
+    return row
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--ms", default="4096,8192,16384")
@@ -257,7 +303,7 @@ def main():
     k, n = map(int, args.shape.split("x"))
     result = {**environment(), "calls": CALLS, "cpu": args.cpu, "points": []}
     if args.cpu:
-        points = (lambda h=int(h): cpu_point(h) for h in args.hot.split(","))
+        points = [*(lambda h=int(h): cpu_point(h) for h in args.hot.split(",")), module_point]
     else:
         points = (lambda m=int(m): point(m, k, n, args.pattern) for m in args.ms.split(","))
     for measure in points:
