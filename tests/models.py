@@ -97,6 +97,24 @@ def token_ids(seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(seed))
 
 
+def replanned_llama(folder, edit):
+    """The tiny llama sparsified from a plan: calibrated once on token_ids() (no decode steps or timing,
+    every layer rewritten), its saved plan's decisions each changed in place by edit(decision), and a
+    fresh model sparsified from the edited plan."""
+    import json
+
+    import twell
+
+    config = {"decode_steps": 0, "timing_repeats": 0, "progress": False, "min_speedup": 0.0, "max_overflow": 0.99}
+    plan = folder / "plan.json"
+    twell.save_plan(twell.sparsify(build("llama"), [token_ids()], config=config), plan)
+    data = json.loads(plan.read_text())
+    for decision in data["decisions"].values():
+        edit(decision)
+    plan.write_text(json.dumps(data))
+    return twell.sparsify(build("llama"), plan=plan)
+
+
 def logits(model, ids) -> torch.Tensor:
     with torch.no_grad():
         return model(ids).logits

@@ -830,17 +830,9 @@ def test_calibration_keeps_uniform_rates_off_the_hot_hybrid():
 def test_layer_configs_and_the_report_show_train_hot(tmp_path):
     """A plan's train_hot reaches each rewritten layer that trains sparse (twell.layer_configs), and the
     report's decisions carry it with the shares it came from."""
-    from models import build, token_ids
+    from models import replanned_llama
 
-    config = {"decode_steps": 0, "timing_repeats": 0, "progress": False, "min_speedup": 0.0, "max_overflow": 0.99}
-    model = twell.sparsify(build("llama"), [token_ids()], config=config)
-    plan = tmp_path / "plan.json"
-    twell.save_plan(model, plan)
-    data = json.loads(plan.read_text())
-    for decision in data["decisions"].values():
-        decision["density"], decision["train_hot"], decision["hot_pair_shares"] = 0.005, 16, {"128": 0.5}
-    plan.write_text(json.dumps(data))
-    model = twell.sparsify(build("llama"), plan=plan)
+    model = replanned_llama(tmp_path, lambda d: d.update(density=0.005, train_hot=16, hot_pair_shares={"128": 0.5}))
     configs = twell.layer_configs(model)
     assert configs and {(c.train_min_m, c.train_hot) for c in configs.values()} == {(32768, 16)}
     records = twell.report(model).to_dict()["records"]

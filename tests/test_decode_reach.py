@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import DEVICE, rel_err
 from ffn_cases import gated_ref, make_ffn
-from models import build, token_ids
+from models import replanned_llama
 
 import twell
 from twell.calibrate import Decision
@@ -98,15 +98,7 @@ def test_calibration_sets_the_decode_reach_from_density_and_width():
 
 def test_layer_configs_show_the_calibrated_reach(tmp_path):
     """A plan's decisions decide each rewritten layer's decode_max_m, as twell.layer_configs reports it."""
-    config = {"decode_steps": 0, "timing_repeats": 0, "progress": False, "min_speedup": 0.0, "max_overflow": 0.99}
-    model = twell.sparsify(build("llama"), [token_ids()], config=config)
-    plan = tmp_path / "plan.json"
-    twell.save_plan(model, plan)
-    data = json.loads(plan.read_text())
-    for decision in data["decisions"].values():
-        decision["density"], decision["stats"] = 0.005, {}
-    plan.write_text(json.dumps(data))
-    configs = twell.layer_configs(twell.sparsify(build("llama"), plan=plan))
+    configs = twell.layer_configs(replanned_llama(tmp_path, lambda d: d.update(density=0.005, stats={})))
     assert configs and {c.decode_max_m for c in configs.values()} == {16}  # K < 4096: the narrow rows
 
 
