@@ -83,13 +83,17 @@ TRAIN_HOT = 0
 # skewed layer takes 256 (saving ~7.8 pairs a token: 1.3x of dense compiled), a uniform one (top 256
 # ~5-12% of the pairs, each firing on ~0.7% of the tokens) 0. A size saves only where its neurons fire
 # in more than TRAIN_HOT_RATE of the tokens on average (benchmarks/NOTES.md, "Training hot v2").
+# Measured with the fused kernels (train-20261202-072256.json): skewed H=256 1.44x of dense compiled
+# ("other" 1.50 / 1.12 ms eager / compiled against 2.20 / 1.83 unfused), uniform H=256 0.97x;
+# calibration chose 256 on every layer of the 8-layer 2B-shape model: 1.11x (train-model-20261202-072408.json).
 TRAIN_HOT_SIZES = (128, 256, 512)
 TRAIN_HOT_RATE = 0.025
 # The sparse training forward through the prefill kernels (backward._pack_forward: the pack pass over the
 # dense gate, the up+down kernel, a light kernel writing the record from the TwELL words) in place of the
 # one-row-a-program record kernel (2.58 ms at K=2048, N=5632, 32768 tokens, 0.5% uniform, against a floor
-# of 1.38: train-20261202-055339.json). Off until measured on the GPU (benchmarks/NOTES.md, "Training
-# forward through the prefill kernels").
+# of 1.38: train-20261202-055339.json). Measured on uniform rates only: 1.94 ms, the step 1.13x of dense
+# compiled against 1.07x (train-20261202-072958.json); off until measured on skewed rates and with
+# train_hot (benchmarks/NOTES.md, "Training forward through the prefill kernels", "Session 5, final").
 TRAIN_FORWARD_PACK = False
 # Prefill threshold of calls captured into a CUDA graph (their host time is paid once, at capture), where
 # an eager call is host-bound: the kernels' GPU time in a graph replay against dense, K=2048 0.5%:
