@@ -5,7 +5,9 @@ For each token count, on ffn.py's FFN module (uniform 0.5%) after twell.sparsify
 path forced: the host time per call (calls issued back to back, the GPU kept busy by a long kernel
 queued first, so no call waits for the device), the GPU time per call (CUDA-graph replay) and the
 eager time per call (what a user's eager call takes: the larger of the two, roughly), and
-the host time of the dispatcher called directly (*_dispatch_host_ms: the module, twell.ops and the
+the host time, eager time and GPU operations of the module's default route (twell_default_*: what
+an eager call of that size, e.g. a prompt's, takes as sparsify installs it), the host time of the
+dispatcher called directly (*_dispatch_host_ms: the module, twell.ops and the
 custom op's layers left out, the rest of twell_host_ms; twell_op_host_ms: torch.ops.twell.gated_ffn
 called directly, the module and twell.ops left out); the
 same three for the dense module; the GPU time of the module's default route with
@@ -105,6 +107,12 @@ def point(m: int, k: int, n: int, pattern: str) -> dict:
         row["dense_gpu_ms"] = timed(call, True)
         row["dense_eager_ms"] = timed(call, False)
         twell.sparsify(block)
+        # the route sparsify installs, as an eager call of this size takes it (a prompt's call)
+        dispatch.forget_layers()
+        call()
+        row["twell_default_host_ms"] = host_ms(call)
+        row["twell_default_eager_ms"] = timed(call, False)
+        row["twell_default_gpu_ops"] = gpu_ops(call)
         with twell.configure(block, route="prefill"):
             dispatch.forget_layers()
             call()
@@ -137,6 +145,7 @@ def point(m: int, k: int, n: int, pattern: str) -> dict:
             row["captured_prefill"] = True in routed
     row["profile"] = row["twell_profile"]
     row["speedup_eager"] = row["dense_eager_ms"] / row["twell_eager_ms"]
+    row["speedup_default_eager"] = row["dense_eager_ms"] / row["twell_default_eager_ms"]
     row["speedup_gpu"] = row["dense_gpu_ms"] / row["twell_gpu_ms"]
     row["speedup_captured"] = row["dense_gpu_ms"] / row["twell_captured_gpu_ms"]
     return row
@@ -204,6 +213,19 @@ def _us_per_call(fn, calls: int = 200) -> float:
     return min(samples)
 
 
+def _profile(fn, lines: int, calls: int = 50) -> tuple[float, str]:
+    """cProfile of `calls` calls of fn: Python calls a call, and the top `lines` functions by own time."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(lines)
+    return stats.total_calls / calls, out.getvalue()
+
+
 def cpu_point(hot: int, m: int = 64, k: int = 64, n: int = 256) -> dict:
     """The dispatcher's prefill path on CPU tensors (module docstring), with `hot` hot neurons."""
     torch.set_num_threads(1)  # tiny ops: threads only add contention with other processes
@@ -237,16 +259,7 @@ def cpu_point(hot: int, m: int = 64, k: int = 64, n: int = 256) -> dict:
         row["aten_ops_probe"] = _aten_ops(probing)
         row["triton_launches"] = launches[:]
         row["launching_aten_ops"] = [op for op in row["aten_ops_probe"] if op not in NO_LAUNCH]
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(50):
-            probing()
-        prof.disable()
-        out = io.StringIO()
-        stats = pstats.Stats(prof, stream=out)
-        row["python_calls_per_call"] = stats.total_calls / 50
-        stats.sort_stats("tottime").print_stats(15)
-        row["profile"] = out.getvalue()
+        row["python_calls_per_call"], row["profile"] = _profile(probing, lines=15)
         boundary = [t.to("meta") if t is not None else None for t in args[:7]]
         boundary = (*boundary, 0.0, False)
         row["us_op_boundary_fake"] = _us_per_call(lambda: library.gated_ffn(*boundary, *config.op_args()))
@@ -278,16 +291,7 @@ def module_point(m: int = 16, k: int = 64, n: int = 176) -> dict:
         with unittest.mock.patch.object(twell.ops, "torch", SimpleNamespace(ops=SimpleNamespace(twell=stub))):
             row["us_sparse_module_stub_op"] = _us_per_call(lambda: sparse(x))
             row["us_twell_ops_stub_op"] = _us_per_call(lambda: twell.ops.gated_ffn(x, gate, up, down))
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(50):
-            sparse(x)
-        prof.disable()
-        out = io.StringIO()
-        stats = pstats.Stats(prof, stream=out)
-        row["python_calls_per_call"] = stats.total_calls / 50
-        stats.sort_stats("tottime").print_stats(20)
-        row["profile"] = out.getvalue()
+        row["python_calls_per_call"], row["profile"] = _profile(lambda: sparse(x), lines=20)
     return row
 
 

@@ -129,7 +129,8 @@ def rel(a, b) -> float:
 
 
 def stage_times(fn, steps=3) -> dict:
-    """Kernel time per stage of fn (ms per call), from the profiler's device times."""
+    """Kernel time per stage of fn (ms per call), from the profiler's device times, and the sparse
+    forward's by kernel (fwd_sparse_kernels)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -139,6 +140,7 @@ def stage_times(fn, steps=3) -> dict:
             fn()
         torch.cuda.synchronize()
     times = {stage: 0.0 for stage in set(STAGES.values()) | {"other"}}
+    forward = {}  # the sparse forward's kernels apart (--forward-pack runs five)
     for event in prof.key_averages():
         total = getattr(event, "device_time_total", None)
         total = event.cuda_time_total if total is None else total
@@ -146,7 +148,9 @@ def stage_times(fn, steps=3) -> dict:
             continue
         stage = next((s for frag, s in STAGES.items() if frag in event.key), "other")
         times[stage] += total / 1e3 / steps
-    return {f"{stage}_ms": t for stage, t in times.items()}
+        if stage == "fwd_sparse":
+            forward[event.key[:60]] = forward.get(event.key[:60], 0.0) + total / 1e3 / steps
+    return {**{f"{stage}_ms": t for stage, t in times.items()}, "fwd_sparse_kernels": forward}
 
 
 def floors(k, n, m, pairs, gemm_tflop_s) -> dict:

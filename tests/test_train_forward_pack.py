@@ -53,6 +53,10 @@ def _both(case, gated, threshold, drelu, squared=False, width=16, hot=0):
     return outs
 
 
+def _ids(cases):
+    return [f"{variant}-{str(dtype)[6:]}" for variant, dtype in cases]
+
+
 FORWARD_CASES = [
     ("gated-relu-bias", torch.float32),
     ("gated-fatrelu-bias", torch.float32),
@@ -64,7 +68,7 @@ FORWARD_CASES = [
 
 
 @pytest.mark.parametrize("layout", [(32, 4), (64, 16)], indirect=True, ids=["t32s4", "t64s16"])
-@pytest.mark.parametrize("variant,dtype", FORWARD_CASES, ids=[f"{v}-{str(d)[6:]}" for v, d in FORWARD_CASES])
+@pytest.mark.parametrize("variant,dtype", FORWARD_CASES, ids=_ids(FORWARD_CASES))
 def test_forward_matches_the_row_kernel(variant, dtype, layout, monkeypatch):
     """M=72, K=40, N=80 (partial last tile): the record bit for bit (ids, gate, counts; up within an
     ulp), y against the row kernel and float64, sum |h| and nonzero h. The redo rows are exactly those
@@ -146,7 +150,7 @@ GRAD_CASES = [
 
 
 @pytest.mark.parametrize("layout", [(32, 4)], indirect=True, ids=["t32s4"])
-@pytest.mark.parametrize("variant,dtype", GRAD_CASES, ids=[f"{v}-{str(d)[6:]}" for v, d in GRAD_CASES])
+@pytest.mark.parametrize("variant,dtype", GRAD_CASES, ids=_ids(GRAD_CASES))
 def test_every_gradient_matches_dense_autograd(variant, dtype, layout):
     """train_forward + train_backward with the switch on (test_backward's check: M=13, K=24, N=70,
     width 16: empty, sparse, past-width and dense rows, tiles of 32 with 4 slots overflowing)."""

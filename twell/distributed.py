@@ -71,8 +71,8 @@ def tensor_parallel_linear(module: nn.Module) -> bool:
     """A linear parallelized by a torch.distributed.tensor.parallel style on a 1-D mesh, carrying the
     style's hooks (one input hook, one output hook) and no others."""
     return (
-        getattr(module, "_distribute_module_applied", False)
-        and is_dtensor(getattr(module, "weight", None))
+        is_dtensor(getattr(module, "weight", None))  # first: the flag's getattr misses on plain linears
+        and getattr(module, "_distribute_module_applied", False)
         and module.weight.device_mesh.ndim == 1
         and len(module._forward_pre_hooks) <= 1
         and len(module._forward_hooks) <= 1
