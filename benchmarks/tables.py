@@ -110,7 +110,8 @@ def train_points(results: Path) -> list[dict]:
                 continue
             if p.get("train_hot", policy.TRAIN_HOT) != policy.TRAIN_HOT:
                 continue
-            if p.get("train_forward_pack", policy.TRAIN_FORWARD_PACK) != policy.TRAIN_FORWARD_PACK:
+            # runs from before the field: the row kernel's forward
+            if p.get("train_forward_pack", False) != policy.TRAIN_FORWARD_PACK:
                 continue
             key = (p["K"], p["N"], p["M"], p["pattern"], p["density"])
             newest.setdefault(key, {**p, "source": source(name, run)})

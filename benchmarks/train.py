@@ -509,9 +509,10 @@ def main():
     )
     parser.add_argument(
         "--forward-pack",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         default=policy.TRAIN_FORWARD_PACK,
-        help="twell's LayerConfig.train_forward_pack: the forward through the prefill kernels (a variant)",
+        help="twell's LayerConfig.train_forward_pack: the forward through the prefill kernels (default: the "
+        "shipped value; --no-forward-pack: the row kernel's forward, a variant)",
     )
     args = parser.parse_args()
     if SMOKE_WITHOUT_CUDA:

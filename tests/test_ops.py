@@ -217,3 +217,105 @@ def test_layer_config_route():
         assert {policy.route(m, 2048, forced, density=0.5) for m in (1, 9, 16, 100, 1 << 20)} == {path}
         assert policy.route(4, policy.MAX_K + 1, forced) == "dense"  # K the kernels cannot take
     assert default.replace(route="prefill").dense_above == 1.0  # no measured density sends it dense
+
+
+@pytest.fixture
+def direct_dense(monkeypatch):
+    """twell.ops' direct dense call enabled on the CPU (it is for CUDA), recording each call it makes."""
+    from twell.kernels import dense
+
+    calls = []
+    for name in ("gated_ffn_dense", "ffn_dense"):
+        real = getattr(dense, name)
+        monkeypatch.setattr(dense, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    monkeypatch.setattr(twell.ops, "DIRECT_DENSE_DEVICE", "cpu")
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("variant", ["relu-bias", "fatrelu", "drelu", "plain", "plain-relu2"])
+def test_direct_dense_call_is_the_op_bit_for_bit(variant, dtype, direct_dense):
+    """Eager, no autograd, a size every state routes dense (64 tokens: above the decode limits, below
+    prefill): twell.ops runs the dense route itself (the Triton act_mul in the interpreter), the same bits
+    as the op's (3-D x, biases, thresholds, relu², dReLU)."""
+    gated = not variant.startswith("plain")
+    case = make_ffn(64, 24, 70, [0.0, 0.1, 0.5], torch.float32, biases=variant == "relu-bias", gated=gated)
+    case = {name: t.to(dtype) if t is not None else None for name, t in case.items()}
+    x = case["x"].reshape(4, 16, 24)
+    threshold = 0.05 if variant == "fatrelu" else 0.0
+    if gated:
+        biases = {"gate_bias": case["gate_bias"], "up_bias": case["up_bias"], "down_bias": case["down_bias"]}
+        y = twell.ops.gated_ffn(x, *_gated_args(case)[1:], threshold=threshold, drelu=variant == "drelu", **biases)
+        args = (*_gated_args(case)[1:], *biases.values(), threshold, variant == "drelu")
+        op = torch.ops.twell.gated_ffn(x, *args)
+    else:
+        squared = variant == "plain-relu2"
+        y = twell.ops.ffn(x, case["up_weight"], case["down_weight"], squared=squared)
+        op = torch.ops.twell.ffn(x, case["up_weight"], case["down_weight"], None, None, 0.0, squared)
+    assert direct_dense == ["gated_ffn_dense" if gated else "ffn_dense"]
+    assert y.shape == x.shape and torch.equal(y, op)
+
+
+@pytest.mark.parametrize(
+    "m,config",
+    [
+        (8, None),  # decode kernels
+        (12, None),  # decode or dense by the layer's measured density
+        (64, twell.LayerConfig(prefill_min_m=32)),  # prefill kernels
+        (64, twell.LayerConfig(prefill_min_m_captured=32)),  # prefill when captured
+        (64, twell.LayerConfig(decode_max_m=64, decode_sparse_max_m=64)),
+    ],
+    ids=["decode", "decode-by-density", "prefill", "prefill-captured", "calibrated-decode"],
+)
+def test_direct_dense_call_only_where_every_state_routes_dense(m, config, direct_dense):
+    case = make_ffn(m, 16, 40, [0.2], torch.float32)
+    twell.ops.gated_ffn(*_gated_args(case), config=config)
+    assert direct_dense == []
+
+
+def test_direct_dense_call_not_under_autograd_compile_or_tensor_subclasses(direct_dense, monkeypatch):
+    case = make_ffn(64, 16, 40, [0.2], torch.float32)
+    x = case["x"].clone().requires_grad_()
+    twell.ops.gated_ffn(x, *_gated_args(case)[1:]).sum().backward()  # the op's autograd
+    assert direct_dense == [] and x.grad is not None
+    with torch.no_grad():  # a leaf needing grad, but no graph recorded: direct
+        twell.ops.gated_ffn(x, *_gated_args(case)[1:])
+    assert direct_dense == ["gated_ffn_dense"]
+
+    class Marked(torch.Tensor):
+        pass
+
+    direct_dense.clear()
+    twell.ops.gated_ffn(case["x"].as_subclass(Marked), *_gated_args(case)[1:])
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.compiler, "is_compiling", lambda: True)
+        twell.ops.gated_ffn(*_gated_args(case))
+    assert direct_dense == []
+
+
+def test_direct_dense_call_checks_as_the_op(direct_dense):
+    case = make_ffn(64, 16, 40, [0.2], torch.float32)
+    with pytest.raises(ValueError, match="up_weight"):
+        twell.ops.gated_ffn(case["x"], case["gate_weight"], case["up_weight"][:30], case["down_weight"])
+    with pytest.raises(ValueError, match="threshold"):
+        twell.ops.gated_ffn(*_gated_args(case), threshold=float("inf"))
+    assert direct_dense == []  # the checks ran first
+
+
+@pytest.mark.gpu
+def test_direct_dense_call_on_cuda_is_the_dispatchers_dense_route():
+    """bf16, K=2048 N=5632, 256 tokens (an eager prompt's call): twell.ops on a sparsify-style down weight
+    (rows stored [N, K]) gives the op's bits, eagerly and replayed from a CUDA graph."""
+    torch.manual_seed(0)
+    x = torch.randn(256, 2048, device="cuda", dtype=torch.bfloat16)
+    gate, up = (torch.randn(5632, 2048, device="cuda", dtype=torch.bfloat16) / 45 for _ in range(2))
+    down = (torch.randn(5632, 2048, device="cuda", dtype=torch.bfloat16) / 75).t()  # the kernels' layout
+    args = (x, gate, up, down)
+    op = torch.ops.twell.gated_ffn(*args, None, None, None, 0.0, False)
+    assert torch.equal(twell.ops.gated_ffn(*args), op)
+    graph, out = torch.cuda.CUDAGraph(), None
+    with torch.cuda.graph(graph):
+        out = twell.ops.gated_ffn(*args)
+    out.fill_(float("nan"))
+    graph.replay()
+    assert torch.equal(out, op)

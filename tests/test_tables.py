@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from twell.kernels import policy
+
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("benchmark_tables", ROOT / "benchmarks" / "tables.py")
 tables = importlib.util.module_from_spec(_spec)
@@ -85,15 +87,18 @@ def test_the_newest_run_of_each_point_counts(tmp_path):
     fewer = e2e_run("e4", 7000.0)  # newer, of fewer layers: a point of its own, beside the 38-layer one
     fewer["models"][0]["config"]["num_hidden_layers"] = 12
     write(tmp_path, "e2e-20260104-000000.json", fewer)
-    write(tmp_path, "train-20260101-000000.json", {"commit": "t1", "points": [ffn_point(32768, 0.5)]})
-    write(tmp_path, "train-20260102-000000.json", {"commit": "t2", "points": [ffn_point(32768, 1.05)]})
+    shipped = {"train_forward_pack": policy.TRAIN_FORWARD_PACK}  # the training forward users get
+    write(tmp_path, "train-20260101-000000.json", {"commit": "t1", "points": [{**ffn_point(32768, 0.5), **shipped}]})
+    write(tmp_path, "train-20260102-000000.json", {"commit": "t2", "points": [{**ffn_point(32768, 1.05), **shipped}]})
     # newer, but a variant of the kernels' settings (not what users get)
     variant = {**ffn_point(32768, 3.0), "train_entries": 4}
     write(tmp_path, "train-20260103-000000.json", {"commit": "t3", "points": [variant]})
     hot = {**ffn_point(32768, 4.0), "train_hot": 256}  # the hot-neuron hybrid, off by default: a variant too
     write(tmp_path, "train-20260104-000000.json", {"commit": "t4", "points": [hot]})
-    packed = {**ffn_point(32768, 5.0), "train_forward_pack": True}  # the forward through the pack: off, a variant
-    write(tmp_path, "train-20260105-000000.json", {"commit": "t5", "points": [packed]})
+    other = {**ffn_point(32768, 5.0), "train_forward_pack": not policy.TRAIN_FORWARD_PACK}  # the other forward
+    write(tmp_path, "train-20260105-000000.json", {"commit": "t5", "points": [other]})
+    if policy.TRAIN_FORWARD_PACK:  # a run from before the field measured the row kernel's forward: a variant now
+        write(tmp_path, "train-20260106-000000.json", {"commit": "t6", "points": [ffn_point(32768, 6.0)]})
 
     points = {p["M"]: p for p in tables.ffn_points(tmp_path)}
     assert (points[1]["speedup"], points[1]["source"]) == (2.5, "`ffn-20260102-000000.json` (new)")

@@ -178,13 +178,14 @@ def _choose(x2, gate_weight, wd_t, config, capturing) -> tuple[str, _LayerState 
     than the sparse FFN saves at decode sizes, so weights in the plain nn.Linear layout run dense
     (sparsify re-lays them once: twell.passes.modules.store_down_rows)."""
     m, k = x2.shape
+    if always_dense(m, k, config, wd_t):
+        return "dense", None
     sparse_decode = config.decode_max_m < m <= config.decode_sparse_max_m
     density = layer_density(gate_weight, capturing, config) if sparse_decode else None
-    routed = wd_t.stride(1) == 1
-    path = policy.route(m, k, config, density, capturing) if routed else "dense"
+    path = policy.route(m, k, config, density, capturing)
     # where captured calls have a prefill threshold of their own: the path of this call in the other mode
     other = path
-    if routed and config.prefill_min_m_captured is not None:
+    if config.prefill_min_m_captured is not None:
         other = policy.route(m, k, config, density, not capturing)
     if path != "prefill" and other != "prefill":
         return path, None
@@ -201,6 +202,16 @@ def _choose(x2, gate_weight, wd_t, config, capturing) -> tuple[str, _LayerState 
         return "dense", None
     state.prefilled = state.prefilled or not capturing
     return "prefill", state
+
+
+def always_dense(m: int, k: int, config: policy.LayerConfig, wd_t: torch.Tensor) -> bool:
+    """Whether every call of m tokens of width k on a layer with `config` (down weight rows wd_t) runs
+    dense, whatever the layer's measured state and in or out of a CUDA-graph capture."""
+    if wd_t.stride(1) != 1:
+        return True
+    if config.decode_max_m < m <= config.decode_sparse_max_m:  # decode or not by the measured density
+        return False
+    return policy.route(m, k, config, None, False) == "dense" and policy.route(m, k, config, None, True) == "dense"
 
 
 def _prefill(

@@ -90,11 +90,11 @@ TRAIN_HOT_SIZES = (128, 256, 512)
 TRAIN_HOT_RATE = 0.025
 # The sparse training forward through the prefill kernels (backward._pack_forward: the pack pass over the
 # dense gate, the up+down kernel, a light kernel writing the record from the TwELL words) in place of the
-# one-row-a-program record kernel (2.58 ms at K=2048, N=5632, 32768 tokens, 0.5% uniform, against a floor
-# of 1.38: train-20261202-055339.json). Measured on uniform rates only: 1.94 ms, the step 1.13x of dense
-# compiled against 1.07x (train-20261202-072958.json); off until measured on skewed rates and with
-# train_hot (benchmarks/NOTES.md, "Training forward through the prefill kernels", "Session 5, final").
-TRAIN_FORWARD_PACK = False
+# one-row-a-program record kernel. K=2048, N=5632, 32768 tokens, 0.5%: the forward 2.58 -> 1.94 ms uniform
+# (step 1.07x -> 1.13x of dense compiled, train-20261202-055339 / -072958.json), 2.03 -> 1.34 skewed (1.16x
+# -> 1.24x, train-20261202-113748.json), 1.47 -> 0.96 skewed with 256 hot neurons (1.44x -> 1.55x,
+# train-20261202-113926.json); benchmarks/NOTES.md, "Session 6, first GPU run".
+TRAIN_FORWARD_PACK = True
 # Prefill threshold of calls captured into a CUDA graph (their host time is paid once, at capture), where
 # an eager call is host-bound: the kernels' GPU time in a graph replay against dense, K=2048 0.5%:
 # 1.04x / 1.205x / 1.375x at 4096 / 8192 / 16384 tokens uniform (host_time-20261202-033002.json), 1.42x
