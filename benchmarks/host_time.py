@@ -6,9 +6,7 @@ path forced: the host time per call (calls issued back to back, the GPU kept bus
 queued first, so no call waits for the device), the GPU time per call (CUDA-graph replay) and the
 eager time per call (what a user's eager call takes: the larger of the two, roughly), and
 the host time, eager time, GPU operations and cProfile of the module's default route (twell_default_*:
-what an eager call of that size, e.g. a prompt's, takes as sparsify installs it; twell_default_torch_*:
-the same with twell.ops.DIRECT_TORCH_MAX_M at the call's size, torch's elementwise ops in place of
-act_mul), the host time of the
+what an eager call of that size, e.g. a prompt's, takes as sparsify installs it), the host time of the
 dispatcher called directly (*_dispatch_host_ms: the module, twell.ops and the
 custom op's layers left out, the rest of twell_host_ms; twell_op_host_ms: torch.ops.twell.gated_ffn
 called directly, the module and twell.ops left out); the
@@ -116,10 +114,6 @@ def point(m: int, k: int, n: int, pattern: str) -> dict:
         row["twell_default_eager_ms"] = timed(call, False)
         row["twell_default_gpu_ops"] = gpu_ops(call)
         row["twell_default_profile"] = profile(call)
-        with unittest.mock.patch.object(twell.ops, "DIRECT_TORCH_MAX_M", m):  # the variant: torch's ops
-            row["twell_default_torch_host_ms"] = host_ms(call)
-            row["twell_default_torch_eager_ms"] = timed(call, False)
-            row["twell_default_torch_gpu_ops"] = gpu_ops(call)
         with twell.configure(block, route="prefill"):
             dispatch.forget_layers()
             call()

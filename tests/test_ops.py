@@ -1,7 +1,5 @@
 """torch.ops.twell.*: the functional API, input checks, torch.compile tracing and autograd (CPU)."""
 
-import unittest.mock
-
 import pytest
 import torch
 from conftest import rel_err
@@ -295,25 +293,6 @@ def test_direct_dense_call_not_under_autograd_compile_or_tensor_subclasses(direc
     assert direct_dense == []
 
 
-@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
-def test_direct_dense_call_by_torch_ops_below_its_limit(gated, direct_dense, monkeypatch):
-    """DIRECT_TORCH_MAX_M: calls up to it run the plain torch reference (no act_mul), the op's bits."""
-    monkeypatch.setattr(twell.ops, "DIRECT_TORCH_MAX_M", 64)
-    case = make_ffn(64, 16, 40, [0.2], torch.float16, gated=gated)
-    if gated:
-        y, op = (
-            twell.ops.gated_ffn(*_gated_args(case)),
-            torch.ops.twell.gated_ffn(*_gated_args(case), None, None, None, 0.0, False),
-        )
-    else:
-        args = (case["x"], case["up_weight"], case["down_weight"])
-        y, op = twell.ops.ffn(*args), torch.ops.twell.ffn(*args, None, None, 0.0, False)
-    assert direct_dense == [] and torch.equal(y, op)
-    monkeypatch.setattr(twell.ops, "DIRECT_TORCH_MAX_M", 63)
-    twell.ops.gated_ffn(*_gated_args(case)) if gated else twell.ops.ffn(*args)
-    assert direct_dense == ["gated_ffn_dense" if gated else "ffn_dense"]
-
-
 def test_direct_dense_call_checks_as_the_op(direct_dense):
     case = make_ffn(64, 16, 40, [0.2], torch.float32)
     with pytest.raises(ValueError, match="up_weight"):
@@ -334,8 +313,6 @@ def test_direct_dense_call_on_cuda_is_the_dispatchers_dense_route():
     args = (x, gate, up, down)
     op = torch.ops.twell.gated_ffn(*args, None, None, None, 0.0, False)
     assert torch.equal(twell.ops.gated_ffn(*args), op)
-    with unittest.mock.patch.object(twell.ops, "DIRECT_TORCH_MAX_M", 256):  # torch's elementwise ops
-        assert torch.equal(twell.ops.gated_ffn(*args), op)
     graph, out = torch.cuda.CUDAGraph(), None
     with torch.cuda.graph(graph):
         out = twell.ops.gated_ffn(*args)

@@ -100,10 +100,6 @@ def _run(args: tuple, drelu: bool, squared: bool, return_l1: bool, config: Layer
 
 # The device whose eager calls skip the op where the dispatcher would route them dense in any state.
 DIRECT_DENSE_DEVICE = "cuda"
-# Direct dense calls of at most this many tokens run the plain torch reference (the same bits: two
-# elementwise launches in place of act_mul's one Triton launch, which may cost the host more); 0: none
-# (a variant until measured: benchmarks/host_time.py's twell_default_torch_* columns).
-DIRECT_TORCH_MAX_M = 0
 
 
 def _direct_dense(args: tuple, config: LayerConfig) -> bool:
@@ -133,15 +129,14 @@ def _dense(args: tuple, drelu: bool, squared: bool) -> torch.Tensor:
 
     x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold = args
     x2 = x.reshape(-1, x.shape[-1])
-    plain = x2.shape[0] <= DIRECT_TORCH_MAX_M
     if up_weight is None:
         checks.check_plain(x, gate_weight, down_weight, gate_bias, down_bias, threshold)
-        fn = reference.ffn_reference if plain else dense.ffn_dense
-        y = fn(x2, gate_weight, down_weight, gate_bias, down_bias, threshold, squared)
+        y = dense.ffn_dense(x2, gate_weight, down_weight, gate_bias, down_bias, threshold, squared)
     else:
         checks.check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold)
-        fn = reference.gated_ffn_reference if plain else dense.gated_ffn_dense
-        y = fn(x2, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu)
+        y = dense.gated_ffn_dense(
+            x2, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu
+        )
     return y.reshape(x.shape)
 
 
