@@ -49,10 +49,11 @@ generation):
   forward runs the row's model eagerly (compiling it too would cost two more compilations per row):
   in the twell rows the sparsified model, whose FFN calls pay the op's eager host path (a prompt
   forward of 16-1024 tokens is host-bound), the decode steps the row's forward. tokens_per_s = batch
-  * new tokens / time of the whole generation, prompt included; the prompt alone is timed the same
-  way (generate with one new token: the prompt's forward and its greedy token), so the decode steps'
-  share is the difference of the two medians: decode_ms_per_step (the new tokens after the first,
-  each one graph replay) and decode_tokens_per_s = batch / decode_ms_per_step, what a served model's
+  * new tokens / time of the whole generation, prompt included; each timed call also stamps the stream once
+  the prompt's forward and greedy token are issued, which splits it: prompt_ms (the median time up to
+  the stamp) and the decode steps' (after it, the same calls: one run's host drift and the prompt's
+  eager jitter do not leak into it): decode_ms_per_step (the new tokens after the first, each one
+  graph replay) and decode_tokens_per_s = batch / decode_ms_per_step, what a served model's
   steps give (decode_speedup, against the faster dense row's).
 - with --step-kernels, per generation point, one decode step's kernels (count, per name: count and us),
   the row's forward run uncaptured under torch.profiler (benchmarks/step_profile.py's step_kernels).
@@ -245,9 +246,11 @@ class Meter:
         return float(pynvml.nvmlDeviceGetTotalEnergyConsumption(handle))
 
     @torch.no_grad()
-    def measure(self, fn, *, units: int, warmup: int, min_time: float, breakdown=None) -> dict:
+    def measure(self, fn, *, units: int, warmup: int, min_time: float, breakdown=None, split=None) -> dict:
         """Median ms of fn(); energy per unit (token) over the timed calls; peak GB; the breakdown's
-        medians (a Breakdown, collected per call)."""
+        medians (a Breakdown, collected per call); split: a list each call of fn appends one stamp to
+        (self.stamp()), giving the medians of each timed call's time before it and after it (split_ms:
+        [before, after])."""
         start = time.perf_counter()
         for _ in range(warmup):
             fn()
@@ -257,7 +260,9 @@ class Meter:
         warmup_s = time.perf_counter() - start
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
-        times, parts = [], []
+        times, parts, tails = [], [], []
+        if split is not None:
+            split.clear()
         energy_start = self.energy_mj()
         while len(times) < 3 or sum(times) < min_time * 1e3:
             begin = self.stamp()
@@ -265,6 +270,8 @@ class Meter:
             end = self.stamp()
             self.sync()
             times.append(self.elapsed_ms(begin, end))
+            if split is not None:
+                tails.append(self.elapsed_ms(split.pop(), end))
             if breakdown is not None:
                 parts.append(breakdown.take())
         energy_end = self.energy_mj()
@@ -275,6 +282,11 @@ class Meter:
             "peak_gb": torch.cuda.max_memory_allocated() / 2**30 if self.cuda else None,
             "energy_mj_per_token": None if energy_start is None else (energy_end - energy_start) / (len(times) * units),
         }
+        if tails:
+            result["split_ms"] = [
+                statistics.median(t - a for t, a in zip(times, tails, strict=True)),
+                statistics.median(tails),
+            ]
         if parts:
             attention = statistics.median(p[0] for p in parts)
             ffn = statistics.median(p[1] for p in parts)
@@ -386,16 +398,19 @@ def run_row(meter, model, forward, work: Workload, args, *, eager: bool, decoder
 
 
 def measure_generation(meter, decoder, prompt, new_tokens: int, min_time: float) -> dict:
-    """The whole generation's median (warm-up: one call, the capture with it), then the prompt's alone
-    (generate with one new token) right after, and the decode steps' share: the difference."""
+    """The whole generation's median (warm-up: one call, the capture with it), and of the same calls the
+    prompt's share (up to a stamp after its forward) and the decode steps' (from that stamp)."""
     b = prompt.shape[0]
-    m = meter.measure(lambda: decoder.generate(prompt, new_tokens), units=b * new_tokens, warmup=1, min_time=min_time)
+    stamps = []
+    m = meter.measure(
+        lambda: decoder.generate(prompt, new_tokens, after_prompt=lambda: stamps.append(meter.stamp())),
+        units=b * new_tokens, warmup=1, min_time=min_time, split=stamps,
+    )  # fmt: skip
     m.update(batch=b, prompt=prompt.shape[1], new_tokens=new_tokens)
     m["tokens_per_s"] = b * new_tokens / m["ms"] * 1e3
-    first = meter.measure(lambda: decoder.generate(prompt, 1), units=b, warmup=1, min_time=min_time)
-    m["prompt_ms"], m["prompt_calls"] = first["ms"], first["calls"]
+    (m["prompt_ms"], decode_ms), m["prompt_calls"] = m.pop("split_ms"), m["calls"]
     steps = new_tokens - 1
-    step_ms = (m["ms"] - first["ms"]) / steps if steps else None
+    step_ms = decode_ms / steps if steps else None
     m["decode_ms_per_step"] = step_ms
     m["decode_tokens_per_s"] = b / step_ms * 1e3 if step_ms and step_ms > 0 else None
     return m

@@ -95,8 +95,10 @@ class GreedyDecoder:
             self._step()
 
     @torch.no_grad()
-    def generate(self, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
-        """prompt: [batch, P] token ids. Returns the `new_tokens` greedy tokens [batch, new_tokens]."""
+    def generate(self, prompt: torch.Tensor, new_tokens: int, after_prompt=None) -> torch.Tensor:
+        """prompt: [batch, P] token ids. Returns the `new_tokens` greedy tokens [batch, new_tokens].
+        after_prompt: called once the prompt's forward is issued, before the first decode step (a
+        benchmark's time stamp between the two)."""
         if prompt.shape[0] != self.ids.shape[0]:
             raise ValueError(f"prompt batch {prompt.shape[0]}, decoder built for {self.ids.shape[0]}")
         if prompt.shape[1] + new_tokens - 1 > self.max_len:
@@ -106,6 +108,8 @@ class GreedyDecoder:
         self._prefill(prompt)
         out = torch.empty(prompt.shape[0], new_tokens, dtype=torch.long, device=self.device)
         out[:, 0] = self.ids[:, 0]
+        if after_prompt is not None:
+            after_prompt()
         for i in range(1, new_tokens):
             if self.captured is not None:
                 self.captured.replay()
