@@ -417,19 +417,26 @@ def measure_generation(meter, decoder, prompt, new_tokens: int, min_time: float)
 
 
 def chosen_configs(model, work: Workload) -> dict:
-    """What calibration chose: each rewritten layer's LayerConfig fields ("layer_configs", by path) and, per
-    generation batch, how many layers route its decode calls where ("routes": the route from the
-    LayerConfig alone, as before any prefill call has measured a density)."""
+    """What calibration chose: each rewritten layer's LayerConfig fields ("layer_configs", by path), per
+    generation batch how many layers route its decode calls where ("routes": the route from the
+    LayerConfig alone, as before any prefill call has measured a density), and each layer's decision
+    (reason, predicted speedups, density, decode_cap)."""
     configs = twell.layer_configs(model)
     width = model.config.hidden_size
     routes = {}
     for b in work.prompts:
         counts = collections.Counter(policy.route(b, width, c) for c in configs.values())
         routes[str(b)] = dict(sorted(counts.items()))
+    decisions = {
+        r.path: {key: r.decision.get(key) for key in ("reason", "predicted_speedup", "density", "decode_cap")}
+        for r in twell.report(model)
+        if r.decision
+    }
     return {
         "rewritten": len(configs),
         "layer_configs": {path: dataclasses.asdict(c) for path, c in configs.items()},
         "routes": routes,
+        "decisions": decisions,
     }
 
 

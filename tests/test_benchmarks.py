@@ -57,6 +57,8 @@ def test_e2e_smoke(smoke_result):
             assert len(calibration["layer_configs"]) == calibration["rewritten"] == row["report"]["rewritten"]
             assert set(calibration["routes"]) == {"1", "2"}
             assert all(sum(r.values()) == calibration["rewritten"] for r in calibration["routes"].values())
+            assert set(calibration["decisions"]) >= set(calibration["layer_configs"])
+            assert all("decode" in d["predicted_speedup"] for d in calibration["decisions"].values())
 
 
 def test_plots_from_smoke_result(smoke_result, tmp_path):

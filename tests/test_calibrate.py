@@ -423,6 +423,53 @@ def test_a_phase_slower_than_dense_runs_dense(ratios, rewrite, dense_phases):
     assert Decision.from_dict(json.loads(json.dumps(decision.to_dict()))) == decision
 
 
+class SizeCost(FixedCost):
+    """ratio[m] for calls of m tokens (0.5 for prefill-sized ones); records the sizes it was asked for."""
+
+    def __init__(self, ratio):
+        super().__init__(ratio)
+        self.asked = []
+
+    def time_ratio(self, **shape) -> float:
+        self.asked.append(shape["m"])
+        return self.ratio.get(shape["m"], 0.5)
+
+
+@pytest.mark.parametrize(
+    ("ratios", "cap", "decode_limits", "decode_speedup"),
+    [
+        ({1: 0.5, 16: 1.25}, 1, (1, 1), 2 / (0.5 + 1)),  # 16 tokens lose: capped at 1, the 16s run dense
+        ({1: 0.5, 16: 0.8}, None, (16, 16), 2 / (0.5 + 0.8)),  # both win: the calibrated reach
+        ({1: 1.25, 16: 0.8}, None, (0, 0), 2 / (1.25 + 0.8)),  # the smallest loses: the phase, as a whole
+        ({1: 1.25, 16: 1.25}, None, (0, 0), 0.8),  # both lose: the decode phase runs dense
+    ],
+    ids=["larger-loses", "both-win", "smallest-loses", "both-lose"],
+)
+def test_decode_phase_is_predicted_per_call_size(ratios, cap, decode_limits, decode_speedup):
+    """Decode calls of 1 and 16 tokens (as many of each), 1% dense (K=32: the reach table sends 16 there):
+    a larger size that loses caps the decode kernels at the sizes that win instead of turning off the
+    one-token calls; 64-token calls (routed dense) get no prediction and count as dense."""
+    model = Stack(GatedFFN(32, 64, identity_gate=True))
+    batches = [{"x": sparse_input(3 * 7, 32, 0.02).view(3, 7, 32)}]
+    batches += [{"x": sparse_input(b, 32, 0.01, seed=b).view(b, 1, 32)} for b in (1, 16)]
+    cost = SizeCost(ratios)
+    decision = calibrate(model, [candidate_of(model, 0)], batches, config={**FAST, "cost_model": cost})["blocks.0"]
+    assert decision.rewrite and decision.decode_cap == cap
+    layer = decision.layer_config()
+    assert (layer.decode_max_m, layer.decode_sparse_max_m) == decode_limits
+    assert ("decode" in decision.dense_phases) is (decode_limits == (0, 0))
+    expected = 1.0 if decision.dense_phases else decode_speedup
+    assert decision.predicted_speedup["decode"] == pytest.approx(expected)
+    assert ("decode calls of more than 1 tokens run dense" in decision.reason) is (cap == 1)
+    assert Decision.from_dict(json.loads(json.dumps(decision.to_dict()))) == decision
+
+    batches.append({"x": sparse_input(64, 32, 0.01, seed=64).view(64, 1, 32)})
+    cost = SizeCost({1: 0.5, 16: 0.8, 64: 9.0})  # 64 would lose: it must not be asked
+    decision = calibrate(model, [candidate_of(model, 0)], batches, config={**FAST, "cost_model": cost})["blocks.0"]
+    assert 64 not in cost.asked and decision.decode_cap is None
+    assert decision.predicted_speedup["decode"] == pytest.approx(3 / (0.5 + 0.8 + 1))
+
+
 def test_decode_calls_are_timed_as_graph_replays(tmp_path):
     """Decode-routed calls: both sides through graph_timer (the key says so); a capture that fails times
     both eagerly; prefill-sized calls are timed eagerly."""
@@ -657,6 +704,11 @@ def test_plan_with_unknown_dense_phases_is_refused(tmp_path, calibrated):
     plan["decisions"]["blocks.0"]["dense_phases"] = ["training"]
     path.write_text(json.dumps(plan))
     with pytest.raises(ValueError, match="dense_phases must be a list of"):
+        load_plan(path, candidates)
+    plan["decisions"]["blocks.0"]["dense_phases"] = []
+    plan["decisions"]["blocks.0"]["decode_cap"] = 0
+    path.write_text(json.dumps(plan))
+    with pytest.raises(ValueError, match="decode_cap must be a positive int or null, got 0"):
         load_plan(path, candidates)
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -29,7 +30,11 @@ class Decision:
     predicted_speedup is then 1). hot_pair_shares: {str(H): share of the layer's kept pairs held by its
     H most frequent neurons} over all calibration rows, for H of policy.TRAIN_HOT_SIZES up to N (empty
     below HOT_MIN_ROWS rows); train_hot: the hot neurons of its sparse training calls chosen from them
-    (policy.calibrated_train_hot), which layer_config takes where the layer trains sparse.
+    (policy.calibrated_train_hot), which layer_config takes where the layer trains sparse. decode_cap:
+    the largest decode call size the decode kernels keep, where calibration's decode calls came in
+    several sizes and a larger one was predicted slower than dense (None: no cap); the decode phase is
+    predicted per call size (_decode_speedup), so a batch size that loses does not turn off the
+    one-token calls that win.
     """
 
     path: str
@@ -52,6 +57,7 @@ class Decision:
     dense_phases: list[str] = field(default_factory=list)
     hot_pair_shares: dict[str, float] = field(default_factory=dict)
     train_hot: int = 0
+    decode_cap: int | None = None
 
     def to_dict(self) -> dict:
         """JSON-serialisable dict (round-trips through from_dict)."""
@@ -69,6 +75,11 @@ class Decision:
         )
         if self.tile_n is not None:
             config = config.replace(tile_n=self.tile_n, slots=self.slots)
+        if self.decode_cap is not None:
+            cap = self.decode_cap
+            config = config.replace(
+                decode_max_m=min(config.decode_max_m, cap), decode_sparse_max_m=min(config.decode_sparse_max_m, cap)
+            )
         config = config.replace(**{**self.route_changes(), **changes})
         if config.train_min_m is not None and "train_hot" not in changes:
             config = config.replace(train_hot=self.train_hot)
@@ -99,6 +110,9 @@ class Decision:
                 stats["overflow_rows"] = {
                     t: {str(int(t) // int(c)): f for c, f in by_c.items()} for t, by_c in overflow.items()
                 }
+        cap = decision.decode_cap
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+            raise ValueError(f"decision for {decision.path}: decode_cap must be a positive int or null, got {cap!r}")
         if not isinstance(decision.dense_phases, list) or not set(decision.dense_phases) <= set(PHASES):
             raise ValueError(f"decision for {decision.path}: dense_phases must be a list of {PHASES}")
         if decision.tile_n is not None or decision.slots is not None:
@@ -184,22 +198,32 @@ def decide(
     config = decision.layer_config(changes)  # what the layer will run with
     for phase, counter in recorder.phases.items():
         stats = decision.stats[phase]
-        m = _predicted_tokens(cfg, phase, stats["rows_per_call_median"], config)
-        density, hot_share = _sparse_share(counter, config, stats, m, decision.model_size)
-        ratio = cost.time_ratio(
-            kind=candidate.kind,
-            m=m,
-            k=decision.model_size,
-            n=-(-decision.hidden_size // recorder.shards),  # the width each rank runs
-            density=density,
-            dtype=dtype,
-            config=config,
-        )
-        if ratio < 1.0:  # the hot neurons' dense products cost about their share of the dense FFN
-            ratio = min(1.0, ratio + hot_share)
-        # Overflow rows run dense (the format's dense backup).
-        overflow = counter.overflow_fraction(decision.tile_n, decision.slots)
-        decision.predicted_speedup[phase] = 1.0 / ((1.0 - overflow) * ratio + overflow)
+
+        def speedup(m, counter=counter, stats=stats):
+            density, hot_share = _sparse_share(counter, config, stats, m, decision.model_size)
+            ratio = cost.time_ratio(
+                kind=candidate.kind,
+                m=m,
+                k=decision.model_size,
+                n=-(-decision.hidden_size // recorder.shards),  # the width each rank runs
+                density=density,
+                dtype=dtype,
+                config=config,
+            )
+            if ratio < 1.0:  # the hot neurons' dense products cost about their share of the dense FFN
+                ratio = min(1.0, ratio + hot_share)
+            # Overflow rows run dense (the format's dense backup).
+            overflow = counter.overflow_fraction(decision.tile_n, decision.slots)
+            return 1.0 / ((1.0 - overflow) * ratio + overflow)
+
+        if phase == "decode":
+            decision.predicted_speedup[phase], decision.decode_cap = _decode_speedup(
+                counter, stats, config, decision.model_size, speedup
+            )
+        else:
+            decision.predicted_speedup[phase] = speedup(
+                _predicted_tokens(cfg, phase, stats["rows_per_call_median"], config)
+            )
     # Rewrite where any phase pays; a phase twell would slow down then runs dense (its route turned
     # off), so no phase of a rewritten FFN is predicted slower than dense.
     speedups = decision.predicted_speedup
@@ -216,7 +240,34 @@ def decide(
         for phase in decision.dense_phases:
             decision.reason += f"; {phase} calls run dense (predicted {speedups[phase]:.2f}x)"
             speedups[phase] = 1.0
+        if decision.decode_cap is not None:
+            decision.reason += f"; decode calls of more than {decision.decode_cap} tokens run dense"
     return decision
+
+
+def _decode_speedup(
+    counter: PhaseCounter, stats: dict, config: LayerConfig, k: int, speedup
+) -> tuple[float, int | None]:
+    """The decode phase's predicted speedup and Decision.decode_cap, by call size: each size calibration
+    saw, weighted by its calls, predicted by speedup(m); sizes the layer's route sends dense count as
+    dense (no prediction: the same kernels). Where the decode kernels are predicted to win up to some
+    size and lose past it, the cap keeps them to the sizes that win (the phase predicted as it then
+    runs); where they lose at the smallest size, no cap: the phase as a whole, which the caller runs
+    dense if it is slower."""
+    sizes = collections.Counter(counter.rows_per_call)
+    gains = {m: speedup(m) for m in sizes if policy.route(m, k, config, stats["density"]) != "dense"}
+    cap = None
+    for m in sorted(gains):
+        if gains[m] < 1.0:
+            cap = max((w for w in gains if w < m), default=0)
+            break
+    limit = None if cap == 0 else cap
+
+    def combined() -> float:
+        time = sum(n / gains[m] if m in gains and (limit is None or m <= limit) else n for m, n in sizes.items())
+        return sum(sizes.values()) / time
+
+    return combined(), limit
 
 
 # Fewer calibration rows than this give no hot-neuron estimate: from a few rows a neuron's rate cannot
