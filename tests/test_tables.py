@@ -122,3 +122,33 @@ def test_markers_are_replaced_whole_and_unknown_ones_refused():
     assert tables.with_tables(text, {"ffn": "| new |"}) == "a\n<!-- tables:ffn -->\n| new |\n<!-- /tables:ffn -->\nb\n"
     with pytest.raises(ValueError, match="unknown table marker 'nope'"):
         tables.with_tables("<!-- tables:nope -->\n<!-- /tables:nope -->", {"ffn": ""})
+
+
+def test_decode_steps_only_from_split_timing_and_the_summary_keeps_the_compiled_row(tmp_path):
+    """A generation point timed with the prompt split off each call (prompt_calls == calls) also gives a
+    "decode steps" point; one timed the old way (the prompt measured apart) does not. The README's
+    summary shows the twell-compiled row even where a calibrated row was faster."""
+    run = e2e_run("s1", 1100.0)
+    run["models"][0]["config"]["num_hidden_layers"] = 12
+    rows = run["models"][0]["rows"]
+    for row, steps in zip(rows[:3], (1000.0, 1100.0, 1300.0), strict=True):
+        row["generation"][0].update(calls=10, prompt_calls=10, decode_tokens_per_s=steps)
+    faster = {**rows[2], "row": "twell-calibrated-compiled"}
+    faster["generation"] = [{**rows[2]["generation"][0], "tokens_per_s": 50.0, "decode_tokens_per_s": 2000.0}]
+    rows.append(faster)
+    old_way = e2e_run("s0", 1100.0)  # the prompt timed apart: its own count of calls
+    for row in old_way["models"][0]["rows"][:3]:
+        row["generation"][0].update(calls=10, prompt_calls=30, decode_tokens_per_s=9e9)
+    write(tmp_path, "e2e-20260101-000000.json", old_way)
+    write(tmp_path, "e2e-20260102-000000.json", run)
+    points = {e["key"][1:5]: e for e in tables.e2e_points(tmp_path)}
+    steps = points[12, "skewed", "decode steps", 1]
+    assert (steps["dense"]["tokens_per_s"], steps["twell"]["tokens_per_s"]) == (1100.0, 2000.0)
+    assert (38, "skewed", "decode steps", 1) not in points
+    assert points[12, "skewed", "generation", 1]["twell"]["row"] == "twell-calibrated-compiled"
+    summary = tables.summary_table([], tables.e2e_points(tmp_path), [], None)
+    steps_row = "| decode steps alone, batch 1 (CUDA-graph replays) | 1100 tokens/s (dense-compiled) | 1300 tokens/s"
+    assert f"{steps_row} (twell-compiled) | 1.18x |" in summary
+    assert (
+        "| 10 tokens/s (dense-compiled) | 11 tokens/s (twell-compiled) | 1.10x |" in summary
+    )  # not the 50 of the faster row
