@@ -886,6 +886,8 @@ def test_layer_configs_and_the_report_show_train_hot(tmp_path):
 
     model = replanned_llama(tmp_path, lambda d: d.update(density=0.005, train_hot=16, hot_pair_shares={"128": 0.5}))
     configs = twell.layer_configs(model)
-    assert configs and {(c.train_min_m, c.train_hot) for c in configs.values()} == {(32768, 16)}
+    assert configs and {(c.train_min_m, c.train_hot) for c in configs.values()} == {
+        (policy.calibrated_train_min_m(0.005), 16)
+    }
     records = twell.report(model).to_dict()["records"]
     assert {(r["decision"]["train_hot"], r["decision"]["hot_pair_shares"]["128"]) for r in records} == {(16, 0.5)}

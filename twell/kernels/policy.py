@@ -114,11 +114,12 @@ DECODE_REACH: tuple[tuple[int, float, int], ...] = ((4096, 0.01, 32), (4096, 0.0
 
 # Sparse training from calibration: (density, tokens) rows, a layer calibrated at most `density` dense
 # taking the sparse training path for calls of at least `tokens` tokens (its train_min_m; the first row
-# that holds). Measured: 0.5% at 32768 tokens 1.04x / 1.08x uniform eager / compiled, 1.08x / 1.13x
-# skewed (train-20261202-020403.json, train-20261201-230349.json); the whole 2B-shape model 1.00x
-# (train-model-20261202-020234.json). 16384 and 8192 tokens not yet measured (predicted ~1.0x and
-# ~0.9x: benchmarks/NOTES.md, "Training v4"), so only 32768.
-TRAIN_CROSSOVER: tuple[tuple[float, int], ...] = ((0.005, 32768),)
+# that holds). Measured at K=2048 N=5632, 0.5%, eager / compiled against the faster dense: 16384 tokens
+# 1.01x / 1.06x uniform, 1.12x / 1.17x skewed; 32768 tokens 1.09x / 1.13x and 1.18x / 1.24x
+# (train-20261202-115632.json); 8192 tokens 0.59-0.78x (train-20261202-055820.json, before the packed
+# forward). K=4096 N=14336 at 32768 tokens: 0.94x uniform, 1.22x skewed (train-20261202-120318.json): a
+# known loss on uniform rates, which calibration does not yet tell apart.
+TRAIN_CROSSOVER: tuple[tuple[float, int], ...] = ((0.005, 16384),)
 
 # Fixed for every layer:
 DECODE_SPARSE_DENSITY = 0.01  # "known sparse" for decode_sparse_max_m: the 1% of DECODE_SPARSE_MAX_M's
