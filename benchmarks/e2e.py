@@ -48,7 +48,9 @@ generation):
   CUDA graph), a --prompt token prompt + --new-tokens tokens, at each of --batches. The prompt's
   forward runs the row's model eagerly (compiling it too would cost two more compilations per row):
   in the twell rows the sparsified model, whose FFN calls pay the op's eager host path (a prompt
-  forward of 16-1024 tokens is host-bound), the decode steps the row's forward. tokens_per_s = batch
+  forward of 16-1024 tokens is host-bound: 10-24 ms for 12 layers between runs), the decode steps the
+  row's forward; with --compiled-prompt the compiled rows run the prompt through their compiled forward
+  too (a variant; tables.py keeps its whole-generation points apart). tokens_per_s = batch
   * new tokens / time of the whole generation, prompt included; each timed call also stamps the stream once
   the prompt's forward and greedy token are issued, which splits it: prompt_ms (the median time up to
   the stamp) and the decode steps' (after it, the same calls: one run's host drift and the prompt's
@@ -440,8 +442,13 @@ def chosen_configs(model, work: Workload) -> dict:
     }
 
 
-def make_decoders(model, work, cuda, forward=None) -> dict:
-    return {b: GreedyDecoder(model, b, work.max_len, forward=forward, graph=cuda) for b in work.prompts}
+def make_decoders(model, work, cuda, forward=None, compiled_prompt=False) -> dict:
+    """A decoder per generation batch; compiled_prompt: the prompt's forward through `forward` too."""
+    prompt_forward = forward if compiled_prompt else None
+    return {
+        b: GreedyDecoder(model, b, work.max_len, forward=forward, graph=cuda, prompt_forward=prompt_forward)
+        for b in work.prompts
+    }
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -521,7 +528,7 @@ def run_model(name, shape, args, meter, demo, cuda, save) -> dict:
                 compiled[row_name] = torch.compile(model)
             forward = compiled[row_name]
         # captured per profile: a graph keeps the paths the layers' measured densities chose at capture
-        decoders = make_decoders(model, work, cuda, forward)
+        decoders = make_decoders(model, work, cuda, forward, args.compiled_prompt)
         row = run_row(meter, model, forward, work, args, eager=False, decoders=decoders, reference=reference)
         if row_name in TWELL_COMPILED:
             row["report"] = twell.report(model).summary()
@@ -615,6 +622,12 @@ def main():
     parser.add_argument("--min-time", type=float, default=0.5, help="seconds of timed calls per measurement")
     parser.add_argument(
         "--cost-model", default="auto", help="the calibrated rows' calibration cost model (auto: benchmark on CUDA)"
+    )
+    parser.add_argument(
+        "--compiled-prompt",
+        action="store_true",
+        help="compiled rows: the prompt's forward through the row's compiled forward too (a variant: by default "
+        "it runs eagerly, host-bound and jittery, as generate() runs a prompt outside a compiled step)",
     )
     parser.add_argument(
         "--step-kernels",

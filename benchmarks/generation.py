@@ -15,7 +15,8 @@ that the next step overwrites (which broke it under generate(), benchmarks/decod
 measurement) and would recompile per row. transformers' StaticCache suits capture as is: it writes
 keys and values with index_copy_ at positions from its own device counter (advanced in place), and
 for one-token queries on a static cache it always builds the attention mask from device tensors.
-The prompt's forward is not captured (once per generation, and capture needs the cache allocated).
+The prompt's forward is not captured (once per generation, and capture needs the cache allocated); it
+runs the eager model unless prompt_forward says otherwise.
 
 Needs transformers 5.x. Positions go in as `position_ids` and the cache as `past_key_values` or `cache`
 (5.17 and 5.24 name it differently): the same calls generate(greedy, static cache) makes, so the tokens
@@ -44,15 +45,19 @@ class GreedyDecoder:
     """Greedy decoding of `batch` sequences of up to `max_len` tokens (prompt included).
 
     model: a Hugging Face causal LM (its config and device give the cache). forward: what runs the
-    decode step (default: the model; e.g. torch.compile(model)). The prompt's forward always runs
-    `model`. graph: replay the decode step as a CUDA graph (CUDA only; captured on the first generate).
+    decode step (default: the model; e.g. torch.compile(model)). prompt_forward: what runs the prompt's
+    forward (default: `model`, eagerly). graph: replay the decode step as a CUDA graph (CUDA only;
+    captured on the first generate).
     """
 
-    def __init__(self, model, batch: int, max_len: int, *, forward=None, graph: bool | None = None):
+    def __init__(
+        self, model, batch: int, max_len: int, *, forward=None, graph: bool | None = None, prompt_forward=None
+    ):
         if int(transformers.__version__.split(".")[0]) < 5:  # 4.x caches take their write positions from the host
             raise RuntimeError(f"transformers {transformers.__version__}: the loop needs 5.x")
         self.model = model
         self.forward = model if forward is None else forward
+        self.prompt_forward = model if prompt_forward is None else prompt_forward
         self.device = next(model.parameters()).device
         self.graph = self.device.type == "cuda" if graph is None else graph
         if self.graph and self.device.type != "cuda":
@@ -78,7 +83,7 @@ class GreedyDecoder:
     def _prefill(self, prompt: torch.Tensor) -> None:
         self.cache.reset()
         positions = torch.arange(prompt.shape[1], device=self.device).unsqueeze(0)
-        logits = self._run(self.model, prompt, positions)
+        logits = self._run(self.prompt_forward, prompt, positions)
         self.ids.copy_(logits[:, -1].argmax(-1, keepdim=True))
         self.position.fill_(prompt.shape[1])
 

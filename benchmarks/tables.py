@@ -88,6 +88,9 @@ def e2e_points(results: Path) -> list[dict]:
                     side = "dense" if row["row"].startswith("dense") else "twell"
                     profiles = [row["profile"]] if side == "twell" else list(model.get("profiles") or [None])
                     points = row.get(phase, [])
+                    kind = phase
+                    if phase == "generation" and run.get("args", {}).get("compiled_prompt"):
+                        kind = "generation, compiled prompt"  # a variant: a point of its own
                     if phase == "decode steps":
                         points = [
                             {**g, "tokens_per_s": g["decode_tokens_per_s"]}
@@ -97,7 +100,7 @@ def e2e_points(results: Path) -> list[dict]:
                     for point in points:
                         for profile in profiles:
                             layers = model["config"]["num_hidden_layers"]
-                            key = (model["model"], layers, profile, phase, point["batch"], point.get("seq"))
+                            key = (model["model"], layers, profile, kind, point["batch"], point.get("seq"))
                             entry = sides.setdefault(key, {"rows": {}})
                             entry["rows"][row["row"]] = {**point, "row": row["row"]}
                             best = entry.get(side)
@@ -106,7 +109,7 @@ def e2e_points(results: Path) -> list[dict]:
                 for key, both in sides.items():
                     if {"dense", "twell"} <= both.keys() and key not in newest:
                         newest[key] = {**both, "source": source(name, run)}
-    order = {"prefill": 0, "generation": 1, "decode steps": 2}
+    order = {"prefill": 0, "generation": 1, "generation, compiled prompt": 2, "decode steps": 3}
     ranked = sorted(newest, key=lambda k: (k[0], -k[1], str(k[2]), order[k[3]], k[4], k[5] or 0))
     return [{"key": key, **newest[key]} for key in ranked]
 
@@ -147,7 +150,8 @@ def shape(e: dict) -> str:
         return f"prefill, {batch} x {seq} tokens"
     if phase == "decode steps":
         return f"decode steps alone, batch {batch} (CUDA-graph replays)"
-    return f"generation, batch {batch} ({e['twell']['prompt']}-token prompt, {e['twell']['new_tokens']} new tokens)"
+    prompt = f"{e['twell']['prompt']}-token {'compiled ' if phase == 'generation, compiled prompt' else ''}prompt"
+    return f"generation, batch {batch} ({prompt}, {e['twell']['new_tokens']} new tokens)"
 
 
 def ffn_table(points: list[dict]) -> str:

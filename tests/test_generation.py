@@ -56,6 +56,23 @@ def test_step_compiled_with_the_twell_backend_matches_generate():
     torch._dynamo.reset()
 
 
+def test_prompt_forward_runs_the_prompt_and_only_it():
+    """prompt_forward (e2e.py --compiled-prompt) runs each generation's prompt, the decode steps stay on
+    forward, and the tokens are generate()'s."""
+    model = tiny_model("cpu")
+    seen = {"prompt": [], "step": []}
+
+    def recording(name):
+        return lambda **kw: seen[name].append(kw["input_ids"].shape[1]) or model(**kw)
+
+    prompt = torch.randint(0, VOCAB, (2, PROMPT))
+    decoder = GreedyDecoder(
+        model, 2, PROMPT + NEW, forward=recording("step"), prompt_forward=recording("prompt"), graph=False
+    )
+    assert torch.equal(decoder.generate(prompt, NEW), reference_tokens(model, prompt))
+    assert seen == {"prompt": [PROMPT], "step": [1] * (NEW - 1)}
+
+
 def test_graph_needs_cuda():
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA model"):
         GreedyDecoder(tiny_model("cpu"), 1, 8, graph=True)

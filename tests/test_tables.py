@@ -152,3 +152,15 @@ def test_decode_steps_only_from_split_timing_and_the_summary_keeps_the_compiled_
     assert (
         "| 10 tokens/s (dense-compiled) | 11 tokens/s (twell-compiled) | 1.10x |" in summary
     )  # not the 50 of the faster row
+
+
+def test_a_compiled_prompt_run_is_a_generation_point_of_its_own(tmp_path):
+    write(tmp_path, "e2e-20260101-000000.json", e2e_run("p0", 1100.0))
+    compiled = {**e2e_run("p1", 3000.0), "args": {"compiled_prompt": True}}  # newer, the variant
+    write(tmp_path, "e2e-20260102-000000.json", compiled)
+    points = {e["key"][3]: e for e in tables.e2e_points(tmp_path) if e["key"][3] != "prefill"}
+    assert points["generation"]["source"].endswith("(p0)")
+    assert points["generation, compiled prompt"]["source"].endswith("(p1)")
+    assert tables.shape(points["generation, compiled prompt"]).startswith(
+        "generation, batch 1 (16-token compiled prompt"
+    )
