@@ -606,11 +606,12 @@ def _backup_grads_kernel(
 def _dense_hidden_kernel(
     pre_ptr, up_ptr, h_ptr, kept_ptr, l1_ptr, nz_ptr, T, N, threshold,
     HAS_UP: tl.constexpr, DRELU: tl.constexpr, SQUARE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    STORE_KEPT: tl.constexpr,
 ):  # fmt: skip
     """A dense-mode forward's hidden activation, rows [t0, t0 + BLOCK_T) (t0 = BLOCK_T * program_id)
     over all N, BLOCK_N columns a step (all [T, N], unit stride on N): h from the gate g (pre) and up u
-    in the dtype, each row's kept count (not g <= threshold: the record width it would need), and the
-    program's sum |h| and nonzero count of h (partials, summed by the caller: no atomics)."""
+    in the dtype, with STORE_KEPT each row's kept count (not g <= threshold: the record width it would
+    need), and the program's sum |h| and nonzero count of h (partials, summed by the caller: no atomics)."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = offs_t < T
     dtype = h_ptr.dtype.element_ty
@@ -631,7 +632,8 @@ def _dense_hidden_kernel(
         kept_rows += tl.sum(kept.to(tl.int32), axis=1)
         l1 += tl.sum(tl.abs(h), axis=1)
         nonzero += tl.sum((h != 0.0).to(tl.int32), axis=1)
-    tl.store(kept_ptr + offs_t, kept_rows, mask=t_ok)
+    if STORE_KEPT:
+        tl.store(kept_ptr + offs_t, kept_rows, mask=t_ok)
     tl.store(l1_ptr + tl.program_id(0), tl.sum(l1, axis=0))
     tl.store(nz_ptr + tl.program_id(0), tl.sum(nonzero, axis=0))
 
@@ -873,7 +875,8 @@ def _dense_forward(
     nonzero = _alloc((programs,), torch.int32, x.device)
     _dense_hidden_kernel[(programs,)](
         pre, up, h, kept, l1, nonzero, m, n, threshold_in(threshold, x.dtype), HAS_UP=up_weight is not None,
-        DRELU=drelu, SQUARE=square, BLOCK_T=BACKUP_BLOCK_T, BLOCK_N=BACKUP_BLOCK_N, num_warps=BACKUP_WARPS,
+        DRELU=drelu, SQUARE=square, BLOCK_T=BACKUP_BLOCK_T, BLOCK_N=BACKUP_BLOCK_N, STORE_KEPT=True,
+        num_warps=BACKUP_WARPS,
     )  # fmt: skip
     y = F.linear(h, down_weight_t.t(), down_bias)
     ids = _alloc((m, width), torch.int32, x.device)
@@ -1033,14 +1036,13 @@ def _hot_hidden(g, u, threshold, drelu, square) -> tuple[torch.Tensor, torch.Ten
     m, n_hot = g.shape
     h = _alloc((m, n_hot), g.dtype, g.device)
     programs = triton.cdiv(m, BACKUP_BLOCK_T)
-    rows_kept = _alloc((m,), torch.int32, g.device)  # unused: the record's counts exclude the hot columns
     l1 = _alloc((programs,), torch.float32, g.device)
     nonzero = _alloc((programs,), torch.int32, g.device)
-    if m > 0:
+    if m > 0:  # no kept counts: the record's exclude the hot columns
         _dense_hidden_kernel[(programs,)](
-            g, u if u is not None else g, h, rows_kept, l1, nonzero, m, n_hot, threshold_in(threshold, g.dtype),
+            g, u if u is not None else g, h, l1, l1, nonzero, m, n_hot, threshold_in(threshold, g.dtype),
             HAS_UP=u is not None, DRELU=drelu, SQUARE=square, BLOCK_T=BACKUP_BLOCK_T, BLOCK_N=BACKUP_BLOCK_N,
-            num_warps=BACKUP_WARPS,
+            STORE_KEPT=False, num_warps=BACKUP_WARPS,
         )  # fmt: skip
     return h, l1.sum(), nonzero.sum(dtype=torch.int64)
 
