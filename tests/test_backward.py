@@ -87,8 +87,8 @@ SHARES = [1, 10**6]
 SHARE_IDS = {1: "dense-pass", 10**6: "overflow-kernel"}
 
 
-def _case_id(variant, dtype, share=None):
-    return f"{variant}-{str(dtype)[6:]}" + (f"-{SHARE_IDS[share]}" if share is not None else "")
+def _case_id(variant, dtype, share):
+    return f"{variant}-{str(dtype)[6:]}-{SHARE_IDS[share]}"
 
 
 # The default run keeps, through each backup path, the variants that between them take every branch of
