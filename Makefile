@@ -1,6 +1,8 @@
 # Entry points, self-installing on a fresh Linux machine with Python >= 3.10:
 #   make demo   conversion report on the built-in demo model
-#   make test   the test suite (kernels through Triton's interpreter when there is no GPU)
+#   make test   the test suite (kernels through Triton's interpreter when there is no GPU), without the
+#               cases marked `slow` on the CPU
+#   make test-all  the test suite with the `slow` cases (TWELL_SLOW=1): docs/testing.md
 #   make mutate mutation testing of the modules where a bug is a silent wrong result (slow; not part
 #               of `make test` or CI): docs/testing.md. MUTANTS narrows it, e.g. MUTANTS='twell.format.*'
 PYTHON ?= python3
@@ -9,7 +11,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint mutate clean
+.PHONY: demo test test-all lint mutate clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +30,9 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.dev-installed
 	$(BIN)/python -m pytest -q -n auto
+
+test-all: $(VENV)/.dev-installed
+	TWELL_SLOW=1 $(BIN)/python -m pytest -q -n auto
 
 lint: $(VENV)/.dev-installed
 	$(BIN)/ruff check .

@@ -27,11 +27,24 @@ if not HAS_CUDA:
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
+# `slow`: combinations of a parametrized test that repeat branches its other cases already take (slow in
+# Triton's interpreter). Skipped on the CPU unless TWELL_SLOW=1 (`make test-all`); a GPU runs them.
+RUN_SLOW = HAS_CUDA or os.environ.get("TWELL_SLOW") == "1"
+
+
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_slow = pytest.mark.skip(reason="slow: set TWELL_SLOW=1 to run")
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip)
+        elif "slow" in item.keywords and not RUN_SLOW:
+            item.add_marker(skip_slow)
+
+
+def slow_unless(keep: bool, *values, id: str):
+    """pytest.param(*values, id=id), marked `slow` unless `keep`."""
+    return pytest.param(*values, id=id, marks=() if keep else pytest.mark.slow)
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ twell.kernels.reference (CPU: Triton's interpreter, fp32/fp16; GPU: bf16 at a re
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICE, compile_for_hopper, rel_err
+from conftest import DEVICE, compile_for_hopper, rel_err, slow_unless
 from ffn_cases import gated_ref, make_ffn, plain_ref
 from torch.utils.checkpoint import checkpoint
 
@@ -84,10 +84,33 @@ CASES = [(v, torch.float32) for v in VARIANTS] + [("gated-relu-bias", torch.floa
 # dense-backup rows: the dense pass takes ceil(13 / share) of the heaviest rows, the overflow kernel the
 # rest: share 1 sends every one to the dense pass; 10**6 sends one there and the others to the kernel
 SHARES = [1, 10**6]
+SHARE_IDS = {1: "dense-pass", 10**6: "overflow-kernel"}
 
 
-@pytest.mark.parametrize("share", SHARES, ids=["dense-pass", "overflow-kernel"])
-@pytest.mark.parametrize("variant,dtype", CASES, ids=[f"{v}-{str(d)[6:]}" for v, d in CASES])
+def _case_id(variant, dtype, share):
+    return f"{variant}-{str(dtype)[6:]}-{SHARE_IDS[share]}"
+
+
+# The default run keeps, through each backup path, the variants that between them take every branch of
+# its kernels (a gated ReLU with biases, dReLU without, a plain ReLU, relu²) and one fp16 case; every
+# variant runs at least once. Slow: the other combinations.
+GRAD_KEPT = {
+    ("gated-fatrelu-bias", torch.float32, 1),
+    ("gated-drelu", torch.float32, 1),
+    ("plain-relu-bias", torch.float32, 1),
+    ("plain-relu2", torch.float16, 1),
+    ("gated-relu-bias", torch.float16, 10**6),
+    ("gated-relu", torch.float32, 10**6),
+    ("gated-drelu", torch.float32, 10**6),
+    ("plain-relu-bias", torch.float32, 10**6),
+    ("plain-fatrelu-relu2-bias", torch.float32, 10**6),
+}
+
+
+@pytest.mark.parametrize(
+    "variant,dtype,share",
+    [slow_unless((v, d, s) in GRAD_KEPT, v, d, s, id=_case_id(v, d, s)) for v, d in CASES for s in SHARES],
+)
 def test_every_gradient_matches_dense_autograd(variant, dtype, share, monkeypatch):
     """M=13, K=24, N=70 (no multiple of any block), width 16: empty, sparse, past-width and dense rows."""
     monkeypatch.setattr(backward, "BACKUP_SHARE", share)
@@ -96,8 +119,15 @@ def test_every_gradient_matches_dense_autograd(variant, dtype, share, monkeypatc
     _check_grads(case, gated, dtype, threshold, drelu, squared)
 
 
-@pytest.mark.parametrize("entries", [2, 8])
-@pytest.mark.parametrize("variant,dtype", CASES[:1] + CASES[3:4] + CASES[-1:], ids=["gated-bias", "drelu", "relu2-f16"])
+# The default run keeps each step with a gated and a plain FFN. Slow: gated-bias at 8, drelu at 2.
+@pytest.mark.parametrize(
+    "variant,dtype,entries",
+    [
+        slow_unless((name, e) not in {("gated-bias", 8), ("drelu", 2)}, v, d, e, id=f"{name}-{e}")
+        for (v, d), name in zip(CASES[:1] + CASES[3:4] + CASES[-1:], ["gated-bias", "drelu", "relu2-f16"], strict=True)
+        for e in (2, 8)
+    ],
+)
 def test_row_kernels_with_entries_a_step(variant, dtype, entries):
     """LayerConfig.train_entries: the forward and dx row kernels gather 2 / 8 record entries a step
     (rows of 0-16 entries at width 16: partial last steps, empty rows, dense-backup rows' chunks)."""
@@ -341,10 +371,22 @@ def test_dense_mode_under_checkpoint_and_compile(monkeypatch):
 
 
 RELU_CASES = [(v, d) for v, d in CASES if VARIANTS[v][2:] == (0.0, False, False)]
+# The default run keeps, through each backup path, a gated FFN with and without biases and a plain one
+# (one fp16 case among them). Slow: gated-relu-bias through the other path in each dtype.
+HOT_GRAD_KEPT = {
+    ("gated-relu-bias", torch.float32, 1),
+    ("gated-relu", torch.float32, 1),
+    ("plain-relu-bias", torch.float32, 1),
+    ("gated-relu-bias", torch.float16, 10**6),
+    ("gated-relu", torch.float32, 10**6),
+    ("plain-relu-bias", torch.float32, 10**6),
+}
 
 
-@pytest.mark.parametrize("share", SHARES, ids=["dense-pass", "overflow-kernel"])
-@pytest.mark.parametrize("variant,dtype", RELU_CASES, ids=[f"{v}-{str(d)[6:]}" for v, d in RELU_CASES])
+@pytest.mark.parametrize(
+    "variant,dtype,share",
+    [slow_unless((v, d, s) in HOT_GRAD_KEPT, v, d, s, id=_case_id(v, d, s)) for v, d in RELU_CASES for s in SHARES],
+)
 def test_hot_neurons_every_gradient_matches_dense_autograd(variant, dtype, share, monkeypatch):
     """LayerConfig.train_hot: 16 of the 70 neurons by dense products, the record the rest; three calls
     on one layer (hot neurons of its own gate, then of the previous call's counts), each with the L1
@@ -549,8 +591,18 @@ def test_compile_dynamic_takes_the_settings_as_symbols():
         assert torch.allclose(compiled[name].grad, leaf.grad, rtol=1e-5, atol=1e-6), name
 
 
-@pytest.mark.parametrize("hot", [0, 16], ids=["no-hot", "hot"])
-@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+# Slow: gated without hot neurons (the empty hot record is built alike for a gated and a plain FFN:
+# plain-no-hot checks it; gated-hot checks the gated FFN's other outputs, which do not depend on hot)
+@pytest.mark.parametrize(
+    "gated,hot",
+    [
+        slow_unless(
+            (gated, hot) != (True, 0), gated, hot, id=f"{'gated' if gated else 'plain'}-{'hot' if hot else 'no-hot'}"
+        )
+        for hot in (0, 16)
+        for gated in (True, False)
+    ],
+)
 def test_opcheck_fake_tensors_and_autograd_registration(gated, hot):
     """torch.library.opcheck: schemas, fake implementations (shapes, strides, dtypes) matching the real
     outputs, autograd registration, and the ops traced by AOT autograd with dynamic shapes."""

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 import triton
-from conftest import DEVICE, HAS_CUDA, compile_for_hopper, rel_err
+from conftest import DEVICE, HAS_CUDA, compile_for_hopper, rel_err, slow_unless
 from ffn_cases import TOL, decode_args, gated_ref, make_ffn, plain_ref
 
 import twell
@@ -296,9 +296,27 @@ UPDOWN_CASES = {
 }
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("variant", ["gated", "gated-bias", "drelu", "plain", "relu2", "fatrelu"])
-@pytest.mark.parametrize("case_id", list(UPDOWN_CASES))
+def _alternating(i, variant, j, cover):
+    """Whether `variant` is one of `cover` and the j-th dtype is its dtype in the i-th case: the cover's
+    variants alternate between fp32 and fp16 within a case and between cases."""
+    return variant in cover and (i + cover.index(variant)) % 2 == j
+
+
+# The default run keeps every variant in every dtype at m1, and in each other case the four variants that
+# between them take every branch of the kernels (fatrelu: up, biases, a threshold; drelu: dReLU without
+# biases; plain: no up; relu2: squared values), each in one dtype, two fp32 and two fp16 a case, alternating
+# between cases. Slow: gated and gated-bias there (their branches are fatrelu's and drelu's), the other dtype.
+UPDOWN_VARIANTS = ["gated", "gated-bias", "drelu", "plain", "relu2", "fatrelu"]
+UPDOWN_COVER = ["fatrelu", "drelu", "plain", "relu2"]
+UPDOWN_PARAMS = [
+    slow_unless(c == "m1" or _alternating(i, v, j, UPDOWN_COVER), c, v, d, id=f"{c}-{v}-{d}")
+    for i, c in enumerate(UPDOWN_CASES)
+    for v in UPDOWN_VARIANTS
+    for j, d in enumerate(DTYPES)
+]
+
+
+@pytest.mark.parametrize("case_id,variant,dtype", UPDOWN_PARAMS)
 def test_up_down_matches_reference(case_id, dtype, variant, monkeypatch):
     """Rows with empty, sparse and overflowing tiles (recomputed by the heavy-row kernel), ragged last
     tile, awkward K, output poisoned; a narrow scratch sends rows with many entries to the heavy-row
@@ -539,9 +557,21 @@ DECODE_CASES = {
 }
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("variant", ["gated", "drelu", "plain", "relu2", "nobias"])
-@pytest.mark.parametrize("case_id", list(DECODE_CASES))
+# The default run keeps every variant in every dtype in m1-list and m3-dense (fast), and in each other case
+# the four variants that between them take every branch of the kernels (drelu: up, biases, dReLU; nobias:
+# up without biases or dReLU; plain: no up; relu2: squared), each in one dtype, two fp32 and two fp16 a
+# case, alternating between cases. Slow: gated there (its branches are drelu's and nobias's), the other dtype.
+DECODE_VARIANTS = ["gated", "drelu", "plain", "relu2", "nobias"]
+DECODE_COVER = ["drelu", "nobias", "plain", "relu2"]
+DECODE_PARAMS = [
+    slow_unless(c in ("m1-list", "m3-dense") or _alternating(i, v, j, DECODE_COVER), c, v, d, id=f"{c}-{v}-{d}")
+    for i, c in enumerate(DECODE_CASES)
+    for v in DECODE_VARIANTS
+    for j, d in enumerate(DTYPES)
+]
+
+
+@pytest.mark.parametrize("case_id,variant,dtype", DECODE_PARAMS)
 def test_decode_matches_reference(case_id, dtype, variant, poisoned_empty):
     """Several splits by entries and by neuron-block groups (partials summed by the last program),
     several super-blocks and token blocks, one token by the list and by block rows, empty and full
@@ -689,8 +719,12 @@ def sparse_paths():
     return LayerConfig(decode_max_m=64, prefill_min_m=65, fused_gate=True)
 
 
+# Slow: the default layout (a route ignoring the config's layout passes there; other tests run both routes at it)
 @pytest.mark.parametrize("fused", [False, True], ids=["cublas-gate", "fused-gate"])
-@pytest.mark.parametrize("tile_n,slots", [(128, 16), (32, 4)], ids=["default-layout", "layer-layout"])
+@pytest.mark.parametrize(
+    "tile_n,slots",
+    [pytest.param(128, 16, id="default-layout", marks=pytest.mark.slow), pytest.param(32, 4, id="layer-layout")],
+)
 def test_prefill_through_each_gate_route(fused, tile_n, slots, sparse_paths, monkeypatch):
     """Each gate route packs at the layout of the layer's config, which up+down then reads."""
     config = sparse_paths.replace(fused_gate=fused, tile_n=tile_n, slots=slots)
@@ -710,19 +744,22 @@ def test_prefill_through_each_gate_route(fused, tile_n, slots, sparse_paths, mon
     assert rel_err(y, gated_ref(case)) <= 1e-5
 
 
-# every variant and dtype at 1 and 16 tokens (decode); the prefill path (20-40 s a case in the
+# every variant and dtype at 1 and 16 tokens (decode); the prefill path (3-10 s a case in the
 # interpreter) at 70 tokens for every variant in fp32 and two in the other dtypes, and past one 128-row
-# block of its kernels (131 tokens) for three
+# block of its kernels (131 tokens) for three. Slow: relu2 at 70 tokens in fp16 (at 131 in the default
+# run), and 131 tokens but for relu2 (every variant indexes the rows past the first block alike).
 DISPATCH_CASES = (
     [(v, m, d) for v in ("gated", "fatrelu-bias", "drelu", "plain", "relu2") for m in (1, 16) for d in DTYPES]
     + [(v, 70, torch.float32) for v in ("gated", "fatrelu-bias", "drelu", "plain", "relu2")]
     + [(v, 70, d) for v in ("gated", "relu2") for d in DTYPES[1:]]
     + [("gated", 131, torch.float32), ("fatrelu-bias", 131, torch.float16), ("relu2", 131, DTYPES[-1])]
 )
+DISPATCH_SLOW = [("relu2", 70, torch.float16), ("gated", 131, torch.float32), ("fatrelu-bias", 131, torch.float16)]
 
 
 @pytest.mark.parametrize(
-    "variant,m,dtype", DISPATCH_CASES, ids=[f"{v}-m{m}-{str(d)[6:]}" for v, m, d in DISPATCH_CASES]
+    "variant,m,dtype",
+    [slow_unless(c not in DISPATCH_SLOW, *c, id=f"{c[0]}-m{c[1]}-{str(c[2])[6:]}") for c in DISPATCH_CASES],
 )
 def test_dispatch_is_exact_on_every_path(m, dtype, variant, sparse_paths):
     """Decode (M <= 256) and prefill paths, with empty, dense (overflowing) and sparse rows."""
