@@ -221,9 +221,7 @@ def decide(
                 counter, stats, config, decision.model_size, speedup
             )
         else:
-            decision.predicted_speedup[phase] = speedup(
-                _predicted_tokens(cfg, phase, stats["rows_per_call_median"], config)
-            )
+            decision.predicted_speedup[phase] = speedup(_prefill_tokens(cfg, stats["rows_per_call_median"], config))
     # Rewrite where any phase pays; a phase twell would slow down then runs dense (its route turned
     # off), so no phase of a rewritten FFN is predicted slower than dense.
     speedups = decision.predicted_speedup
@@ -301,12 +299,10 @@ def _sparse_share(counter: PhaseCounter, config: LayerConfig, stats: dict, m: in
     return max(density - hot_pairs / (rows * counter.n), 0.0), hot / counter.n
 
 
-def _predicted_tokens(cfg: CalibrationConfig, phase: str, observed: int, config: LayerConfig) -> int:
-    """Tokens per call the cost model predicts for: decode as observed; prefill at benchmark_tokens,
-    else at least the size from which the layer's prefill kernels run (calibration batches are smaller
-    than serving prefills)."""
-    if phase != "prefill":
-        return observed
+def _prefill_tokens(cfg: CalibrationConfig, observed: int, config: LayerConfig) -> int:
+    """Tokens per call the cost model predicts the prefill phase at: benchmark_tokens, else at least the
+    size from which the layer's prefill kernels run (calibration batches are smaller than serving
+    prefills). Decode calls are predicted at each size observed (_decode_speedup)."""
     return cfg.benchmark_tokens or max(observed, config.prefill_min_m or 0)
 
 
