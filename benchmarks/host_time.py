@@ -72,17 +72,23 @@ def host_ms(fn) -> float:
     return sorted(samples)[len(samples) // 2]
 
 
-def profile(fn, top: int = 25) -> str:
-    torch.cuda.synchronize()
+def profile(fn, top: int = 25, calls: int = CALLS) -> tuple[float, str]:
+    """cProfile of `calls` calls of fn (on CUDA, the device idle before and after): Python calls a call,
+    and the top `top` functions by own time."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
     prof = cProfile.Profile()
     prof.enable()
-    for _ in range(CALLS):
+    for _ in range(calls):
         fn()
     prof.disable()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
-    return out.getvalue()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(top)
+    return stats.total_calls / calls, out.getvalue()
 
 
 def gpu_ops(fn) -> list[str]:
@@ -113,7 +119,7 @@ def point(m: int, k: int, n: int, pattern: str) -> dict:
         row["twell_default_host_ms"] = host_ms(call)
         row["twell_default_eager_ms"] = timed(call, False)
         row["twell_default_gpu_ops"] = gpu_ops(call)
-        row["twell_default_profile"] = profile(call)
+        row["twell_default_profile"] = profile(call)[1]
         with twell.configure(block, route="prefill"):
             dispatch.forget_layers()
             call()
@@ -131,7 +137,7 @@ def point(m: int, k: int, n: int, pattern: str) -> dict:
             row["twell_dispatch_host_ms"] = host_ms(direct)  # the dispatcher alone, no op layers
             row["twell_gpu_ms"] = timed(call, True)
             row["twell_eager_ms"] = timed(call, False)
-            row["twell_profile"] = profile(call)
+            row["twell_profile"] = profile(call)[1]
             row["twell_gpu_ops"] = gpu_ops(call)
         with twell.configure(block, prefill_min_m_captured=m):
             dispatch.forget_layers()
@@ -214,19 +220,6 @@ def _us_per_call(fn, calls: int = 200) -> float:
     return min(samples)
 
 
-def _profile(fn, lines: int, calls: int = 50) -> tuple[float, str]:
-    """cProfile of `calls` calls of fn: Python calls a call, and the top `lines` functions by own time."""
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        fn()
-    prof.disable()
-    out = io.StringIO()
-    stats = pstats.Stats(prof, stream=out)
-    stats.sort_stats("tottime").print_stats(lines)
-    return stats.total_calls / calls, out.getvalue()
-
-
 def cpu_point(hot: int, m: int = 64, k: int = 64, n: int = 256) -> dict:
     """The dispatcher's prefill path on CPU tensors (module docstring), with `hot` hot neurons."""
     torch.set_num_threads(1)  # tiny ops: threads only add contention with other processes
@@ -260,7 +253,7 @@ def cpu_point(hot: int, m: int = 64, k: int = 64, n: int = 256) -> dict:
         row["aten_ops_probe"] = _aten_ops(probing)
         row["triton_launches"] = launches[:]
         row["launching_aten_ops"] = [op for op in row["aten_ops_probe"] if op not in NO_LAUNCH]
-        row["python_calls_per_call"], row["profile"] = _profile(probing, lines=15)
+        row["python_calls_per_call"], row["profile"] = profile(probing, top=15, calls=50)
         boundary = [t.to("meta") if t is not None else None for t in args[:7]]
         boundary = (*boundary, 0.0, False)
         row["us_op_boundary_fake"] = _us_per_call(lambda: library.gated_ffn(*boundary, *config.op_args()))
@@ -292,7 +285,7 @@ def module_point(m: int = 16, k: int = 64, n: int = 176) -> dict:
         with unittest.mock.patch.object(twell.ops, "torch", SimpleNamespace(ops=SimpleNamespace(twell=stub))):
             row["us_sparse_module_stub_op"] = _us_per_call(lambda: sparse(x))
             row["us_twell_ops_stub_op"] = _us_per_call(lambda: twell.ops.gated_ffn(x, gate, up, down))
-        row["python_calls_per_call"], row["profile"] = _profile(lambda: sparse(x), lines=20)
+        row["python_calls_per_call"], row["profile"] = profile(lambda: sparse(x), top=20, calls=50)
     return row
 
 
