@@ -740,7 +740,7 @@ cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
 flags = dict(HAS_UP_BIAS=True, HAS_DOWN_BIAS=True, DRELU=False, SQUARE=False, HAS_GATE_BIAS=True,
              SCAN=backward.SCAN, CHUNK=256, ROWS=1, PRECISION="tf32", GROUP=backward.DW_GROUP,
              PAIRS=backward.DW_PAIRS, STAGES=backward.DW_STAGES, BLOCK_T=backward.BACKUP_BLOCK_T,
-             BLOCK_N=backward.BACKUP_BLOCK_N, STORE_H=True, HOT=False, LISTED=False, STORE_KEPT=True)
+             BLOCK_N=backward.BACKUP_BLOCK_N, STORE_H=True, HOT=False, LISTED=False, STORE_KEPT=True, EVEN_K=True)
 warps = backward._row_warps
 for kernel, block_k, entries, options in [
     (backward._train_forward_kernel, 8192, 1, {"num_warps": warps(8192)}),
@@ -770,6 +770,9 @@ for kernel, block_k, entries, options in [
         Path("k.cubin").write_bytes(out.asm["cubin"])
         usage = subprocess.run([str(cuobjdump), "-res-usage", "k.cubin"], capture_output=True, text=True).stdout
         assert "STACK:0 " in usage and "LOCAL:0 " in usage, (kernel.__name__, usage)  # no spills
+        if kernel is backward._train_dw_kernel:  # its loop's x / dy gathers and coefficients load stages ahead
+            copies = out.asm["ttgir"].count("async_copy_global_to_local")
+            assert copies >= 5, (kernel.__name__, copies, "x / dy gathers not pipelined")
         print(kernel.__name__, block_k, entries, options["num_warps"], has_up,
               [f for line in usage.splitlines() if "REG:" in line for f in line.split() if f.startswith("REG:")])
 """

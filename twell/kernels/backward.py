@@ -69,10 +69,12 @@ from twell.kernels.words import decode
 # A dense-backup row's chunks go through its record slots: at most the width (_chunk).
 SCAN = 1024
 # dW (_train_dw_kernel): neurons a program owns (16: the smallest tensor-core product), pairs gathered
-# a step, K columns a program owns, warps, and loop stages (the pair indices load STAGES - 1 steps
-# ahead through cp.async; the gathers that depend on them cannot). ptxas for sm_90: 128 registers a
-# thread at 64 x 128 with 8 warps (2 programs an SM, 64 KB of x / dy gathers in flight an SM); 4 warps
-# take 190 there, 138 at 64 x 64. Expected on an H200 at K=2048, N=5632, 0.5%: 352 x 16 programs of
+# a step, K columns a program owns, warps, and loop stages: every load of the loop (pair indices, their
+# x / dy gathers, coefficients) goes STAGES - 1 steps ahead through cp.async, where K is a multiple of
+# the K block (EVEN_K; a mask by a run-time K keeps the gathers from 16-byte vectors, so from cp.async,
+# and each step then waits one gather latency: 3.29 ms at K=2048, 32768 tokens, time growing with
+# programs x steps, train-20261202-133531 to -133938.json). ptxas for sm_90: 106 registers a thread at
+# 64 x 128 with 8 warps (2 programs an SM); 4 warps take 188 there. Expected on an H200 at K=2048, N=5632, 0.5%: 352 x 16 programs of
 # ~55 steps; the 9.8 GB of gathered rows are L2 hits (the programs resident at once share one K
 # block: its x / dy columns are 16 MB), so ~1.5-2.5 ms (the atomic kernel it replaces: 17 ms).
 DW_GROUP = 16
@@ -644,6 +646,7 @@ def _train_dw_kernel(
     accbu_ptr, dwg_ptr, dwu_ptr, dwd_ptr, dbg_ptr, dbu_ptr, N, K, stride_xm, stride_dym,
     HAS_UP: tl.constexpr, HAS_GATE_BIAS: tl.constexpr, HAS_UP_BIAS: tl.constexpr, WIDTH: tl.constexpr,
     GROUP: tl.constexpr, PAIRS: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):  # fmt: skip
     """Neurons [n0, n0 + GROUP) (n0 = GROUP * program_id(0)), columns of K block program_id(1): the
     program owns these dW rows' block, so it writes them whole, with no atomics. Its neurons' pairs
@@ -675,7 +678,7 @@ def _train_dw_kernel(
         owner = (begin[:, None] <= p[None, :]) & (p[None, :] < end[:, None])  # [GROUP, PAIRS]
         q = tl.load(order_ptr + p, mask=ok, other=0)  # the pair's record slot
         m = q // WIDTH
-        tile_ok = ok[:, None] & k_ok[None, :]
+        tile_ok = ok[:, None] & (k_ok[None, :] | EVEN_K)
         xt = tl.load(x_ptr + m[:, None] * stride_xm + offs_k[None, :], mask=tile_ok, other=0.0)
         dyt = tl.load(dy_ptr + m[:, None] * stride_dym + offs_k[None, :], mask=tile_ok, other=0.0)
         cg = tl.where(owner, tl.load(cg_ptr + p, mask=ok, other=0.0)[None, :], 0.0)
@@ -1334,7 +1337,7 @@ def train_backward(
             order, starts, x, dy, coef_g, coef_u, coef_h, acc_g, acc_u, acc_d, acc_bg, acc_bu, dwg, dwu, dwd, dbg,
             dbu, n, k, x.stride(0), dy.stride(0), HAS_UP=has_up, HAS_GATE_BIAS=gate_bias is not None,
             HAS_UP_BIAS=up_bias is not None, WIDTH=width, GROUP=DW_GROUP, PAIRS=DW_PAIRS, BLOCK_K=dw_block_k,
-            PRECISION=dot_precision(x.dtype), STAGES=DW_STAGES, num_warps=DW_WARPS,
+            PRECISION=dot_precision(x.dtype), STAGES=DW_STAGES, EVEN_K=k % dw_block_k == 0, num_warps=DW_WARPS,
         )  # fmt: skip
     else:  # no pairs: the gradients of the weights are zeros
         for t in (dwg, dwu, dwd, dbg, dbu):
