@@ -77,6 +77,11 @@ SCAN = 1024
 # 64 x 128 with 8 warps (2 programs an SM); 4 warps take 188 there. Expected on an H200 at K=2048, N=5632, 0.5%: 352 x 16 programs of
 # ~55 steps; the 9.8 GB of gathered rows are L2 hits (the programs resident at once share one K
 # block: its x / dy columns are 16 MB), so ~1.5-2.5 ms (the atomic kernel it replaces: 17 ms).
+# dx (_train_dx_kernel): loop stages of its entry loop. 3: the next steps' ids, record values and weight
+# rows load ahead through cp.async (sm_90, K = BLOCK_K: 14 async copies, 69 registers at K=2048 with 4
+# warps, 24 KB of shared memory; 79 and 49 KB at K=4096 with 8); 1: each step waits for its gathers (85
+# registers). To be measured (session 7).
+DX_STAGES = 1
 DW_GROUP = 16
 DW_PAIRS = 64
 DW_BLOCK_K = 128
@@ -484,7 +489,7 @@ def _train_dx_kernel(
     rows_ptr, dy_ptr, dl1_ptr, wg_ptr, wu_ptr, wd_ptr, ids_ptr, gate_ptr, up_ptr, cnt_ptr, cg_ptr, cu_ptr,
     ch_ptr, dx_ptr, K, stride_dym, stride_gn, stride_un, stride_dn, stride_dxm,
     HAS_UP: tl.constexpr, DRELU: tl.constexpr, SQUARE: tl.constexpr, WIDTH: tl.constexpr, BLOCK_K: tl.constexpr,
-    ENTRIES: tl.constexpr,
+    ENTRIES: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """Row m = rows[program_id] (heaviest first, so long rows start early instead of trailing the
     launch): dx_m, and each record entry's (dg, du, h) stored at the entry's record slot, where the dW
@@ -501,10 +506,12 @@ def _train_dx_kernel(
     dx = tl.zeros([BLOCK_K], dtype=tl.float32)
     dtype = dx_ptr.dtype.element_ty
     slot = m * WIDTH
-    for e0 in range(0, count, ENTRIES):  # ENTRIES entries a step, their weight rows as [ENTRIES, BLOCK_K] tiles
+    # ENTRIES entries a step, their weight rows as [ENTRIES, BLOCK_K] tiles; STAGES > 1 (with EVEN_K) loads
+    # them stages ahead through cp.async
+    for e0 in tl.range(0, count, ENTRIES, num_stages=STAGES):
         e = e0 + tl.arange(0, ENTRIES)
         valid = e < count
-        tile_ok = valid[:, None] & k_ok[None, :]
+        tile_ok = valid[:, None] & (k_ok[None, :] | EVEN_K)
         neurons = tl.load(ids_ptr + slot + e, mask=valid, other=0).to(tl.int64)
         g = tl.load(gate_ptr + slot + e, mask=valid, other=0.0).to(tl.float32)
         u = g
@@ -1304,7 +1311,7 @@ def train_backward(
             rows, dy, l1_grad, gate_weight, wu, down_weight_t, ids, gate, up, counts, coef_g, coef_u, coef_h,
             dx, k, dy.stride(0), gate_weight.stride(0), wu.stride(0), down_weight_t.stride(0), dx.stride(0),
             HAS_UP=has_up, DRELU=drelu, SQUARE=square, WIDTH=width, BLOCK_K=block_k, ENTRIES=row_entries,
-            num_warps=_row_warps(block_k, entries=row_entries),
+            EVEN_K=k == block_k, STAGES=DX_STAGES, num_warps=_row_warps(block_k, entries=row_entries),
         )  # fmt: skip
         top = state.backup_rows(m) if state is not None else -(-m // BACKUP_SHARE)
         acc_g, acc_u, acc_d = _dense_backup(
