@@ -468,6 +468,56 @@ def set_backward_constants(settings: list[str]) -> dict:
     return {name: v for name, v in vars(backward).items() if name.isupper() and isinstance(v, int)}
 
 
+def variant_points(k, n, m, density, pattern, variants: list[str], forward_pack: bool, shipped: dict) -> list:
+    """One input's per-product kernel times (stage_times) of the sparse forward + backward at the kernel
+    level under each variant (','-separated NAME=INT settings of backward's constants; '' the shipped
+    ones), with each variant's largest gradient difference from the shipped constants'."""
+    x, block = make_inputs(m, k, n, density, pattern, seed=m + n)
+    wg, bg, wu, wd = (p.detach() for p in _params(block))
+    wd_t = wd.t().contiguous()
+    dy, l1_grad = torch.randn_like(x), torch.ones(1, device=x.device)
+    flags = {"threshold": 0.0, "drelu": False, "square": False}
+
+    def step():
+        y, ids, gate, up, counts, *_ = backward.train_forward(
+            x, wg, bg, wu, None, wd_t, None, width=policy.train_width(n), forward_pack=forward_pack, **flags
+        )
+        return backward.train_backward(dy, l1_grad, x, wg, bg, wu, None, wd_t, False, ids, gate, up, counts, **flags)
+
+    reference = step()
+    points = []
+    for variant in variants:
+        set_backward_constants([v for v in variant.split(",") if v])
+        err = max(rel(a, b) for a, b in zip(step(), reference, strict=True) if b.numel())
+        point = {"K": k, "N": n, "M": m, "density": density, "pattern": pattern, "variant": variant}
+        points.append({**point, "max_rel_diff": err, **stage_times(step)})
+        for name, value in shipped.items():
+            setattr(backward, name, value)
+        t = points[-1]
+        print(
+            f"{k}x{n} {m} {density} {pattern} [{variant or 'shipped'}] fwd {t['fwd_sparse_ms']:.2f} dx {t['dx_ms']:.2f}"
+            f" dW {t['dw_ms']:.2f} sort {t['sort_ms']:.2f} other {t['other_ms']:.2f} diff {err:.1e}",
+            flush=True,
+        )
+    return points
+
+
+def variants_main(args, shipped: dict) -> None:
+    """--variants: variant_points at every point; JSON train-variants-*.json."""
+    result = {**environment(), "backward_constants": shipped, "points": []}
+    path = result_path(args.out, "train-variants")
+    for shape in args.shapes.split(","):
+        k, n = map(int, shape.split("x"))
+        for m in map(int, args.ms.split(",")):
+            for pattern in args.patterns.split(","):
+                for density in map(float, args.densities.split(",")):
+                    variants = args.variants.split(";")
+                    result["points"] += variant_points(k, n, m, density, pattern, variants, args.forward_pack, shipped)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default="2048x5632,4096x14336")
@@ -483,6 +533,13 @@ def main():
         default=[],
         metavar="NAME=VALUE",
         help="a variant: set an int constant of twell.kernels.backward (BACKUP_SHARE, DW_BLOCK_K, DW_WARPS, ...)",
+    )
+    parser.add_argument(
+        "--variants",
+        default=None,
+        metavar="A;B",
+        help="kernel times only, per variant: ';'-separated variants, each ','-separated NAME=INT settings of "
+        "backward's constants (an empty variant: the shipped ones); variant_points",
     )
     parser.add_argument("--model", action="store_true", help="a whole model's training step (module docstring)")
     parser.add_argument("--layers", type=int, default=8, help="--model: decoder layers")
@@ -521,6 +578,9 @@ def main():
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/train.py times on a CUDA GPU; without one, run it with --smoke")
     constants = set_backward_constants(args.backward_constant)
+    if args.variants is not None:
+        variants_main(args, constants)
+        return
     if args.model:
         model_main(args, constants)
         return
