@@ -734,13 +734,15 @@ def arg_type(name):
         return "fp32" if name == "threshold" else "i32"
     base = name[: -len("_ptr")]
     return {"ids": "*i32", "cnt": "*i32", "nz": "*i32", "kept": "*i32", "rows": "*i64", "order": "*i64",
-            "starts": "*i32", "cols": "*i64", "colcnt": "*i32"}.get(base, "*fp32" if base in FP32 else "*bf16")
+            "starts": "*i32", "cols": "*i64", "colcnt": "*i32", "write": "*i8"}.get(
+                base, "*fp32" if base in FP32 else "*bf16")
 
 cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
 flags = dict(HAS_UP_BIAS=True, HAS_DOWN_BIAS=True, DRELU=False, SQUARE=False, HAS_GATE_BIAS=True,
              SCAN=backward.SCAN, CHUNK=256, ROWS=1, PRECISION="tf32", GROUP=backward.DW_GROUP,
              PAIRS=backward.DW_PAIRS, STAGES=backward.DW_STAGES, BLOCK_T=backward.BACKUP_BLOCK_T,
-             BLOCK_N=backward.BACKUP_BLOCK_N, STORE_H=True, HOT=False, LISTED=False, STORE_KEPT=True, EVEN_K=True)
+             BLOCK_N=backward.BACKUP_BLOCK_N, STORE_H=True, HOT=False, LISTED=False, STORE_KEPT=True,
+             RECORD=False, EVEN_K=True)
 warps = backward._row_warps
 for kernel, block_k, entries, options in [
     (backward._train_forward_kernel, 8192, 1, {"num_warps": warps(8192)}),
@@ -755,12 +757,15 @@ for kernel, block_k, entries, options in [
     (backward._backup_grads_kernel, 0, 1, {"num_warps": backward.BACKUP_WARPS}),
     (backward._backup_grads_kernel, -1, 1, {"num_warps": backward.BACKUP_WARPS}),  # HOT (_hot_grads)
     (backward._dense_hidden_kernel, 0, 1, {"num_warps": backward.BACKUP_WARPS}),
+    (backward._dense_hidden_kernel, -2, 1, {"num_warps": backward.DENSE_ROW_WARPS}),  # RECORD (_dense_rows)
 ]:
     for has_up in (True, False):
         names = [p.name for p in kernel.params if p.is_constexpr]
         given = {**flags, "HAS_UP": has_up, "WIDTH": 512, "BLOCK_K": block_k, "ENTRIES": entries}
         if block_k == -1:
             given.update(HOT=True, WIDTH=-1)
+        if block_k == -2:
+            given.update(RECORD=True, STORE_KEPT=False)
         consts = {n: v for n, v in given.items() if n in names}
         signature = {n: "constexpr" if n in consts else arg_type(n) for n in kernel.arg_names}
         # pointers and strides divisible by 16, as the launcher specialises them (vectorised row loads)

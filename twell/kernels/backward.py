@@ -70,23 +70,23 @@ from twell.kernels.words import decode
 SCAN = 1024
 # dW (_train_dw_kernel): neurons a program owns (16: the smallest tensor-core product), pairs gathered
 # a step, K columns a program owns, warps, and loop stages: every load of the loop (pair indices, their
-# x / dy gathers, coefficients) goes STAGES - 1 steps ahead through cp.async, where K is a multiple of
-# the K block (EVEN_K; a mask by a run-time K keeps the gathers from 16-byte vectors, so from cp.async,
-# and each step then waits one gather latency: 3.29 ms at K=2048, 32768 tokens, time growing with
-# programs x steps, train-20261202-133531 to -133938.json). ptxas for sm_90: 106 registers a thread at
-# 64 x 128 with 8 warps (2 programs an SM); 4 warps take 188 there. Expected on an H200 at K=2048, N=5632, 0.5%: 352 x 16 programs of
-# ~55 steps; the 9.8 GB of gathered rows are L2 hits (the programs resident at once share one K
-# block: its x / dy columns are 16 MB), so ~1.5-2.5 ms (the atomic kernel it replaces: 17 ms).
-# dx (_train_dx_kernel): loop stages of its entry loop. 3: the next steps' ids, record values and weight
-# rows load ahead through cp.async (sm_90, K = BLOCK_K: 14 async copies, 69 registers at K=2048 with 4
-# warps, 24 KB of shared memory; 79 and 49 KB at K=4096 with 8); 1: each step waits for its gathers (85
-# registers). To be measured (session 7).
-DX_STAGES = 1
+# x / dy gathers, coefficients) goes STAGES - 1 steps ahead through cp.async where K is a multiple of
+# the K block (EVEN_K: a mask by a run-time K keeps the gathers from 16-byte vectors, so from cp.async).
+# ptxas for sm_90: 106 registers a thread at 64 x 128 with 8 warps (2 programs an SM). Measured at
+# K=2048, N=5632, 0.5%, 32768 tokens: 3.3 ms with or without the async gathers (~3 TB/s of the 9.8 GB of
+# gathered x / dy rows), 5.1-6.7 ms at 64-column K blocks or 128 pairs a step
+# (train-20261202-133531.json to -140018.json): time goes with programs x steps, not with bytes.
 DW_GROUP = 16
 DW_PAIRS = 64
 DW_BLOCK_K = 128
 DW_WARPS = 8
 DW_STAGES = 3
+# dx (_train_dx_kernel): loop stages of its entry loop. 3: the next steps' ids, record values and weight
+# rows load ahead through cp.async (sm_90, K = BLOCK_K: 14 async copies, 69 registers at K=2048 with 4
+# warps, 24 KB of shared memory; 79 and 49 KB at K=4096 with 8); 1: each step waits for its gathers (85
+# registers). Measured (train-20261202-140149.json, -140353.json): dx 1.94 ms against 1.65 at K=2048,
+# 13.81 against 14.96 at K=4096 uniform 0.5%, 32768 tokens.
+DX_STAGES = 1
 # Dense-backup rows (more kept neurons than the record's width): the heaviest ceil(M / BACKUP_SHARE)
 # rows go through one dense pass of cuBLAS GEMMs over those rows (_dense_backup: ~8 [M/32, K] x [K, N]
 # products, ~0.25 ms at K=2048, N=5632, M=32768; ~1.2 ms at K=4096, N=14336), rows past them through
@@ -112,6 +112,10 @@ BACKUP_MAX_SHARE = 0.125
 BACKUP_BLOCK_T = 32
 BACKUP_BLOCK_N = 128
 BACKUP_WARPS = 8
+# _dense_hidden_kernel with RECORD (the packed forward's dense rows: a prefix sum along each tile row too)
+# at the same tiles: ptxas for sm_90 spills it at 8 warps (255 registers, 40 bytes of stack with W_u);
+# 16 warps take 106
+DENSE_ROW_WARPS = 16
 # LayerConfig.train_forward_pack (_pack_forward): the dense gate packed to TwELL at the prefill path's
 # layout (policy.TILE_N / SLOTS), y by the prefill up+down kernel, the record written from the TwELL
 # words by _pack_record_kernel, PACK_BLOCK_M rows a program (a [PACK_BLOCK_M, SLOTS] tile a tile step).
@@ -122,6 +126,16 @@ PACK_BLOCK_M = 32
 # (at most _row_entries'): a few long rows (~260 entries past the width), each a program's alone, where one
 # entry a step would take ~1.4 us an entry.
 REDO_ENTRIES = 8
+# The rows the pack path cannot serve through cuBLAS instead (_dense_rows), read at each call (a benchmark
+# variant: --backward-constant FORWARD_DENSE_ROWS=0): the heaviest T of them (_share_rows of the rows the
+# layer's last measured call left, else ceil(M / BACKUP_SHARE); a fixed number, no host sync), their
+# tile counts zeroed before the up+down kernel (its main kernel then takes them as empty rows, its heavy
+# kernel never sees them). The CPU simulation of the benchmark's uniform K=4096 N=14336 0.5% input
+# (make_inputs' rows, 4096 of them) lists ~4.6% of the rows, nearly all for more entries than the up+down
+# row width (256 < kept <= 512, the record width), ~0.2% past the record width: the 2.61 + 4.30 ms of the
+# heavy and row kernels (train-20261202-120318.json) become two [T, K] x [K, N] products (T = 2048 at
+# 32768 tokens: ~0.7 ms) and one elementwise kernel. Rows past T stay with the row kernel (exact).
+FORWARD_DENSE_ROWS = True
 
 
 @dataclass
@@ -136,6 +150,7 @@ class _TrainState:
     dense: bool = False
     forward_dense: bool = False
     past_share: float | None = None  # the share of rows past the width in the last landed measurement
+    listed_share: float | None = None  # the share of rows the packed forward could not serve (_pack_forward)
     hot: torch.Tensor | None = None  # LayerConfig.train_hot: the hot neurons of the next call (int64, device)
 
     def update(self, dense_above: float) -> None:
@@ -143,22 +158,29 @@ class _TrainState:
         if self.pending is not None and (self.pending[0] is None or self.pending[0].query()):
             _, host, possible, rows = self.pending
             self.pending = None
-            nonzero, past_width = host.tolist()
+            nonzero, past_width, listed = host.tolist()
             self.past_share = past_width / max(rows, 1)
+            self.listed_share = listed / max(rows, 1)
             self.dense = nonzero > dense_above * possible or self.past_share > BACKUP_MAX_SHARE
 
     def backup_rows(self, m: int) -> int:
         """Rows of a call of m tokens that the backward's dense pass takes (BACKUP_MIN_ROWS)."""
-        if self.past_share is None:
-            return -(-m // BACKUP_SHARE)
-        return min(m, max(BACKUP_MIN_ROWS, triton.next_power_of_2(math.ceil(1.25 * self.past_share * m))))
+        return _share_rows(self.past_share, m)
 
-    def measure(self, nonzero: torch.Tensor, past_width: torch.Tensor, possible: int, rows: int) -> None:
-        """Queue a call's measurement to the host; one in flight (a newer one would never land while the
-        host runs ahead)."""
+    def forward_rows(self, m: int) -> int:
+        """Rows of a call of m tokens that the packed forward's dense pass takes (_dense_rows); none after a
+        measured call that left no row (its ~15 small launches saved; a row that appears takes the row
+        kernel, exact, until the next measurement lands)."""
+        return 0 if self.listed_share == 0 else _share_rows(self.listed_share, m)
+
+    def measure(
+        self, nonzero: torch.Tensor, past_width: torch.Tensor, listed: torch.Tensor, possible: int, rows: int
+    ) -> None:
+        """Queue a call's measurement (nonzero h, rows past the width, rows the packed forward could not
+        serve) to the host; one in flight (a newer one would never land while the host runs ahead)."""
         if self.pending is not None:
             return
-        values = torch.stack([nonzero.to(torch.int64), past_width.to(torch.int64)])
+        values = torch.stack([nonzero.to(torch.int64), past_width.to(torch.int64), listed.to(torch.int64)])
         ready = None
         if values.is_cuda:
             host = torch.empty(2, dtype=torch.int64, pin_memory=True)
@@ -167,6 +189,14 @@ class _TrainState:
             ready.record()
             values = host
         self.pending = (ready, values, possible, rows)
+
+
+def _share_rows(share: float | None, m: int) -> int:
+    """Rows a dense pass over a call of m tokens takes: 1.25x a measured share of them, as a power of two,
+    at least BACKUP_MIN_ROWS, at most m; ceil(m / BACKUP_SHARE) before any measurement (share None)."""
+    if share is None:
+        return -(-m // BACKUP_SHARE)
+    return min(m, max(BACKUP_MIN_ROWS, triton.next_power_of_2(math.ceil(1.25 * share * m))))
 
 
 # id(gate weight behind any view) -> {(shape, offset): state}; an entry goes when its tensor is freed
@@ -613,18 +643,25 @@ def _backup_grads_kernel(
 
 @triton.jit
 def _dense_hidden_kernel(
-    pre_ptr, up_ptr, h_ptr, kept_ptr, l1_ptr, nz_ptr, T, N, threshold,
+    pre_ptr, up_ptr, h_ptr, kept_ptr, l1_ptr, nz_ptr, rows_ptr, write_ptr, ids_ptr, gate_ptr, rec_up_ptr, T, N,
+    threshold,
     HAS_UP: tl.constexpr, DRELU: tl.constexpr, SQUARE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-    STORE_KEPT: tl.constexpr,
+    STORE_KEPT: tl.constexpr, RECORD: tl.constexpr, WIDTH: tl.constexpr,
 ):  # fmt: skip
-    """A dense-mode forward's hidden activation, rows [t0, t0 + BLOCK_T) (t0 = BLOCK_T * program_id)
-    over all N, BLOCK_N columns a step (all [T, N], unit stride on N): h from the gate g (pre) and up u
-    in the dtype, with STORE_KEPT each row's kept count (not g <= threshold: the record width it would
-    need), and the program's sum |h| and nonzero count of h (partials, summed by the caller: no atomics)."""
+    """The hidden activation of T dense rows, rows [t0, t0 + BLOCK_T) (t0 = BLOCK_T * program_id) over
+    all N, BLOCK_N columns a step (all [T, N], unit stride on N): h from the gate g (pre) and up u in the
+    dtype, each row's sum |h| (fp32) and nonzero count of h, with STORE_KEPT its kept count (not g <=
+    threshold: the record width it would need). RECORD (the packed forward's dense rows, _dense_rows):
+    row t's kept entries, in column order, also go to the record row rows[t] (int64) where write[t]
+    (int8) is set: the first WIDTH of them at its slots of ids, gate (g) and rec_up (u), by a prefix
+    sum along the tile's rows behind the entries of its earlier columns."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = offs_t < T
     dtype = h_ptr.dtype.element_ty
     kept_rows = tl.zeros([BLOCK_T], dtype=tl.int32)
+    if RECORD:
+        write = t_ok & (tl.load(write_ptr + offs_t, mask=t_ok, other=0) != 0)
+        record_rows = tl.load(rows_ptr + offs_t, mask=write, other=0)
     l1 = tl.zeros([BLOCK_T], dtype=tl.float32)
     nonzero = tl.zeros([BLOCK_T], dtype=tl.int32)
     for n0 in range(0, N, BLOCK_N):
@@ -638,13 +675,21 @@ def _dense_hidden_kernel(
         kept = _kept(g, threshold) & ok
         h = tl.where(kept, _hidden(g, u, HAS_UP, DRELU, SQUARE, dtype), 0.0)
         tl.store(h_ptr + at, h.to(dtype), mask=ok)
+        if RECORD:
+            pos = kept_rows[:, None] + tl.cumsum(kept.to(tl.int32), axis=1) - 1
+            stored = kept & write[:, None] & (pos < WIDTH)
+            slot = record_rows[:, None] * WIDTH + pos
+            tl.store(ids_ptr + slot, offs_n[None, :] + tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.int32), mask=stored)
+            tl.store(gate_ptr + slot, g.to(dtype), mask=stored)
+            if HAS_UP:
+                tl.store(rec_up_ptr + slot, u.to(dtype), mask=stored)
         kept_rows += tl.sum(kept.to(tl.int32), axis=1)
         l1 += tl.sum(tl.abs(h), axis=1)
         nonzero += tl.sum((h != 0.0).to(tl.int32), axis=1)
     if STORE_KEPT:
         tl.store(kept_ptr + offs_t, kept_rows, mask=t_ok)
-    tl.store(l1_ptr + tl.program_id(0), tl.sum(l1, axis=0))
-    tl.store(nz_ptr + tl.program_id(0), tl.sum(nonzero, axis=0))
+    tl.store(l1_ptr + offs_t, l1, mask=t_ok)
+    tl.store(nz_ptr + offs_t, nonzero, mask=t_ok)
 
 
 @triton.jit
@@ -837,19 +882,20 @@ def train_forward(
     args = (x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold, drelu, square, width)
     state = train_state(gate_weight) if dense_above is not None or hot else None
     if dense_above is None:
-        return _sparse_forward(*args, entries, state, hot, forward_pack)
+        return _sparse_forward(*args, entries, state, hot, forward_pack)[0]
     # under CUDA-graph capture the layer's state is frozen: no event queries, no new measurements
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     if not capturing:
         state.update(dense_above)
     state.forward_dense = state.dense
     if state.dense:
-        *out, past_width = _dense_forward(*args, state, hot)
+        *out, past_width, unserved = _dense_forward(*args, state, hot)
     else:
-        out = _sparse_forward(*args, entries, state, hot, forward_pack)
+        out, unserved = _sparse_forward(*args, entries, state, hot, forward_pack)
         past_width = (out[4] > width).sum()
+        unserved = past_width if unserved is None else unserved
     if not capturing:
-        state.measure(out[-1], past_width, m * n, m)
+        state.measure(out[-1], past_width, unserved, m * n, m)
     return tuple(out)
 
 
@@ -868,7 +914,8 @@ def _dense_forward(
     state,
     hot,
 ) -> tuple[torch.Tensor, ...]:
-    """train_forward's outputs for a layer training dense, and its rows past the width: what dense
+    """train_forward's outputs for a layer training dense, its rows past the width and past the packed
+    forward's limit (_pack_limit; its measure for _TrainState.forward_rows): what dense
     autograd's forward computes (gate and up by cuBLAS, h by one elementwise kernel that also counts
     each row's kept entries and sums |h| and nonzero h, y by cuBLAS), with a record whose every row is
     past the width (its contents unused). g, u and h stay for the backward (_dense_saved, keyed by the
@@ -878,15 +925,8 @@ def _dense_forward(
     m, n = x.shape[0], gate_weight.shape[0]
     pre = F.linear(x, gate_weight, gate_bias)
     up = F.linear(x, up_weight, up_bias) if up_weight is not None else pre
-    h = _alloc((m, n), x.dtype, x.device)
-    programs = triton.cdiv(m, BACKUP_BLOCK_T)
-    kept = _alloc((m,), torch.int32, x.device)
-    l1 = _alloc((programs,), torch.float32, x.device)
-    nonzero = _alloc((programs,), torch.int32, x.device)
-    _dense_hidden_kernel[(programs,)](
-        pre, up, h, kept, l1, nonzero, m, n, threshold_in(threshold, x.dtype), HAS_UP=up_weight is not None,
-        DRELU=drelu, SQUARE=square, BLOCK_T=BACKUP_BLOCK_T, BLOCK_N=BACKUP_BLOCK_N, STORE_KEPT=True,
-        num_warps=BACKUP_WARPS,
+    h, l1, nonzero, kept = _hidden_rows(
+        pre, up if up_weight is not None else None, threshold, drelu, square, store_kept=True
     )  # fmt: skip
     y = F.linear(h, down_weight_t.t(), down_bias)
     ids = _alloc((m, width), torch.int32, x.device)
@@ -897,7 +937,8 @@ def _dense_forward(
     hot_ids = _hot_columns(state, pre, hot, threshold)
     hot_up = up.index_select(1, hot_ids) if up_weight is not None else up_record.new_empty(m, 0)
     hot_record = (hot_ids, pre.index_select(1, hot_ids), hot_up)
-    totals = (l1.sum(), nonzero.sum(dtype=torch.int64), (kept > width).sum())
+    # the rows past the width, and those the packed forward would leave (its measure: tile overflows aside)
+    totals = (l1.sum(), nonzero.sum(dtype=torch.int64), (kept > width).sum(), (kept > _pack_limit(width, n)).sum())
     return y, ids, gate, up_record, counts, *hot_record, *totals
 
 
@@ -946,9 +987,11 @@ def _sparse_forward(
     hot=0,
     pack=False,
 ) -> tuple[torch.Tensor, ...]:
-    """train_forward's outputs by the record kernel, or with `pack` (not relu²) by _pack_forward and
-    the record kernel for the rows it leaves; the hot neurons (hot of them: _hot_columns) by cuBLAS
-    products over just them, their gate columns hidden from the record (set to -inf)."""
+    """(train_forward's outputs, unserved) by the record kernel, or with `pack` (not relu²) by _pack_forward
+    (its dense rows with FORWARD_DENSE_ROWS) and the record kernel for the rows it leaves; the hot neurons
+    (hot of them: _hot_columns) by cuBLAS products over just them, their gate columns hidden from the
+    record (set to -inf). unserved: the rows the packed forward could not serve (a 0-dim tensor; None
+    without it)."""
     m, k = x.shape
     n = gate_weight.shape[0]
     pre = torch.nn.functional.linear(x, gate_weight, gate_bias)  # dense: the gate GEMM (cuBLAS)
@@ -963,14 +1006,17 @@ def _sparse_forward(
     counts = _alloc((m,), torch.int32, x.device)
     row_l1 = _alloc((m,), torch.float32, x.device)
     row_nonzero = _alloc((m,), torch.int32, x.device)
+    redo, unserved = None, None
     if m > 0:
         block_k = triton.next_power_of_2(k)
         row_entries = _row_entries(entries, block_k)
-        redo = None
         if pack and not square:
-            redo = _pack_forward(
+            dense_rows = 0
+            if FORWARD_DENSE_ROWS:
+                dense_rows = state.forward_rows(m) if state is not None else _share_rows(None, m)
+            redo, unserved = _pack_forward(
                 pre, x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold, drelu,
-                (y, ids, gate, up, counts, row_l1, row_nonzero),
+                (y, ids, gate, up, counts, row_l1, row_nonzero), dense_rows,
             )  # fmt: skip
         grid, listed = (m,), redo is not None
         if listed:  # the rows _pack_forward left: persistent, more entries a step (few rows, each alone)
@@ -996,23 +1042,40 @@ def _sparse_forward(
         )
         y.addmm_(h, down_weight_t.index_select(0, hot_ids))
         l1, nonzero = l1 + hot_l1, nonzero + hot_nonzero
-    return y, ids, gate, up, counts, hot_ids, hot_gate, hot_up, l1, nonzero
+    return (y, ids, gate, up, counts, hot_ids, hot_gate, hot_up, l1, nonzero), unserved
+
+
+def _pack_limit(width: int, n: int) -> int:
+    """Entries of the rows the packed forward serves: at most the record's width and the up+down kernel's
+    row width (at the pack layout's tiles)."""
+    return min(width, row_width(triton.cdiv(n, PACK_TILE_N), PACK_SLOTS))
 
 
 def _pack_forward(
-    pre, x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold, drelu, record
-) -> torch.Tensor:  # fmt: skip
+    pre, x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold, drelu, record,
+    dense_rows,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """LayerConfig.train_forward_pack: the dense gate pre [M, N] packed to TwELL (launch_pack_dense),
     y by the up+down kernel (launch_up_down, storing its rows' u in the record's up slots), then the
     record, sum |h| and nonzero h of every row without an overflowing tile and within both the record's
-    width and the up+down kernel's row width (_pack_record_kernel); returns redo int32 [1 + M]: the list
-    of the other rows (overflowing tiles, past a width: ~0.04% of the rows at K=2048, 0.5% uniform),
-    which the row kernel then computes whole, as without the switch (their y from it too). record: (y,
-    ids, gate, up, counts, row_l1, row_nonzero), written in place."""
+    width and the up+down kernel's row width (_pack_limit; _pack_record_kernel). The other rows
+    (overflowing tiles, past a width: ~0.04% of the rows at K=2048, 0.5% uniform; ~4.6% at K=4096, where
+    the row width 256 is half the record's): the heaviest dense_rows of them (0: none) by cuBLAS
+    (_dense_rows; their tile counts zeroed first, so the up+down and record kernels take them as empty
+    rows, then overwritten), the rest listed. Returns (redo, listed): redo int32 [1 + M], the list the row
+    kernel then computes whole, as without the switch (their y from it too); listed, the number of rows
+    not served (a 0-dim tensor). record: (y, ids, gate, up, counts, row_l1, row_nonzero), in place."""
     y, ids, gate, up, counts, row_l1, row_nonzero = record
     m, width = ids.shape
     has_up = up_weight is not None
     words, tile_counts = launch_pack_dense(pre, threshold, PACK_TILE_N, PACK_SLOTS)
+    # the pack's counts are the true counts, also of an overflowing tile: a row's total is its kept count
+    totals = tile_counts.sum(1, dtype=torch.int32)
+    listed = (tile_counts.amax(1) > PACK_SLOTS) | (totals > _pack_limit(width, pre.shape[1]))
+    if dense_rows:
+        top = torch.topk(torch.where(listed, totals, -1), dense_rows, sorted=False).indices
+        covered = listed.index_select(0, top)
+        _copy_rows(tile_counts, top, covered, 0)
     launch_up_down(
         x, words, tile_counts, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias,
         tile_n=PACK_TILE_N, threshold=threshold, drelu=drelu, out=y, up_out=up if has_up else None,
@@ -1021,11 +1084,44 @@ def _pack_forward(
     redo = torch.zeros(1 + m, dtype=torch.int32, device=x.device)
     _pack_record_kernel[(triton.cdiv(m, PACK_BLOCK_M),)](
         words, tile_counts, ids, gate, up, counts, row_l1, row_nonzero, redo, m, n_tiles, HAS_UP=has_up,
-        DRELU=drelu, TILE_N=PACK_TILE_N, SLOTS=PACK_SLOTS, WIDTH=width,
-        LIMIT=min(width, row_width(n_tiles, PACK_SLOTS)), TILES_PAD=max(2, triton.next_power_of_2(n_tiles)),
-        BLOCK_M=PACK_BLOCK_M, CHUNK=min(64, triton.next_power_of_2(width)),
+        DRELU=drelu, TILE_N=PACK_TILE_N, SLOTS=PACK_SLOTS, WIDTH=width, LIMIT=_pack_limit(width, pre.shape[1]),
+        TILES_PAD=max(2, triton.next_power_of_2(n_tiles)), BLOCK_M=PACK_BLOCK_M,
+        CHUNK=min(64, triton.next_power_of_2(width)),
     )  # fmt: skip
-    return redo
+    if dense_rows:
+        _dense_rows(
+            top, covered, totals.index_select(0, top), pre, x, up_weight, up_bias, down_weight_t, down_bias,
+            threshold, drelu, record,
+        )  # fmt: skip
+    return redo, listed.sum()
+
+
+def _dense_rows(
+    top, covered, top_totals, pre, x, up_weight, up_bias, down_weight_t, down_bias, threshold, drelu, record
+) -> None:  # fmt: skip
+    """The rows `covered` (bool [T]) among `top` (int64 [T]: a fixed number of rows, no host sync) of the
+    packed forward, as dense autograd computes them: x's and the dense gate's rows gathered, u = x W_u^T
+    (+ b_u) by cuBLAS, h, sum |h|, nonzero h and a row within the width's record (ids, gate, up of its kept
+    entries) by one elementwise kernel (_hidden_rows), y = h W_d (+ b_d) by cuBLAS; their y, counts
+    (top_totals: the true kept counts), row_l1 and row_nonzero written over the record (y, ids, gate, up,
+    counts, row_l1, row_nonzero); the other rows of `top` keep theirs. A covered row's other record slots
+    (all of a row past the width, unused) hold the record kernel's zeros (its tile counts were zeroed)."""
+    y, ids, gate, up, counts, row_l1, row_nonzero = record
+    g = pre.index_select(0, top)
+    u = F.linear(x.index_select(0, top), up_weight, up_bias) if up_weight is not None else None
+    write = (covered & (top_totals <= ids.shape[1])).to(torch.int8)
+    h, l1, nonzero, _ = _hidden_rows(g, u, threshold, drelu, False, record=(top, write, ids, gate, up))
+    _copy_rows(y, top, covered, F.linear(h, down_weight_t.t(), down_bias))
+    _copy_rows(counts, top, covered, top_totals)
+    _copy_rows(row_l1, top, covered, l1)
+    _copy_rows(row_nonzero, top, covered, nonzero)
+
+
+def _copy_rows(out: torch.Tensor, rows: torch.Tensor, chosen: torch.Tensor, values) -> None:
+    """out[rows[i]] = values[i] (a tensor of rows, or a scalar) where chosen[i], in place; the others of
+    rows keep theirs (rows unique; a fixed number of them, chosen on the device: no host sync)."""
+    old = out.index_select(0, rows)
+    out.index_copy_(0, rows, torch.where(chosen.view(-1, *[1] * (out.dim() - 1)), values, old))
 
 
 def _hot_columns(state: _TrainState | None, pre: torch.Tensor, hot: int, threshold: float) -> torch.Tensor:
@@ -1043,18 +1139,33 @@ def _hot_hidden(g, u, threshold, drelu, square) -> tuple[torch.Tensor, torch.Ten
     """(h, sum |h|, nonzero h) of the hot columns from their gate g and up u [M, H] in the dtype (u None
     for a plain FFN), as the record kernels compute h, in one elementwise kernel (_dense_hidden_kernel
     over the H columns): h in the dtype, the sum fp32 and the count int64 (one-element tensors)."""
-    m, n_hot = g.shape
-    h = _alloc((m, n_hot), g.dtype, g.device)
-    programs = triton.cdiv(m, BACKUP_BLOCK_T)
-    l1 = _alloc((programs,), torch.float32, g.device)
-    nonzero = _alloc((programs,), torch.int32, g.device)
-    if m > 0:  # no kept counts: the record's exclude the hot columns
-        _dense_hidden_kernel[(programs,)](
-            g, u if u is not None else g, h, l1, l1, nonzero, m, n_hot, threshold_in(threshold, g.dtype),
-            HAS_UP=u is not None, DRELU=drelu, SQUARE=square, BLOCK_T=BACKUP_BLOCK_T, BLOCK_N=BACKUP_BLOCK_N,
-            STORE_KEPT=False, num_warps=BACKUP_WARPS,
-        )  # fmt: skip
+    h, l1, nonzero, _ = _hidden_rows(g, u, threshold, drelu, square)  # no kept counts: the record's exclude them
     return h, l1.sum(), nonzero.sum(dtype=torch.int64)
+
+
+def _hidden_rows(
+    g, u, threshold, drelu, square, *, store_kept=False, record=None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """(h, sum |h|, nonzero h, kept) of T rows from their gate g and up u [T, N] in the dtype (u None for a
+    plain FFN), as the record kernels compute h, by _dense_hidden_kernel: h [T, N] in the dtype, per row
+    the sum fp32 and the count int32 [T], kept: with store_kept the rows' kept counts (int32 [T]), else
+    None. record: (rows int64 [T], write int8 [T], ids, gate, up) to store each written row's first
+    WIDTH kept entries in the record (_dense_rows)."""
+    t, n = g.shape
+    h = _alloc((t, n), g.dtype, g.device)
+    l1 = _alloc((t,), torch.float32, g.device)
+    nonzero = _alloc((t,), torch.int32, g.device)
+    kept = _alloc((t,), torch.int32, g.device) if store_kept else None
+    rows, write, ids, gate, rec_up = record if record is not None else (l1, l1, l1, l1, l1)
+    if t > 0:
+        _dense_hidden_kernel[(triton.cdiv(t, BACKUP_BLOCK_T),)](
+            g, u if u is not None else g, h, kept if store_kept else l1, l1, nonzero, rows, write, ids, gate,
+            rec_up, t, n, threshold_in(threshold, g.dtype), HAS_UP=u is not None, DRELU=drelu, SQUARE=square,
+            BLOCK_T=BACKUP_BLOCK_T, BLOCK_N=BACKUP_BLOCK_N, STORE_KEPT=store_kept, RECORD=record is not None,
+            WIDTH=ids.shape[1] if record is not None else 0,
+            num_warps=DENSE_ROW_WARPS if record is not None else BACKUP_WARPS,
+        )  # fmt: skip
+    return h, l1, nonzero, kept
 
 
 def _neuron_segments(ids: torch.Tensor, counts: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1094,7 +1205,7 @@ def _dense_backup(
     if up_weight is not None:
         dxb = dxb + du @ up_weight
         acc_u = (du.t() @ xb).float()
-    dx.index_copy_(0, top, torch.where((top_counts > width)[:, None], dxb, dx.index_select(0, top)))
+    _copy_rows(dx, top, top_counts > width, dxb)
     return acc_g, acc_u, acc_d
 
 
@@ -1313,7 +1424,7 @@ def train_backward(
             HAS_UP=has_up, DRELU=drelu, SQUARE=square, WIDTH=width, BLOCK_K=block_k, ENTRIES=row_entries,
             EVEN_K=k == block_k, STAGES=DX_STAGES, num_warps=_row_warps(block_k, entries=row_entries),
         )  # fmt: skip
-        top = state.backup_rows(m) if state is not None else -(-m // BACKUP_SHARE)
+        top = state.backup_rows(m) if state is not None else _share_rows(None, m)
         acc_g, acc_u, acc_d = _dense_backup(
             rows[:top], dx, dy, l1_grad, x, gate_weight, recompute_bias, up_weight, up_bias, down_weight_t, counts,
             (acc_bg, acc_bu), width, threshold=threshold, drelu=drelu, square=square,
