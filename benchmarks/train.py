@@ -476,7 +476,9 @@ def variant_points(k, n, m, density, pattern, variants: list[str], forward_pack:
     wg, bg, wu, wd = (p.detach() for p in _params(block))
     wd_t = wd.t().contiguous()
     dy, l1_grad = torch.randn_like(x), torch.ones(1, device=x.device)
-    flags = {"threshold": 0.0, "drelu": False, "square": False}
+    # the layer's measured state as the op keeps it (train_dense_above: the dense passes' row counts)
+    flags = {"threshold": 0.0, "drelu": False, "square": False, "dense_above": policy.TRAIN_DENSE_ABOVE}
+    backward.forget_train_layers()
 
     def step():
         y, ids, gate, up, counts, *_ = backward.train_forward(
