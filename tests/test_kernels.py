@@ -544,11 +544,11 @@ DECODE_CASES = {
     "m1-list-empty": (1, 40, 100, [0.0], (16, 32, 4, 1, False), (16, 2, 16, 4, 4), False),
     "m1-list-super-blocks": (1, 24, 1100, [0.03], (16, 16, 4, 1, False), (16, 3, 16, 8, 4), False),
     "m1-list-defaults": (1, 40, 100, [1.0], (16, 16, 4, 1, True), None, False),
-    "m1-rows-each": (1, 40, 100, [1.0], (16, 16, 4, 1, True), None, None),
+    "m1-rows-each-even-k": (1, 48, 100, [1.0], (16, 16, 4, 1, True), None, None),  # K % BLOCK_K == 0: no K mask
     "m1-rows-empty": (1, 40, 100, [0.0], (16, 32, 4, 1, False), None, None),
     "m1-rows-blocks": (1, 130, 1100, [0.02], (16, 64, 4, 1, False), None, True),
     "m16-splits": (16, 40, 200, MIXED, (16, 32, 4, 1, False), (32, 3, 16, 8, 4), None),
-    "m16-groups": (16, 40, 200, MIXED, (16, 32, 4, 1, False), (32, 2, 16, 0, 4), None),
+    "m16-groups-even-k": (16, 64, 200, MIXED, (16, 32, 4, 1, False), (32, 2, 16, 0, 4), None),
     "m70-blocks": (70, 130, 100, MIXED, (32, 64, 4, 1, True), (64, 1, 16, 16, 4), None),
     "m3-dense": (3, 24, 48, [1.0], (16, 16, 4, 1, False), None, None),
     "m2-super-blocks": (2, 24, 1100, [0.0, 0.01, 0.3, 0.0, 0.02], (16, 16, 4, 1, False), (16, 3, 16, 8, 4), None),
@@ -651,28 +651,33 @@ def arg_type(name):
     return {"ids_ptr": "*i32", "cnt_ptr": "*i32", "sem_ptr": "*i32", "rows_ptr": "*fp32", "part_ptr": "*fp32"}.get(
         name, "*bf16")
 
-def gate_up(m, k):  # the launcher's choice for m tokens of width k
+def gate_up(m, k, copies):  # the launcher's choice for m tokens of width k
     wide = m == 1 and k > 2048
     bn, bk, warps, stages, each = decode.GATE_UP_CONFIG_WIDE if wide else decode.GATE_UP_CONFIG[min(m, 2)]
     rows = m == 1 and k <= 2048
     consts = dict(BLOCK_M=m, BLOCK_N=bn, BLOCK_K=bk, EACH=each, UP_K=min(triton.next_power_of_2(k), 4096),
-                  PREFETCH_LINES=k // 64 if m == 1 and not rows else 0, DOWN_ROWS=rows)
-    return decode._decode_gate_up_kernel, consts, dict(num_warps=warps, num_stages=stages)
+                  PREFETCH_LINES=k // 64 if m == 1 and not rows else 0, DOWN_ROWS=rows, STAGES=stages,
+                  EVEN_K=k % bk == 0)
+    return decode._decode_gate_up_kernel, consts, dict(num_warps=warps, num_stages=stages), copies
 
-def down(m, n_blocks):
+def down(m, n_blocks, copies):
     bk, splits, chunk, split_min, warps = decode.DOWN_CONFIG[m]
     consts = dict(BLOCK_M=m, BLOCK_N=16 if m == 1 else 64, BLOCK_K=bk, CHUNK=chunk, SPLIT_MIN=split_min,
-                  NB=triton.next_power_of_2(n_blocks) if split_min else 32, SUPER=32 if split_min else splits)
-    return decode._decode_down_kernel, consts, dict(num_warps=warps)
+                  NB=triton.next_power_of_2(n_blocks) if split_min else 32, SUPER=32 if split_min else splits,
+                  STAGES=decode.DOWN_STAGES)
+    return decode._decode_down_kernel, consts, dict(num_warps=warps, num_stages=decode.DOWN_STAGES), copies
 
 flags = dict(HAS_UP=True, HAS_GATE_BIAS=True, HAS_UP_BIAS=True, HAS_DOWN_BIAS=True, DRELU=False, SQUARE=False,
              DOT_PRECISION="tf32", SEM_BLOCK=256, PREFETCH_LINE=64, ARRIVE=True)
 cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
-for kernel, consts, options in [
-    gate_up(1, 2048), gate_up(1, 4096), gate_up(16, 4096), gate_up(64, 4096),
-    down(1, 896), down(16, 224), down(64, 224),
-    (decode._decode_down_rows_kernel, dict(ROWS=512, BLOCK_K=16), dict(num_warps=8)),
-    (decode._decode_down_rows_kernel, dict(ROWS=1024, BLOCK_K=16), dict(num_warps=16)),
+# copies: the loop loads Triton turns into cp.async (ttg.async_copy_global_to_local, prologue and loop body):
+# one token's gate GEMV (x, W_g) and down chain (counts, ids, W_d rows) only with their loops' num_stages
+# (0 each without); the rows kernel's loop takes one step a call (ROWS blocks), nothing to pipeline
+for kernel, consts, options, copies in [
+    gate_up(1, 2048, 6), gate_up(1, 4096, 6), gate_up(16, 4096, 16), gate_up(64, 4096, 16),
+    down(1, 896, 15), down(16, 224, 5), down(64, 224, 7),
+    (decode._decode_down_rows_kernel, dict(ROWS=512, BLOCK_K=16), dict(num_warps=8), 0),
+    (decode._decode_down_rows_kernel, dict(ROWS=1024, BLOCK_K=16), dict(num_warps=16), 0),
 ]:
     consts = {**{n: v for n, v in flags.items() if n in kernel.arg_names}, **consts}
     # unit strides are specialised to 1 by the launcher (contiguous rows), the rest divisible by 16
@@ -685,13 +690,16 @@ for kernel, consts, options in [
     Path("k.cubin").write_bytes(out.asm["cubin"])
     usage = subprocess.run([str(cuobjdump), "-res-usage", "k.cubin"], capture_output=True, text=True).stdout
     assert "STACK:0 " in usage and "LOCAL:0 " in usage, (kernel.__name__, consts, usage)  # no spills
+    found = out.asm["ttgir"].count("async_copy_global_to_local")
+    assert found >= copies, (kernel.__name__, consts, f"{found} async copies, {copies} expected")
 """
 
 
 def test_decode_kernels_compile_for_hopper_without_spills(tmp_path):
     """Triton's compiler and ptxas build the decode kernels for sm_90 (no GPU needed) with the
     launcher's configs, at one token (K = 2048 by block rows, 4096 by the list), 16 and 64 tokens,
-    with no register spills (a spill would cost the GPU what the interpreter cannot show)."""
+    with no register spills (a spill would cost the GPU what the interpreter cannot show), and their
+    loops' loads pipelined as cp.async copies (K divisible by 16, as Triton specialises K=2048/4096)."""
     compile_for_hopper(DECODE_SM90_COMPILE, tmp_path)
 
 
