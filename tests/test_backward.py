@@ -742,7 +742,7 @@ flags = dict(HAS_UP_BIAS=True, HAS_DOWN_BIAS=True, DRELU=False, SQUARE=False, HA
              SCAN=backward.SCAN, CHUNK=256, ROWS=1, PRECISION="tf32", GROUP=backward.DW_GROUP,
              PAIRS=backward.DW_PAIRS, STAGES=backward.DW_STAGES, BLOCK_T=backward.BACKUP_BLOCK_T,
              BLOCK_N=backward.BACKUP_BLOCK_N, STORE_H=True, HOT=False, LISTED=False, STORE_KEPT=True,
-             RECORD=False, EVEN_K=True)
+             RECORD=False)
 warps = backward._row_warps
 for kernel, block_k, entries, options in [
     (backward._train_forward_kernel, 8192, 1, {"num_warps": warps(8192)}),
@@ -768,9 +768,9 @@ for kernel, block_k, entries, options in [
             given.update(RECORD=True, STORE_KEPT=False)
         consts = {n: v for n, v in given.items() if n in names}
         signature = {n: "constexpr" if n in consts else arg_type(n) for n in kernel.arg_names}
-        # pointers and strides divisible by 16, as the launcher specialises them (vectorised row loads)
+        # pointers, strides and K divisible by 16, as the launcher specialises them (vectorised row loads)
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
-                 if signature[n] != "constexpr" and (n.endswith("_ptr") or n.startswith("stride"))}
+                 if signature[n] != "constexpr" and (n.endswith("_ptr") or n.startswith("stride") or n == "K")}
         out = compile(ASTSource(kernel, signature, consts, attrs), target=GPUTarget("cuda", 90, 32), options=options)
         Path("k.cubin").write_bytes(out.asm["cubin"])
         usage = subprocess.run([str(cuobjdump), "-res-usage", "k.cubin"], capture_output=True, text=True).stdout

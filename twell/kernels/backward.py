@@ -64,28 +64,26 @@ from twell.kernels.gate import launch_pack_dense
 from twell.kernels.updown import launch_up_down, row_width
 from twell.kernels.words import decode
 
-# Gate columns the forward compacts at a time: each step is a prefix sum across the program's threads
-# (shuffles and a barrier), so 1024 columns (8 a thread at 4 warps) take a quarter of the steps of 256.
-# A dense-backup row's chunks go through its record slots: at most the width (_chunk).
+# Gate columns the forward compacts at a time: each step is a prefix sum across the program's threads (shuffles
+# and a barrier), so 1024 columns (8 a thread at 4 warps) take a quarter of the steps of 256. A dense-backup row's
+# chunks go through its record slots: at most the width (_chunk).
 SCAN = 1024
-# dW (_train_dw_kernel): neurons a program owns (16: the smallest tensor-core product), pairs gathered
-# a step, K columns a program owns, warps, and loop stages: every load of the loop (pair indices, their
-# x / dy gathers, coefficients) goes STAGES - 1 steps ahead through cp.async where K is a multiple of
-# the K block (EVEN_K: a mask by a run-time K keeps the gathers from 16-byte vectors, so from cp.async).
-# ptxas for sm_90: 106 registers a thread at 64 x 128 with 8 warps (2 programs an SM). Measured at
-# K=2048, N=5632, 0.5%, 32768 tokens: 3.3 ms with or without the async gathers (~3 TB/s of the 9.8 GB of
-# gathered x / dy rows), 5.1-6.7 ms at 64-column K blocks or 128 pairs a step
+# dW (_train_dw_kernel): neurons a program owns (16: the smallest tensor-core product), pairs gathered a step, K
+# columns a program owns, warps, and loop stages: every load of the loop (pair indices, their x / dy gathers,
+# coefficients) goes STAGES - 1 steps ahead through cp.async (K divisible by 16, as the launcher specialises it:
+# the K mask then keeps 16-byte vectors). ptxas for sm_90: 106 registers a thread at 64 x 128 with 8 warps (2
+# programs an SM). Measured at K=2048, N=5632, 0.5%, 32768 tokens: 3.3 ms with or without the async gathers (~3
+# TB/s of the 9.8 GB of gathered x / dy rows), 5.1-6.7 ms at 64-column K blocks or 128 pairs a step
 # (train-20261202-133531.json to -140018.json): time goes with programs x steps, not with bytes.
 DW_GROUP = 16
 DW_PAIRS = 64
 DW_BLOCK_K = 128
 DW_WARPS = 8
 DW_STAGES = 3
-# dx (_train_dx_kernel): loop stages of its entry loop. 3: the next steps' ids, record values and weight
-# rows load ahead through cp.async (sm_90, K = BLOCK_K: 14 async copies, 69 registers at K=2048 with 4
-# warps, 24 KB of shared memory; 79 and 49 KB at K=4096 with 8); 1: each step waits for its gathers (85
-# registers). Measured (train-20261202-140149.json, -140353.json): dx 1.94 ms against 1.65 at K=2048,
-# 13.81 against 14.96 at K=4096 uniform 0.5%, 32768 tokens.
+# dx (_train_dx_kernel): loop stages of its entry loop (a loop without a dot is pipelined only with tl.range's
+# num_stages). 3: the next steps' ids, record values and weight rows load ahead through cp.async (24 KB of shared
+# memory at K=2048, 49 KB at K=4096); 1: each step waits for its gathers. Measured (train-20261202-140149.json,
+# -140353.json): dx 1.94 ms against 1.65 at K=2048, 13.81 against 14.96 at K=4096 uniform 0.5%, 32768 tokens.
 DX_STAGES = 1
 # Dense-backup rows (more kept neurons than the record's width): the heaviest ceil(M / BACKUP_SHARE)
 # rows go through one dense pass of cuBLAS GEMMs over those rows (_dense_backup: ~8 [M/32, K] x [K, N]
@@ -519,7 +517,7 @@ def _train_dx_kernel(
     rows_ptr, dy_ptr, dl1_ptr, wg_ptr, wu_ptr, wd_ptr, ids_ptr, gate_ptr, up_ptr, cnt_ptr, cg_ptr, cu_ptr,
     ch_ptr, dx_ptr, K, stride_dym, stride_gn, stride_un, stride_dn, stride_dxm,
     HAS_UP: tl.constexpr, DRELU: tl.constexpr, SQUARE: tl.constexpr, WIDTH: tl.constexpr, BLOCK_K: tl.constexpr,
-    ENTRIES: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr,
+    ENTRIES: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """Row m = rows[program_id] (heaviest first, so long rows start early instead of trailing the
     launch): dx_m, and each record entry's (dg, du, h) stored at the entry's record slot, where the dW
@@ -536,12 +534,12 @@ def _train_dx_kernel(
     dx = tl.zeros([BLOCK_K], dtype=tl.float32)
     dtype = dx_ptr.dtype.element_ty
     slot = m * WIDTH
-    # ENTRIES entries a step, their weight rows as [ENTRIES, BLOCK_K] tiles; STAGES > 1 (with EVEN_K) loads
+    # ENTRIES entries a step, their weight rows as [ENTRIES, BLOCK_K] tiles; STAGES > 1 loads
     # them stages ahead through cp.async
     for e0 in tl.range(0, count, ENTRIES, num_stages=STAGES):
         e = e0 + tl.arange(0, ENTRIES)
         valid = e < count
-        tile_ok = valid[:, None] & (k_ok[None, :] | EVEN_K)
+        tile_ok = valid[:, None] & k_ok[None, :]
         neurons = tl.load(ids_ptr + slot + e, mask=valid, other=0).to(tl.int64)
         g = tl.load(gate_ptr + slot + e, mask=valid, other=0.0).to(tl.float32)
         u = g
@@ -698,7 +696,6 @@ def _train_dw_kernel(
     accbu_ptr, dwg_ptr, dwu_ptr, dwd_ptr, dbg_ptr, dbu_ptr, N, K, stride_xm, stride_dym,
     HAS_UP: tl.constexpr, HAS_GATE_BIAS: tl.constexpr, HAS_UP_BIAS: tl.constexpr, WIDTH: tl.constexpr,
     GROUP: tl.constexpr, PAIRS: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
-    EVEN_K: tl.constexpr,
 ):  # fmt: skip
     """Neurons [n0, n0 + GROUP) (n0 = GROUP * program_id(0)), columns of K block program_id(1): the
     program owns these dW rows' block, so it writes them whole, with no atomics. Its neurons' pairs
@@ -730,7 +727,7 @@ def _train_dw_kernel(
         owner = (begin[:, None] <= p[None, :]) & (p[None, :] < end[:, None])  # [GROUP, PAIRS]
         q = tl.load(order_ptr + p, mask=ok, other=0)  # the pair's record slot
         m = q // WIDTH
-        tile_ok = ok[:, None] & (k_ok[None, :] | EVEN_K)
+        tile_ok = ok[:, None] & k_ok[None, :]
         xt = tl.load(x_ptr + m[:, None] * stride_xm + offs_k[None, :], mask=tile_ok, other=0.0)
         dyt = tl.load(dy_ptr + m[:, None] * stride_dym + offs_k[None, :], mask=tile_ok, other=0.0)
         cg = tl.where(owner, tl.load(cg_ptr + p, mask=ok, other=0.0)[None, :], 0.0)
@@ -1422,7 +1419,7 @@ def train_backward(
             rows, dy, l1_grad, gate_weight, wu, down_weight_t, ids, gate, up, counts, coef_g, coef_u, coef_h,
             dx, k, dy.stride(0), gate_weight.stride(0), wu.stride(0), down_weight_t.stride(0), dx.stride(0),
             HAS_UP=has_up, DRELU=drelu, SQUARE=square, WIDTH=width, BLOCK_K=block_k, ENTRIES=row_entries,
-            EVEN_K=k == block_k, STAGES=DX_STAGES, num_warps=_row_warps(block_k, entries=row_entries),
+            STAGES=DX_STAGES, num_warps=_row_warps(block_k, entries=row_entries),
         )  # fmt: skip
         top = state.backup_rows(m) if state is not None else _share_rows(None, m)
         acc_g, acc_u, acc_d = _dense_backup(
@@ -1455,7 +1452,7 @@ def train_backward(
             order, starts, x, dy, coef_g, coef_u, coef_h, acc_g, acc_u, acc_d, acc_bg, acc_bu, dwg, dwu, dwd, dbg,
             dbu, n, k, x.stride(0), dy.stride(0), HAS_UP=has_up, HAS_GATE_BIAS=gate_bias is not None,
             HAS_UP_BIAS=up_bias is not None, WIDTH=width, GROUP=DW_GROUP, PAIRS=DW_PAIRS, BLOCK_K=dw_block_k,
-            PRECISION=dot_precision(x.dtype), STAGES=DW_STAGES, EVEN_K=k % dw_block_k == 0, num_warps=DW_WARPS,
+            PRECISION=dot_precision(x.dtype), STAGES=DW_STAGES, num_warps=DW_WARPS,
         )  # fmt: skip
     else:  # no pairs: the gradients of the weights are zeros
         for t in (dwg, dwu, dwd, dbg, dbu):
