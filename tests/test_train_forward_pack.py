@@ -411,7 +411,7 @@ cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
 INT = {"ids_ptr", "cnt_ptr", "tcnt_ptr", "nz_ptr", "words_ptr", "heavy_ptr", "n_ptr", "redo_ptr", "rows_ptr"}
 TYPES = {"order_ptr": "*i64", "l1_ptr": "*fp32", "g_ptr": "*fp32"}
 UPDOWN = dict(HAS_ORDER=True, HAS_UP=True, HAS_UP_BIAS=False, HAS_DOWN_BIAS=False, DRELU=False, TILE_N=128,
-              SLOTS=16, TILES_PAD=64, WIDTH=256, CHUNK=16, STORE_U=True, U_WIDTH=256, STAGES=3)
+              SLOTS=16, TILES_PAD=64, WIDTH=256, CHUNK=16, STORE_U=True, U_WIDTH=256)
 entries = backward._row_entries(backward.REDO_ENTRIES, 2048)
 for kernel, consts, warps in [
     (backward._pack_record_kernel, dict(HAS_UP=True, DRELU=False, TILE_N=128, SLOTS=16, WIDTH=512, LIMIT=256,

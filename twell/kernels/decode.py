@@ -57,24 +57,18 @@ def _rows_times_x(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EACH: tl.constexpr,
-    STAGES: tl.constexpr,
-    EVEN_K: tl.constexpr,
 ):
     """x[rows] @ w[cols]^T in fp32, [BLOCK_M, BLOCK_N]; rows of w outside w_rows_ok are not read. One
     token (BLOCK_M == 1) is a GEMV on the CUDA cores: products accumulate per lane, one reduction at
     the end (no 16-row padding of the tensor-core path), or with EACH one reduction per K step (no
-    [BLOCK_K, BLOCK_N] accumulator: registers left for loads in flight). The loop's own STAGES makes
-    Triton pipeline the one-token GEMV too (a loop without tl.dot is pipelined only so): its W_g and x
-    tiles load STAGES - 1 steps ahead as cp.async copies. EVEN_K (K a multiple of BLOCK_K): no K mask
-    (2-3 registers fewer from 16 tokens on; the copies need K divisible by 16 only, which Triton
-    specialises on by itself)."""
+    [BLOCK_K, BLOCK_N] accumulator: registers left for loads in flight)."""
     if BLOCK_M == 1 and not EACH:
         part = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+    for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = (offs_k < K) | EVEN_K
+        k_ok = offs_k < K
         w_mask = w_rows_ok[None, :] & k_ok[:, None]
         wt = tl.load(w_ptr + cols[None, :] * stride_wn + offs_k[:, None] * stride_wk, mask=w_mask, other=0.0)
         if BLOCK_M == 1:
@@ -206,8 +200,6 @@ def _decode_gate_up_kernel(
     PREFETCH_LINE: tl.constexpr,
     PREFETCH_LINES: tl.constexpr,
     DOWN_ROWS: tl.constexpr,
-    STAGES: tl.constexpr,
-    EVEN_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -226,7 +218,7 @@ def _decode_gate_up_kernel(
 
     acc = _rows_times_x(
         x_ptr, wg_ptr, rows, cols, m_ok, n_ok, K, stride_xm, stride_xk, stride_gn, stride_gk,
-        DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, EACH, STAGES, EVEN_K,
+        DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, EACH,
     )  # fmt: skip
     if HAS_GATE_BIAS:
         acc += tl.load(bg_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -259,7 +251,7 @@ def _decode_gate_up_kernel(
             else:
                 u = _rows_times_x(
                     x_ptr, wu_ptr, rows, cols, m_ok, active, K, stride_xm, stride_xk, stride_un, stride_uk,
-                    DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, EACH, STAGES, EVEN_K,
+                    DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, EACH,
                 )  # fmt: skip
             if HAS_UP_BIAS:
                 u += tl.load(bu_ptr + offs_n, mask=active, other=0.0).to(tl.float32)[None, :]
@@ -336,7 +328,6 @@ def _decode_down_kernel(
     CHUNK: tl.constexpr,
     SPLIT_MIN: tl.constexpr,
     ARRIVE: tl.constexpr,
-    STAGES: tl.constexpr,
 ):
     pid_k = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -373,7 +364,7 @@ def _decode_down_kernel(
         e_hi = tl.sum(cnt, axis=0)
     if pid_s < splits:
         acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-        for c0 in tl.range(e_lo, e_hi, CHUNK, num_stages=STAGES):
+        for c0 in range(e_lo, e_hi, CHUNK):
             e = c0 + tl.arange(0, CHUNK)
             valid = e < e_hi
             if SPLIT_MIN > 0:
@@ -432,9 +423,6 @@ def _decode_down_rows_kernel(
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, EACH) of the gate + up kernel for one token and for more;
 # the fastest at both of K=2048/N=5632 and K=4096/N=14336 on an H200 (gpu_check-decode-20261130-161902.json,
 # -230248.json, -231118.json).
-# num_stages is also the gate loop's own (STAGES): one token's GEMV (no tl.dot) pipelines only by it,
-# 0 -> 6 cp.async copies in its sm_90 TTGIR, registers 130 -> 126 (70 -> 71 in the wide config below); the
-# one-token configs were chosen before it did.
 GATE_UP_CONFIG = {1: (16, 512, 4, 3, False), 2: (64, 128, 4, 4, False)}
 # One token with K > 2048: 256-wide K steps reduced each step (72 registers, ~3x the programs per SM of
 # the config above, more of W_g in flight): 44.7 against 48.7 us per layer at K=4096; 14.9 against
@@ -449,13 +437,6 @@ GATE_UP_CONFIG_WIDE = (16, 256, 4, 3, True)
 # ids, then hc and W_d) is not overlapped; 64 tokens gain from smaller K blocks (34.6 against 40.6 us
 # at K=2048). gpu_check-decode-20261201-114215.json, -114635.json.
 DOWN_CONFIG = {1: (32, 4, 64, 64, 4), 16: (128, 8, 16, 0, 4), 32: (128, 8, 16, 0, 4), 64: (64, 8, 32, 0, 4)}
-# The down kernel's stages (Triton's default, which it was measured with). Its entry loop has a product
-# (tl.dot) from 16 tokens on, which Triton pipelines at the kernel's num_stages; one token's loop has none
-# and pipelines only with the loop's own num_stages: its chain (counts, ids, W_d rows) then loads
-# chunks ahead as cp.async copies (15 in its sm_90 TTGIR against 0). 113 registers against 70: 4
-# programs of 4 warps an SM instead of 7, still one wave for one token's K / 32 K blocks times at most
-# 4 splits (512 programs at K=4096).
-DOWN_STAGES = 3
 
 
 def _check_ffn(caller, x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold):
@@ -618,8 +599,6 @@ def decode_ffn(
         PREFETCH_LINE=line,
         PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(k, line)) if prefetch else 0,
         DOWN_ROWS=down_rows,
-        STAGES=stages,
-        EVEN_K=k % block_k == 0,
         num_warps=warps,
         num_stages=stages,
     )
@@ -659,8 +638,6 @@ def decode_ffn(
         CHUNK=chunk,
         SPLIT_MIN=split_min,
         ARRIVE=True,
-        STAGES=DOWN_STAGES,
         num_warps=down_warps,
-        num_stages=DOWN_STAGES,
     )
     return y

@@ -6,18 +6,16 @@ per-tile counts become one flat list of its R (gate value g, neuron n) pairs in 
 registers,
     for each entry j:  u_j = x_m . W_u[n_j]  (skipped for non-gated FFNs);  y_m += (g_j * u_j) W_d[n_j]
 with fp32 accumulation: each entry loads both weight rows at once and the entry loop is
-software-pipelined (tl.range's num_stages: the next entries' rows load as cp.async copies while this
-one is summed). The hidden state never reaches global memory. Rows are taken heaviest first.
+software-pipelined. The hidden state never reaches global memory. Rows are taken heaviest first.
 
-A program walks its row's entries one after another (~1.4 us each on an H200 before the walk was
-pipelined), so one long row would bound the whole launch. The main kernel therefore leaves two kinds of
-rows, appended to a list on the device, to _heavy_kernel: rows with more than WIDTH entries and rows
-with a tile whose count exceeds its slots (an overflow row of the TwELL format: the packed entries are
-incomplete, so that tile's gate values are recomputed from W_g, a GEMV over TILE_N rows). _heavy_kernel,
-persistent, splits each listed row into SPLITS parts (entry ranges and overflowing tiles), each part an
-fp32 partial of y_m; the last part to finish sums the partials in part order (deterministic). Rows past
-the partials' capacity are taken whole by one part. Neither path needs a dense backup buffer or the
-host.
+A program walks its row's entries one after another (~1.4 us each on an H200), so one long row would
+bound the whole launch. The main kernel therefore leaves two kinds of rows, appended to a list on the
+device, to _heavy_kernel: rows with more than WIDTH entries and rows with a tile whose count exceeds
+its slots (an overflow row of the TwELL format: the packed entries are incomplete, so that tile's gate values
+are recomputed from W_g, a GEMV over TILE_N rows). _heavy_kernel, persistent, splits each listed row
+into SPLITS parts (entry ranges and overflowing tiles), each part an fp32 partial of y_m; the last
+part to finish sums the partials in part order (deterministic). Rows past the partials' capacity are
+taken whole by one part. Neither path needs a dense backup buffer or the host.
 The row's entries are read from TwELL words (twell.kernels.words) inside each tile's count only.
 W_d is read as rows of down_weight^T ([N, K]): pass down_weight.t() with unit stride on K.
 hot_pos: the neurons the packer left out (twell.kernels.gate's hot map, -1: packed); recomputed
@@ -51,11 +49,6 @@ CHUNK = 16  # entries flattened at a time
 MAX_WIDTH = 256  # scratch entries per row; rows with more take the heavy-row kernel
 SPLITS = 8  # parts of a heavy row, each a program's work
 PARTIAL_BYTES = 64 << 20  # fp32 partials of split rows; rows past this capacity are taken whole
-# Stages of the heavy-row kernel's entry walks (Triton's default, the kernel's num_stages before they had
-# their own): 0 -> 28 cp.async copies in its sm_90 TTGIR. Its stack at K=2048 / 4096: 32 / 40 bytes
-# before, 32 / 32 pipelined, 0 / 8 pipelined with EVEN_K (K = BLOCK_K: no column mask). The main kernel's
-# registers move both ways with EVEN_K (+2 / +11 / -4 at K=2048 / 4096 / 4096 with 4 stages): it has none.
-HEAVY_STAGES = 3
 
 
 @triton.jit
@@ -138,12 +131,11 @@ def _flatten(
 def _walk(
     y, xv, g_row, n_row, count, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un, stride_uk, stride_dn, stride_dk,
     u_row, HAS_UP: tl.constexpr, HAS_UP_BIAS: tl.constexpr, DRELU: tl.constexpr, STORE_U: tl.constexpr,
-    U_WIDTH: tl.constexpr, STAGES: tl.constexpr,
+    U_WIDTH: tl.constexpr,
 ):  # fmt: skip
-    """y plus the first `count` scratch entries' contributions, one entry after another, the next
-    entries' scratch slots and weight rows loading STAGES - 1 entries ahead (cp.async); with STORE_U
+    """y plus the first `count` scratch entries' contributions, one entry after another; with STORE_U
     entry e's u (before the activation) to u_row[e] for e < U_WIDTH."""
-    for e in tl.range(0, count, num_stages=STAGES):
+    for e in range(0, count):
         y, u = _entry(
             y, xv, tl.load(g_row + e), tl.load(n_row + e).to(tl.int64), offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr,
             stride_un, stride_uk, stride_dn, stride_dk, HAS_UP, HAS_UP_BIAS, DRELU,
@@ -161,11 +153,7 @@ def _store_row(y, m, bd_ptr, y_ptr, offs_k, k_ok, stride_ym, stride_yk, HAS_DOWN
 
 
 ROWVEC_CONFIGS = [
-    # (num_warps, num_stages): the whole K row lives in registers, entries stream one at a time.
-    # num_stages is also the entry loop's own (STAGES): Triton pipelines a loop without tl.dot only by
-    # its own num_stages, so without it every entry waited for its W_u / W_d rows (0 cp.async copies in
-    # the sm_90 TTGIR; 14 with it at 3 stages: the next entries' ids and rows load ahead). Registers
-    # (sm_90, bf16): K=2048 64 -> 70 at 4 warps, 47 -> 56 at 8; K=4096 94 -> 100 at 4, 56 -> 55 at 8
+    # (num_warps, num_stages): the whole K row lives in registers, entries stream one at a time
     (4, 3),
     (8, 3),
     (4, 4),
@@ -174,7 +162,7 @@ ROWVEC_CONFIGS = [
 
 
 @triton.autotune(
-    configs=autotune_configs(ROWVEC_CONFIGS, lambda w, s: {"STAGES": s}),
+    configs=autotune_configs(ROWVEC_CONFIGS, lambda w, s: {}),
     # per token bucket: with one key for every M, whichever size ran first chose the config for all sizes
     # (the 8192-token variance it was suspected of came from host time instead: benchmarks/NOTES.md v9)
     key=["M_BUCKET", "K", "TILE_N", "SLOTS", "HAS_UP", "WIDTH"],
@@ -220,7 +208,6 @@ def _twell_up_down_kernel(
     BLOCK_K: tl.constexpr,
     STORE_U: tl.constexpr,
     U_WIDTH: tl.constexpr,
-    STAGES: tl.constexpr,
 ):
     """The common row: no overflowing tile and at most WIDTH entries; the others are appended to the
     heavy list (heavy[0]: their number, heavy[1 + i]: row ids) for _heavy_kernel. Program i takes
@@ -254,7 +241,7 @@ def _twell_up_down_kernel(
         u_row = u_ptr + m * U_WIDTH
     y = _walk(
         tl.zeros([BLOCK_K], dtype=tl.float32), xv, g_row, n_row, total, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr,
-        stride_un, stride_uk, stride_dn, stride_dk, u_row, HAS_UP, HAS_UP_BIAS, DRELU, STORE_U, U_WIDTH, STAGES,
+        stride_un, stride_uk, stride_dn, stride_dk, u_row, HAS_UP, HAS_UP_BIAS, DRELU, STORE_U, U_WIDTH,
     )  # fmt: skip
     _store_row(y, m, bd_ptr, y_ptr, offs_k, k_ok, stride_ym, stride_yk, HAS_DOWN_BIAS)
 
@@ -300,7 +287,6 @@ def _heavy_part(
     CHUNK: tl.constexpr,
     RECOMPUTE: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    STAGES: tl.constexpr,
 ):
     """fp32 partial of y_m over part `part` of `parts` of row m: its share of the packed entries (one
     contiguous range, WIDTH at a time through the program's scratch) and the overflowing tiles t with
@@ -320,7 +306,7 @@ def _heavy_part(
         tl.debug_barrier()
         y = _walk(
             y, xv, g_row, n_row, block, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un, stride_uk, stride_dn,
-            stride_dk, g_row, HAS_UP, HAS_UP_BIAS, DRELU, False, 0, STAGES,
+            stride_dk, g_row, HAS_UP, HAS_UP_BIAS, DRELU, False, 0,
         )  # fmt: skip
         tl.debug_barrier()  # the next block overwrites the scratch
     offs_r = tl.arange(0, RECOMPUTE)
@@ -349,7 +335,7 @@ def _heavy_part(
                 tl.debug_barrier()
                 y = _walk(
                     y, xv, g_row, n_row, n_kept, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un, stride_uk,
-                    stride_dn, stride_dk, g_row, HAS_UP, HAS_UP_BIAS, DRELU, False, 0, STAGES,
+                    stride_dn, stride_dk, g_row, HAS_UP, HAS_UP_BIAS, DRELU, False, 0,
                 )  # fmt: skip
                 tl.debug_barrier()
     return y
@@ -403,8 +389,6 @@ def _heavy_kernel(
     RECOMPUTE: tl.constexpr,
     SPLITS: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    STAGES: tl.constexpr,
-    EVEN_K: tl.constexpr,
 ):
     """Persistent over the heavy list's SPLITS parts per row: rows i < capacity in SPLITS partials
     (the last part to arrive sums them in order), later rows whole, one item each. Which rows are
@@ -413,7 +397,7 @@ def _heavy_kernel(
     g_row = g_ptr + pid * WIDTH
     n_row = n_ptr + pid * WIDTH
     offs_k = tl.arange(0, BLOCK_K)
-    k_ok = (offs_k < K) | EVEN_K
+    k_ok = offs_k < K
     n_heavy = tl.load(heavy_ptr)
     n_split = tl.minimum(n_heavy, capacity) * SPLITS  # items: the split rows' parts, then whole rows
     for item in range(pid, n_split + tl.maximum(n_heavy - capacity, 0), tl.num_programs(0)):
@@ -430,7 +414,7 @@ def _heavy_kernel(
                 wd_ptr, pos_ptr, g_row, n_row, N, n_tiles, threshold, stride_gn, stride_gk, stride_un,
                 stride_uk, stride_dn, stride_dk, HAS_UP, HAS_GATE_BIAS, HAS_HOT, HAS_UP_BIAS, DRELU, SQUARE,
                 y_ptr.dtype.element_ty,
-                TILE_N, SLOTS, TILES_PAD, WIDTH, CHUNK, RECOMPUTE, BLOCK_K, STAGES,
+                TILE_N, SLOTS, TILES_PAD, WIDTH, CHUNK, RECOMPUTE, BLOCK_K,
             )  # fmt: skip
             y += y_p
         if split:
@@ -627,7 +611,6 @@ def launch_up_down(
         n_scratch, n, k, n_tiles, capacity,
         threshold_in(threshold, x.dtype), x.stride(0), x.stride(1), gate_weight.stride(0), gate_weight.stride(1),
         *strides, HAS_GATE_BIAS=gate_bias is not None, HAS_HOT=hot_pos is not None, SQUARE=square, CHUNK=CHUNK,
-        RECOMPUTE=recompute, SPLITS=SPLITS, STAGES=HEAVY_STAGES, EVEN_K=k == flags["BLOCK_K"], num_warps=4,
-        num_stages=HEAVY_STAGES, **flags,
+        RECOMPUTE=recompute, SPLITS=SPLITS, num_warps=4, **flags,
     )  # fmt: skip
     return y, kept
