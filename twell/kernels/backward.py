@@ -181,7 +181,7 @@ class _TrainState:
         values = torch.stack([nonzero.to(torch.int64), past_width.to(torch.int64), listed.to(torch.int64)])
         ready = None
         if values.is_cuda:
-            host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+            host = torch.empty(values.numel(), dtype=torch.int64, pin_memory=True)
             host.copy_(values, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
