@@ -136,11 +136,13 @@ def test_row_kernels_with_entries_a_step(variant, dtype, entries):
     _check_grads(case, gated, dtype, threshold, drelu, squared, entries=entries)
 
 
-@pytest.mark.parametrize("block_k,pairs,warps", [(16, 128, 4), (64, 32, 8)], ids=["k16-p128", "k64-p32"])
-def test_dw_kernel_shapes_the_benchmark_varies(block_k, pairs, warps, monkeypatch):
-    """The dW kernel at the K blocks / pairs a step that benchmarks/train.py --backward-constant tries
-    (K=24: two K blocks of 16, or one block past K)."""
-    for name, value in (("DW_BLOCK_K", block_k), ("DW_PAIRS", pairs), ("DW_WARPS", warps)):
+@pytest.mark.parametrize(
+    "block_k,pairs,warps,maxnreg", [(16, 128, 4, 0), (64, 32, 8, 80)], ids=["k16-p128", "k64-p32-maxnreg80"]
+)
+def test_dw_kernel_shapes_the_benchmark_varies(block_k, pairs, warps, maxnreg, monkeypatch):
+    """The dW kernel at the K blocks / pairs a step / register caps that benchmarks/train.py
+    --backward-constant tries (K=24: two K blocks of 16, or one block past K)."""
+    for name, value in (("DW_BLOCK_K", block_k), ("DW_PAIRS", pairs), ("DW_WARPS", warps), ("DW_MAXNREG", maxnreg)):
         monkeypatch.setattr(backward, name, value)
     case = make_ffn(13, 24, 70, DENSITIES, torch.float32, DEVICE, seed=6, biases=True)
     _check_grads(case, True, torch.float32)

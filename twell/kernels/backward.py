@@ -80,6 +80,10 @@ DW_PAIRS = 64
 DW_BLOCK_K = 128
 DW_WARPS = 8
 DW_STAGES = 3
+# DW_MAXNREG: the dW kernel's register cap (Triton's maxnreg; 0: none). Nsight (NOTES, session 7, third run):
+# 2 blocks an SM by registers (108 a thread), 25% occupancy, half the stalls waiting on the gathers. ptxas for
+# sm_90 at 80: 3 blocks an SM, 32 bytes of stack a thread. Off until measured.
+DW_MAXNREG = 0
 # dx (_train_dx_kernel): loop stages of its entry loop (a loop without a dot is pipelined only with tl.range's
 # num_stages). 3: the next steps' ids, record values and weight rows load ahead through cp.async (24 KB of shared
 # memory at K=2048, 49 KB at K=4096); 1: each step waits for its gathers. Measured (train-20261202-140149.json,
@@ -1453,6 +1457,7 @@ def train_backward(
             dbu, n, k, x.stride(0), dy.stride(0), HAS_UP=has_up, HAS_GATE_BIAS=gate_bias is not None,
             HAS_UP_BIAS=up_bias is not None, WIDTH=width, GROUP=DW_GROUP, PAIRS=DW_PAIRS, BLOCK_K=dw_block_k,
             PRECISION=dot_precision(x.dtype), STAGES=DW_STAGES, num_warps=DW_WARPS,
+            **({"maxnreg": DW_MAXNREG} if DW_MAXNREG else {}),
         )  # fmt: skip
     else:  # no pairs: the gradients of the weights are zeros
         for t in (dwg, dwu, dwd, dbg, dbu):
