@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from twell.kernels import policy
+from twell.kernels import backward, policy
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("benchmark_tables", ROOT / "benchmarks" / "tables.py")
@@ -99,6 +99,10 @@ def test_the_newest_run_of_each_point_counts(tmp_path):
     write(tmp_path, "train-20260105-000000.json", {"commit": "t5", "points": [other]})
     if policy.TRAIN_FORWARD_PACK:  # a run from before the field measured the row kernel's forward: a variant now
         write(tmp_path, "train-20260106-000000.json", {"commit": "t6", "points": [ffn_point(32768, 6.0)]})
+    # --backward-constant: a variant; a constant backward no longer has counts as shipped
+    constants = {"DW_BLOCK_K": backward.DW_BLOCK_K + 1, "GONE_SINCE": 3}
+    write(tmp_path, "train-20260107-000000.json", {"commit": "t7", "backward_constants": constants,
+                                                    "points": [{**ffn_point(32768, 7.0), **shipped}]})  # fmt: skip
 
     points = {p["M"]: p for p in tables.ffn_points(tmp_path)}
     assert (points[1]["speedup"], points[1]["source"]) == (2.5, "`ffn-20260102-000000.json` (new)")
@@ -146,7 +150,7 @@ def test_decode_steps_only_from_split_timing_and_the_summary_keeps_the_compiled_
     assert (steps["dense"]["tokens_per_s"], steps["twell"]["tokens_per_s"]) == (1100.0, 2000.0)
     assert (38, "skewed", "decode steps", 1) not in points
     assert points[12, "skewed", "generation", 1]["twell"]["row"] == "twell-calibrated-compiled"
-    summary = tables.summary_table([], tables.e2e_points(tmp_path), [], None)
+    summary = tables.summary_table([], tables.e2e_points(tmp_path), [], [])
     steps_row = "| decode steps alone, batch 1 (CUDA-graph replays) | 1100 tokens/s (dense-compiled) | 1300 tokens/s"
     assert f"{steps_row} (twell-compiled) | 1.18x |" in summary
     assert (

@@ -117,8 +117,8 @@ DECODE_REACH: tuple[tuple[int, float, int], ...] = ((4096, 0.01, 32), (4096, 0.0
 # that holds). Measured at K=2048 N=5632, 0.5%, eager / compiled against the faster dense: 16384 tokens
 # 1.01x / 1.06x uniform, 1.12x / 1.17x skewed; 32768 tokens 1.09x / 1.13x and 1.18x / 1.24x
 # (train-20261202-115632.json); 8192 tokens 0.59-0.78x (train-20261202-055820.json, before the packed
-# forward). K=4096 N=14336 at 32768 tokens: 0.94x uniform, 1.22x skewed (train-20261202-120318.json): a
-# known loss on uniform rates, which calibration does not yet tell apart.
+# forward). K=4096 N=14336 at 32768 tokens: 1.02x uniform, 1.23x skewed compiled (train-20261202-143218.json,
+# -143334.json; 0.94x uniform before the forward's unserved rows went through cuBLAS, -120318.json).
 TRAIN_CROSSOVER: tuple[tuple[float, int], ...] = ((0.005, 16384),)
 
 # Fixed for every layer:
