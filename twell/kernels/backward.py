@@ -71,8 +71,8 @@ SCAN = 1024
 # dW (_train_dw_kernel): neurons a program owns (16: the smallest tensor-core product), pairs gathered a step, K
 # columns a program owns, warps, and loop stages: every load of the loop (pair indices, their x / dy gathers,
 # coefficients) goes STAGES - 1 steps ahead through cp.async (K divisible by 16, as the launcher specialises it:
-# the K mask then keeps 16-byte vectors). ptxas for sm_90: 106 registers a thread at 64 x 128 with 8 warps (2
-# programs an SM). Measured at K=2048, N=5632, 0.5%, 32768 tokens: 3.3 ms with or without the async gathers (~3
+# the K mask then keeps 16-byte vectors). ptxas for sm_90 (Triton 3.6): 92 registers a thread at 64 x 128 with 8
+# warps (2 programs an SM). Measured at K=2048, N=5632, 0.5%, 32768 tokens: 3.3 ms with or without the async gathers (~3
 # TB/s of the 9.8 GB of gathered x / dy rows), 5.1-6.7 ms at 64-column K blocks or 128 pairs a step
 # (train-20261202-133531.json to -140018.json): time goes with programs x steps, not with bytes.
 DW_GROUP = 16
@@ -81,11 +81,13 @@ DW_BLOCK_K = 128
 DW_WARPS = 8
 DW_STAGES = 3
 # DW_MAXNREG: the dW kernel's register cap (Triton's maxnreg; 0: none). Nsight (NOTES, session 7, third run):
-# 2 blocks an SM by registers (108 a thread), 25% occupancy, half the stalls waiting on the gathers. ptxas for
-# sm_90 at 80: 3 blocks an SM, 32 bytes of stack a thread. Off until measured.
+# 2 blocks an SM by registers, 25% occupancy, half the stalls waiting on the gathers. Registers go 8 a thread at
+# a time, so 3 blocks of 8 warps need <= 80: ptxas for sm_90 (Triton 3.6) then keeps 16 bytes of stack a
+# thread. Off until measured.
 DW_MAXNREG = 0
-# DW_SPLIT: dW as two launches, the x products (dW_g, dW_u) and the dy one (dW_d), each with half the live
-# tiles and accumulators (more blocks an SM; the pair lists and coefficients read twice). Off until measured.
+# DW_SPLIT: dW as two launches, the x products (dW_g, dW_u) and the dy one (dW_d), each with fewer live tiles
+# and accumulators (73 / 62 registers under Triton 3.6's ptxas: 3 / 4 blocks an SM, against 2; the pair lists
+# and coefficients read twice). Off until measured.
 DW_SPLIT = 0
 # dx (_train_dx_kernel): loop stages of its entry loop (a loop without a dot is pipelined only with tl.range's
 # num_stages). 3: the next steps' ids, record values and weight rows load ahead through cp.async (24 KB of shared
