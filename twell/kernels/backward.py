@@ -188,14 +188,14 @@ class _TrainState:
         if self.pending is not None:
             return
         values = torch.stack([nonzero.to(torch.int64), past_width.to(torch.int64), listed.to(torch.int64)])
+        # one path on every device (the CPU suite runs it): a host copy, pinned and asynchronous from a GPU
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=values.is_cuda)
+        host.copy_(values, non_blocking=values.is_cuda)
         ready = None
         if values.is_cuda:
-            host = torch.empty(values.numel(), dtype=torch.int64, pin_memory=True)
-            host.copy_(values, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-            values = host
-        self.pending = (ready, values, possible, rows)
+        self.pending = (ready, host, possible, rows)
 
 
 def _share_rows(share: float | None, m: int) -> int:
