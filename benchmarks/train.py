@@ -130,7 +130,8 @@ def rel(a, b) -> float:
 
 def stage_times(fn, steps=3) -> dict:
     """Kernel time per stage of fn (ms per call), from the profiler's device times, and the sparse
-    forward's by kernel (fwd_sparse_kernels)."""
+    forward's and the rest's ("other": zeroing, casts, copies, the L1 term, the dense passes' elementwise
+    kernels) by kernel (fwd_sparse_kernels, other_kernels)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -140,7 +141,7 @@ def stage_times(fn, steps=3) -> dict:
             fn()
         torch.cuda.synchronize()
     times = {stage: 0.0 for stage in set(STAGES.values()) | {"other"}}
-    forward = {}  # the sparse forward's kernels apart (--forward-pack runs five)
+    forward, other = {}, {}  # the sparse forward's kernels apart (--forward-pack runs five), and the rest's
     for event in prof.key_averages():
         total = getattr(event, "device_time_total", None)
         total = event.cuda_time_total if total is None else total
@@ -148,9 +149,10 @@ def stage_times(fn, steps=3) -> dict:
             continue
         stage = next((s for frag, s in STAGES.items() if frag in event.key), "other")
         times[stage] += total / 1e3 / steps
-        if stage == "fwd_sparse":
-            forward[event.key[:60]] = forward.get(event.key[:60], 0.0) + total / 1e3 / steps
-    return {**{f"{stage}_ms": t for stage, t in times.items()}, "fwd_sparse_kernels": forward}
+        by_kernel = forward if stage == "fwd_sparse" else other if stage == "other" else None
+        if by_kernel is not None:
+            by_kernel[event.key[:60]] = by_kernel.get(event.key[:60], 0.0) + total / 1e3 / steps
+    return {**{f"{stage}_ms": t for stage, t in times.items()}, "fwd_sparse_kernels": forward, "other_kernels": other}
 
 
 def floors(k, n, m, pairs, gemm_tflop_s) -> dict:
