@@ -72,9 +72,10 @@ SCAN = 1024
 # columns a program owns, warps, and loop stages: every load of the loop (pair indices, their x / dy gathers,
 # coefficients) goes STAGES - 1 steps ahead through cp.async (K divisible by 16, as the launcher specialises it:
 # the K mask then keeps 16-byte vectors). ptxas for sm_90 (Triton 3.6): 92 registers a thread at 64 x 128 with 8
-# warps (2 programs an SM). Measured at K=2048, N=5632, 0.5%, 32768 tokens: 3.3 ms with or without the async gathers (~3
-# TB/s of the 9.8 GB of gathered x / dy rows), 5.1-6.7 ms at 64-column K blocks or 128 pairs a step
-# (train-20261202-133531.json to -140018.json): time goes with programs x steps, not with bytes.
+# warps (2 programs an SM). Measured at K=2048, N=5632, 0.5%, 32768 tokens: 3.3 ms (~3 TB/s of the 9.8 GB of
+# gathered x / dy rows), 3.4-7.0 ms at other tiles, warps and stages (train-20261202-133531.json to -133938.json,
+# train-variants-20261202-143145.json); Nsight (ncu-20261202-142900.json): 86% L2 hits, 25% occupancy by
+# registers, latency-bound.
 DW_GROUP = 16
 DW_PAIRS = 64
 DW_BLOCK_K = 128
@@ -91,8 +92,9 @@ DW_MAXNREG = 0
 DW_SPLIT = 0
 # dx (_train_dx_kernel): loop stages of its entry loop (a loop without a dot is pipelined only with tl.range's
 # num_stages). 3: the next steps' ids, record values and weight rows load ahead through cp.async (24 KB of shared
-# memory at K=2048, 49 KB at K=4096); 1: each step waits for its gathers. Measured (train-20261202-140149.json,
-# -140353.json): dx 1.94 ms against 1.65 at K=2048, 13.81 against 14.96 at K=4096 uniform 0.5%, 32768 tokens.
+# memory at K=2048, 49 KB at K=4096); 1: each step waits for its gathers. Measured, uniform 0.5%, 32768 tokens:
+# dx 1.94 ms against 1.65 at K=2048 (train-20261202-140149.json against -140018.json), 13.81 against 14.96 at
+# K=4096 (-140353.json against -120318.json).
 DX_STAGES = 1
 # Dense-backup rows (more kept neurons than the record's width): the heaviest ceil(M / BACKUP_SHARE)
 # rows go through one dense pass of cuBLAS GEMMs over those rows (_dense_backup: ~8 [M/32, K] x [K, N]
