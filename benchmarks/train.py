@@ -155,6 +155,32 @@ def stage_times(fn, steps=3) -> dict:
     return {**{f"{stage}_ms": t for stage, t in times.items()}, "fwd_sparse_kernels": forward, "other_kernels": other}
 
 
+def other_sources(fn, steps=3) -> dict:
+    """The "other" stage's kernels by the twell source line that launched them ("file:line kernel": ms per
+    call), from a profile with Python stacks: which call of the step each zeroing, cast or copy is."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    sources = {}
+    for event in prof.events():
+        for kernel in getattr(event, "kernels", []):
+            if any(frag in kernel.name for frag in STAGES):
+                continue
+            parent, where = event, "?"
+            while parent is not None and where == "?":
+                frame = next((f for f in parent.stack or [] if "twell/" in f), None)
+                where = frame.split("twell/")[-1] if frame else "?"
+                parent = parent.cpu_parent
+            key = f"{where} {kernel.name[:40]}"
+            sources[key] = sources.get(key, 0.0) + kernel.duration / 1e3 / steps
+    return dict(sorted(sources.items(), key=lambda kv: -kv[1]))
+
+
 def floors(k, n, m, pairs, gemm_tflop_s) -> dict:
     """Each product's floor (ms) on the measured ceilings; bytes/flops in the module docstring."""
     row = 2 * k  # bytes of one bf16 row
@@ -494,7 +520,7 @@ def variant_points(k, n, m, density, pattern, variants: list[str], forward_pack:
         set_backward_constants([v for v in variant.split(",") if v])
         err = max(rel(a, b) for a, b in zip(step(), reference, strict=True) if b.numel())
         point = {"K": k, "N": n, "M": m, "density": density, "pattern": pattern, "variant": variant}
-        points.append({**point, "max_rel_diff": err, **stage_times(step)})
+        points.append({**point, "max_rel_diff": err, **stage_times(step), "other_sources": other_sources(step)})
         for name, value in shipped.items():
             setattr(backward, name, value)
         t = points[-1]

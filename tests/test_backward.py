@@ -137,14 +137,14 @@ def test_row_kernels_with_entries_a_step(variant, dtype, entries):
 
 
 @pytest.mark.parametrize(
-    "block_k,pairs,warps,maxnreg,split",
-    [(16, 128, 4, 0, 0), (64, 32, 8, 80, 0), (16, 32, 4, 0, 1)],
-    ids=["k16-p128", "k64-p32-maxnreg80", "k16-p32-split"],
+    "block_k,pairs,warps,maxnreg",
+    [(16, 128, 4, 0), (64, 32, 8, 80), (16, 32, 4, 64)],
+    ids=["k16-p128", "k64-p32-maxnreg80", "k16-p32-maxnreg64"],
 )
-def test_dw_kernel_shapes_the_benchmark_varies(block_k, pairs, warps, maxnreg, split, monkeypatch):
-    """The dW kernel at the K blocks / pairs a step / register caps / split launches that
-    benchmarks/train.py --backward-constant tries (K=24: two K blocks of 16, or one block past K)."""
-    settings = {"DW_BLOCK_K": block_k, "DW_PAIRS": pairs, "DW_WARPS": warps, "DW_MAXNREG": maxnreg, "DW_SPLIT": split}
+def test_dw_kernel_shapes_the_benchmark_varies(block_k, pairs, warps, maxnreg, monkeypatch):
+    """The dW kernel at the K blocks / pairs a step / register caps that benchmarks/train.py
+    --backward-constant tries (K=24: two K blocks of 16, or one block past K)."""
+    settings = {"DW_BLOCK_K": block_k, "DW_PAIRS": pairs, "DW_WARPS": warps, "DW_MAXNREG": maxnreg}
     for name, value in settings.items():
         monkeypatch.setattr(backward, name, value)
     case = make_ffn(13, 24, 70, DENSITIES, torch.float32, DEVICE, seed=6, biases=True)
@@ -747,7 +747,7 @@ flags = dict(HAS_UP_BIAS=True, HAS_DOWN_BIAS=True, DRELU=False, SQUARE=False, HA
              SCAN=backward.SCAN, CHUNK=256, ROWS=1, PRECISION="tf32", GROUP=backward.DW_GROUP,
              PAIRS=backward.DW_PAIRS, STAGES=backward.DW_STAGES, BLOCK_T=backward.BACKUP_BLOCK_T,
              BLOCK_N=backward.BACKUP_BLOCK_N, STORE_H=True, HOT=False, LISTED=False, STORE_KEPT=True,
-             RECORD=False, X_PART=True, DY_PART=True)
+             RECORD=False)
 warps = backward._row_warps
 for kernel, block_k, entries, options in [
     (backward._train_forward_kernel, 8192, 1, {"num_warps": warps(8192)}),

@@ -84,12 +84,9 @@ DW_STAGES = 3
 # DW_MAXNREG: the dW kernel's register cap (Triton's maxnreg; 0: none). Nsight (NOTES, session 7, third run):
 # 2 blocks an SM by registers, 25% occupancy, half the stalls waiting on the gathers. Registers go 8 a thread at
 # a time, so 3 blocks of 8 warps need <= 80: ptxas for sm_90 (Triton 3.6) then keeps 16 bytes of stack a
-# thread. Off until measured.
-DW_MAXNREG = 0
-# DW_SPLIT: dW as two launches, the x products (dW_g, dW_u) and the dy one (dW_d), each with fewer live tiles
-# and accumulators (73 / 62 registers under Triton 3.6's ptxas: 3 / 4 blocks an SM, against 2; the pair lists
-# and coefficients read twice). Off until measured.
-DW_SPLIT = 0
+# thread. Measured, 32768 tokens 0.5% (train-variants-20261202-181050.json), dW ms uncapped / 80: K=2048 uniform
+# 3.19 / 2.80, skewed 3.26 / 3.03; K=4096 uniform 15.77 / 13.76, skewed 14.57 / 12.90.
+DW_MAXNREG = 80
 # dx (_train_dx_kernel): loop stages of its entry loop (a loop without a dot is pipelined only with tl.range's
 # num_stages). 3: the next steps' ids, record values and weight rows load ahead through cp.async (24 KB of shared
 # memory at K=2048, 49 KB at K=4096); 1: each step waits for its gathers. Measured, uniform 0.5%, 32768 tokens:
@@ -707,7 +704,6 @@ def _train_dw_kernel(
     accbu_ptr, dwg_ptr, dwu_ptr, dwd_ptr, dbg_ptr, dbu_ptr, N, K, stride_xm, stride_dym,
     HAS_UP: tl.constexpr, HAS_GATE_BIAS: tl.constexpr, HAS_UP_BIAS: tl.constexpr, WIDTH: tl.constexpr,
     GROUP: tl.constexpr, PAIRS: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
-    X_PART: tl.constexpr, DY_PART: tl.constexpr,
 ):  # fmt: skip
     """Neurons [n0, n0 + GROUP) (n0 = GROUP * program_id(0)), columns of K block program_id(1): the
     program owns these dW rows' block, so it writes them whole, with no atomics. Its neurons' pairs
@@ -717,9 +713,7 @@ def _train_dw_kernel(
     every pair to its own neuron's row. Pairs come in neuron order, rows increasing, so each step's
     tile gathers rows shared by its neighbours' K blocks; program_id(0) varies fastest, so resident
     programs work on one K block and its x / dy columns stay in L2. The accumulators hold the
-    dense-backup rows' terms (the dx kernel's atomics) and are added once at the end. X_PART: the
-    products over x (dW_g, dW_u and the bias sums), DY_PART: the one over dy (dW_d); a launch with one
-    of them holds half the tiles and accumulators (DW_SPLIT)."""
+    dense-backup rows' terms (the dx kernel's atomics) and are added once at the end."""
     n0 = tl.program_id(0) * GROUP
     offs_n = n0 + tl.arange(0, GROUP)
     n_ok = offs_n < N
@@ -742,30 +736,26 @@ def _train_dw_kernel(
         q = tl.load(order_ptr + p, mask=ok, other=0)  # the pair's record slot
         m = q // WIDTH
         tile_ok = ok[:, None] & k_ok[None, :]
-        if X_PART:
-            xt = tl.load(x_ptr + m[:, None] * stride_xm + offs_k[None, :], mask=tile_ok, other=0.0)
-            cg = tl.where(owner, tl.load(cg_ptr + p, mask=ok, other=0.0)[None, :], 0.0)
-            acc_g = tl.dot(cg.to(dtype), xt, acc_g, input_precision=PRECISION)
-            if HAS_GATE_BIAS:
-                sum_g += tl.sum(cg.to(tl.float32), axis=1)
-            if HAS_UP:
-                cu = tl.where(owner, tl.load(cu_ptr + p, mask=ok, other=0.0)[None, :], 0.0)
-                acc_u = tl.dot(cu.to(dtype), xt, acc_u, input_precision=PRECISION)
-                if HAS_UP_BIAS:
-                    sum_u += tl.sum(cu.to(tl.float32), axis=1)
-        if DY_PART:
-            dyt = tl.load(dy_ptr + m[:, None] * stride_dym + offs_k[None, :], mask=tile_ok, other=0.0)
-            ch = tl.where(owner, tl.load(ch_ptr + p, mask=ok, other=0.0)[None, :], 0.0)
-            acc_d = tl.dot(ch.to(dtype), dyt, acc_d, input_precision=PRECISION)
+        xt = tl.load(x_ptr + m[:, None] * stride_xm + offs_k[None, :], mask=tile_ok, other=0.0)
+        cg = tl.where(owner, tl.load(cg_ptr + p, mask=ok, other=0.0)[None, :], 0.0)
+        acc_g = tl.dot(cg.to(dtype), xt, acc_g, input_precision=PRECISION)
+        if HAS_GATE_BIAS:
+            sum_g += tl.sum(cg.to(tl.float32), axis=1)
+        if HAS_UP:
+            cu = tl.where(owner, tl.load(cu_ptr + p, mask=ok, other=0.0)[None, :], 0.0)
+            acc_u = tl.dot(cu.to(dtype), xt, acc_u, input_precision=PRECISION)
+            if HAS_UP_BIAS:
+                sum_u += tl.sum(cu.to(tl.float32), axis=1)
+        dyt = tl.load(dy_ptr + m[:, None] * stride_dym + offs_k[None, :], mask=tile_ok, other=0.0)
+        ch = tl.where(owner, tl.load(ch_ptr + p, mask=ok, other=0.0)[None, :], 0.0)
+        acc_d = tl.dot(ch.to(dtype), dyt, acc_d, input_precision=PRECISION)
     out = offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
     out_ok = n_ok[:, None] & k_ok[None, :]
-    if X_PART:
-        tl.store(dwg_ptr + out, (acc_g + tl.load(accg_ptr + out, mask=out_ok, other=0.0)).to(dtype), mask=out_ok)
-        if HAS_UP:
-            tl.store(dwu_ptr + out, (acc_u + tl.load(accu_ptr + out, mask=out_ok, other=0.0)).to(dtype), mask=out_ok)
-    if DY_PART:
-        tl.store(dwd_ptr + out, (acc_d + tl.load(accd_ptr + out, mask=out_ok, other=0.0)).to(dtype), mask=out_ok)
-    if X_PART and tl.program_id(1) == 0:
+    tl.store(dwg_ptr + out, (acc_g + tl.load(accg_ptr + out, mask=out_ok, other=0.0)).to(dtype), mask=out_ok)
+    if HAS_UP:
+        tl.store(dwu_ptr + out, (acc_u + tl.load(accu_ptr + out, mask=out_ok, other=0.0)).to(dtype), mask=out_ok)
+    tl.store(dwd_ptr + out, (acc_d + tl.load(accd_ptr + out, mask=out_ok, other=0.0)).to(dtype), mask=out_ok)
+    if tl.program_id(1) == 0:
         if HAS_GATE_BIAS:
             tl.store(dbg_ptr + offs_n, (sum_g + tl.load(accbg_ptr + offs_n, mask=n_ok, other=0.0)).to(dtype), mask=n_ok)
         if HAS_UP_BIAS:
@@ -1466,14 +1456,13 @@ def train_backward(
         # against 3.37 (K=2048, 32768 tokens: train-20261201-213944.json)
         coef_g, coef_h = coef_g[order], coef_h[order]
         coef_u = coef_u[order] if has_up else coef_g
-        for x_part, dy_part in ((True, False), (False, True)) if DW_SPLIT else ((True, True),):
-            _train_dw_kernel[(triton.cdiv(n, DW_GROUP), triton.cdiv(k, dw_block_k))](
-                order, starts, x, dy, coef_g, coef_u, coef_h, acc_g, acc_u, acc_d, acc_bg, acc_bu, dwg, dwu, dwd,
-                dbg, dbu, n, k, x.stride(0), dy.stride(0), HAS_UP=has_up, HAS_GATE_BIAS=gate_bias is not None,
-                HAS_UP_BIAS=up_bias is not None, WIDTH=width, GROUP=DW_GROUP, PAIRS=DW_PAIRS, BLOCK_K=dw_block_k,
-                PRECISION=dot_precision(x.dtype), STAGES=DW_STAGES, X_PART=x_part, DY_PART=dy_part,
-                num_warps=DW_WARPS, **({"maxnreg": DW_MAXNREG} if DW_MAXNREG else {}),
-            )  # fmt: skip
+        _train_dw_kernel[(triton.cdiv(n, DW_GROUP), triton.cdiv(k, dw_block_k))](
+            order, starts, x, dy, coef_g, coef_u, coef_h, acc_g, acc_u, acc_d, acc_bg, acc_bu, dwg, dwu, dwd, dbg,
+            dbu, n, k, x.stride(0), dy.stride(0), HAS_UP=has_up, HAS_GATE_BIAS=gate_bias is not None,
+            HAS_UP_BIAS=up_bias is not None, WIDTH=width, GROUP=DW_GROUP, PAIRS=DW_PAIRS, BLOCK_K=dw_block_k,
+            PRECISION=dot_precision(x.dtype), STAGES=DW_STAGES, num_warps=DW_WARPS,
+            **({"maxnreg": DW_MAXNREG} if DW_MAXNREG else {}),
+        )  # fmt: skip
     else:  # no pairs: the gradients of the weights are zeros
         for t in (dwg, dwu, dwd, dbg, dbu):
             t.zero_()
