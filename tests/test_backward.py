@@ -739,7 +739,7 @@ def arg_type(name):
         return "fp32" if name == "threshold" else "i32"
     base = name[: -len("_ptr")]
     return {"ids": "*i32", "cnt": "*i32", "nz": "*i32", "kept": "*i32", "rows": "*i64", "order": "*i64",
-            "starts": "*i32", "cols": "*i64", "colcnt": "*i32", "write": "*i8"}.get(
+            "pair_rows": "*i32", "starts": "*i32", "cols": "*i64", "colcnt": "*i32", "write": "*i8"}.get(
                 base, "*fp32" if base in FP32 else "*bf16")
 
 cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"

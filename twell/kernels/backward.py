@@ -28,9 +28,9 @@ Backward, per kept (m, n), with dh = dy_m . W_d^T[n] (+ dl1 * sign h):
 - The pairs grouped by neuron (CSC): a stable sort of the record's neuron ids (invalid slots keyed N;
   int16 keys where N allows, two radix passes) and segment starts by searchsorted, all on the device.
 - _train_dw_kernel, one program per (16 neurons, K block): dW_g[n] = sum_m dg x_m, dW_u[n] = sum_m du
-  x_m, dW_d^T[n] = sum_m h dy_m over the group's pairs (their coefficients copied into neuron order
-  once, read contiguously) by tensor-core products, plus the accumulators, stored once in the weight dtype: no
-  atomics per pair.
+  x_m, dW_d^T[n] = sum_m h dy_m over the group's pairs (their token rows and coefficients copied into
+  neuron order once by _neuron_order_kernel, read contiguously) by tensor-core products, plus the
+  accumulators, stored once in the weight dtype: no atomics per pair.
 W_d is read as rows of down_weight^T ([N, K], unit stride on K), the layout sparsify stores.
 
 Hot neurons (LayerConfig.train_hot): the layer's H most frequent neurons of its previous call are
@@ -81,6 +81,8 @@ DW_PAIRS = 64
 DW_BLOCK_K = 128
 DW_WARPS = 8
 DW_STAGES = 3
+# _neuron_order_kernel: sorted pairs a program (past the record's pairs a program only reads starts[N])
+ORDER_BLOCK = 1024
 # DW_MAXNREG: the dW kernel's register cap (Triton's maxnreg; 0: none). Nsight (NOTES, session 7, third run):
 # 2 blocks an SM by registers, 25% occupancy, half the stalls waiting on the gathers. Registers go 8 a thread at
 # a time, so 3 blocks of 8 warps need <= 80: ptxas for sm_90 (Triton 3.6) then keeps 16 bytes of stack a
@@ -699,11 +701,29 @@ def _dense_hidden_kernel(
 
 
 @triton.jit
+def _neuron_order_kernel(
+    order_ptr, starts_ptr, cg_ptr, cu_ptr, ch_ptr, pair_rows_ptr, og_ptr, ou_ptr, oh_ptr, N, HAS_UP: tl.constexpr,
+    WIDTH: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """The dW kernel's inputs in neuron order, for the record's pairs only (p < starts[N]; the sort puts
+    the invalid slots after them): pair p's token row order[p] // WIDTH (int32) and its coefficients
+    (dg, du, h) from its record slot order[p]. One pass reading the sorted slots once."""
+    p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = p < tl.load(starts_ptr + N)
+    q = tl.load(order_ptr + p, mask=ok, other=0)
+    tl.store(pair_rows_ptr + p, (q // WIDTH).to(tl.int32), mask=ok)
+    tl.store(og_ptr + p, tl.load(cg_ptr + q, mask=ok), mask=ok)
+    if HAS_UP:
+        tl.store(ou_ptr + p, tl.load(cu_ptr + q, mask=ok), mask=ok)
+    tl.store(oh_ptr + p, tl.load(ch_ptr + q, mask=ok), mask=ok)
+
+
+@triton.jit
 def _train_dw_kernel(
-    order_ptr, starts_ptr, x_ptr, dy_ptr, cg_ptr, cu_ptr, ch_ptr, accg_ptr, accu_ptr, accd_ptr, accbg_ptr,
+    pair_rows_ptr, starts_ptr, x_ptr, dy_ptr, cg_ptr, cu_ptr, ch_ptr, accg_ptr, accu_ptr, accd_ptr, accbg_ptr,
     accbu_ptr, dwg_ptr, dwu_ptr, dwd_ptr, dbg_ptr, dbu_ptr, N, K, stride_xm, stride_dym,
-    HAS_UP: tl.constexpr, HAS_GATE_BIAS: tl.constexpr, HAS_UP_BIAS: tl.constexpr, WIDTH: tl.constexpr,
-    GROUP: tl.constexpr, PAIRS: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
+    HAS_UP: tl.constexpr, HAS_GATE_BIAS: tl.constexpr, HAS_UP_BIAS: tl.constexpr, GROUP: tl.constexpr,
+    PAIRS: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """Neurons [n0, n0 + GROUP) (n0 = GROUP * program_id(0)), columns of K block program_id(1): the
     program owns these dW rows' block, so it writes them whole, with no atomics. Its neurons' pairs
@@ -733,8 +753,7 @@ def _train_dw_kernel(
         p = p0 + tl.arange(0, PAIRS)
         ok = p < hi
         owner = (begin[:, None] <= p[None, :]) & (p[None, :] < end[:, None])  # [GROUP, PAIRS]
-        q = tl.load(order_ptr + p, mask=ok, other=0)  # the pair's record slot
-        m = q // WIDTH
+        m = tl.load(pair_rows_ptr + p, mask=ok, other=0)  # the pair's token row
         tile_ok = ok[:, None] & k_ok[None, :]
         xt = tl.load(x_ptr + m[:, None] * stride_xm + offs_k[None, :], mask=tile_ok, other=0.0)
         cg = tl.where(owner, tl.load(cg_ptr + p, mask=ok, other=0.0)[None, :], 0.0)
@@ -1204,14 +1223,23 @@ def _dense_backup(
         threshold=threshold, drelu=drelu, square=square,
     )  # fmt: skip
     dxb = dg @ gate_weight
-    acc_g = (dg.t() @ xb).float()
-    acc_d = (h.t() @ dyb).float()
+    acc_g = _fp32_product(dg.t(), xb)
+    acc_d = _fp32_product(h.t(), dyb)
     acc_u = acc_g
     if up_weight is not None:
         dxb = dxb + du @ up_weight
-        acc_u = (du.t() @ xb).float()
+        acc_u = _fp32_product(du.t(), xb)
     _copy_rows(dx, top, top_counts > width, dxb)
     return acc_g, acc_u, acc_d
+
+
+def _fp32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b as an fp32 tensor: on CUDA cuBLAS writes fp32 from half-precision inputs itself (mm's
+    out_dtype), with no half-precision result and cast pass ([N, K] each: 0.12 ms of three at K=2048,
+    0.56 at K=4096, train-variants-20261202-183443.json's other_kernels); elsewhere the product is cast."""
+    if a.is_cuda and a.dtype in (torch.float16, torch.bfloat16):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return (a @ b).float()
 
 
 def _hidden_pass(
@@ -1454,12 +1482,18 @@ def train_backward(
         # every K-block program of a neuron group reads all its coefficients: copied into neuron order once
         # (contiguous reads); gathered through the slot list in the kernel instead, dW took 6.77 ms
         # against 3.37 (K=2048, 32768 tokens: train-20261201-213944.json)
-        coef_g, coef_h = coef_g[order], coef_h[order]
-        coef_u = coef_u[order] if has_up else coef_g
+        pair_rows = torch.empty(m * width, dtype=torch.int32, device=x.device)
+        sorted_g, sorted_h = torch.empty_like(coef_g), torch.empty_like(coef_h)
+        sorted_u = torch.empty_like(coef_u) if has_up else sorted_g
+        _neuron_order_kernel[(triton.cdiv(m * width, ORDER_BLOCK),)](
+            order, starts, coef_g, coef_u, coef_h, pair_rows, sorted_g, sorted_u, sorted_h, n, HAS_UP=has_up,
+            WIDTH=width, BLOCK=ORDER_BLOCK,
+        )  # fmt: skip
+        coef_g, coef_u, coef_h = sorted_g, sorted_u, sorted_h
         _train_dw_kernel[(triton.cdiv(n, DW_GROUP), triton.cdiv(k, dw_block_k))](
-            order, starts, x, dy, coef_g, coef_u, coef_h, acc_g, acc_u, acc_d, acc_bg, acc_bu, dwg, dwu, dwd, dbg,
+            pair_rows, starts, x, dy, coef_g, coef_u, coef_h, acc_g, acc_u, acc_d, acc_bg, acc_bu, dwg, dwu, dwd, dbg,
             dbu, n, k, x.stride(0), dy.stride(0), HAS_UP=has_up, HAS_GATE_BIAS=gate_bias is not None,
-            HAS_UP_BIAS=up_bias is not None, WIDTH=width, GROUP=DW_GROUP, PAIRS=DW_PAIRS, BLOCK_K=dw_block_k,
+            HAS_UP_BIAS=up_bias is not None, GROUP=DW_GROUP, PAIRS=DW_PAIRS, BLOCK_K=dw_block_k,
             PRECISION=dot_precision(x.dtype), STAGES=DW_STAGES, num_warps=DW_WARPS,
             **({"maxnreg": DW_MAXNREG} if DW_MAXNREG else {}),
         )  # fmt: skip
