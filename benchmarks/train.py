@@ -155,30 +155,37 @@ def stage_times(fn, steps=3) -> dict:
     return {**{f"{stage}_ms": t for stage, t in times.items()}, "fwd_sparse_kernels": forward, "other_kernels": other}
 
 
-def other_sources(fn, steps=3) -> dict:
-    """The "other" stage's kernels by the twell source line that launched them ("file:line kernel": ms per
-    call), from a profile with Python stacks: which call of the step each zeroing, cast or copy is."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
-        for _ in range(steps):
-            fn()
+def host_ms(fn, calls=20) -> float:
+    """Median host time of one call of fn (ms): from an idle GPU (synchronized before the call, not after)
+    to fn's return; a step whose host time exceeds its kernels' time is bound by its launches (or waits
+    on the GPU somewhere: then this includes the kernels before the wait)."""
+    times = []
+    for _ in range(calls):
         torch.cuda.synchronize()
-    sources = {}
-    for event in prof.events():
-        for kernel in getattr(event, "kernels", []):
-            if any(frag in kernel.name for frag in STAGES):
-                continue
-            parent, where = event, "?"
-            while parent is not None and where == "?":
-                frame = next((f for f in parent.stack or [] if "twell/" in f), None)
-                where = frame.split("twell/")[-1] if frame else "?"
-                parent = parent.cpu_parent
-            key = f"{where} {kernel.name[:40]}"
-            sources[key] = sources.get(key, 0.0) + kernel.duration / 1e3 / steps
-    return dict(sorted(sources.items(), key=lambda kv: -kv[1]))
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def host_profile(fn, calls=5, top=30) -> list:
+    """cProfile of calls of fn: the `top` functions by own time, ms per call (--host-profile)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(profiler).sort_stats("tottime")
+    rows = []
+    for (path, line, name), (_, ncalls, tottime, cumtime, _) in list(stats.stats.items()):
+        rows.append({"function": f"{os.path.basename(path)}:{line} {name}", "calls": ncalls / calls,
+                     "own_ms": tottime * 1e3 / calls, "cum_ms": cumtime * 1e3 / calls})  # fmt: skip
+    return sorted(rows, key=lambda r: -r["own_ms"])[:top]
 
 
 def floors(k, n, m, pairs, gemm_tflop_s) -> dict:
@@ -193,7 +200,8 @@ def floors(k, n, m, pairs, gemm_tflop_s) -> dict:
 
 
 def bench_point(
-    k, n, m, density, pattern, compiled, twell_compiled, gemm_tflop_s, entries, dense_above, hot, forward_pack
+    k, n, m, density, pattern, compiled, twell_compiled, gemm_tflop_s, entries, dense_above, hot, forward_pack,
+    with_host_profile=False,
 ) -> dict:  # fmt: skip
     x0, block = make_inputs(m, k, n, density, pattern, seed=m + n)
     block.train()
@@ -247,6 +255,9 @@ def bench_point(
     sparse_compiled()
     twell_compiled_ms = do_bench(sparse_compiled, warmup=50, rep=REP_MS, return_mode="median")
     compiled_stages = stage_times(sparse_compiled)
+    hosts = {"dense_compiled_host_ms": host_ms(dense_compiled), "twell_compiled_host_ms": host_ms(sparse_compiled)}
+    if with_host_profile:
+        hosts["twell_compiled_host_profile"] = host_profile(sparse_compiled)
     with torch.no_grad():
         pre = F.linear(x0, params[0], params[1])
         nnz = (pre > 0).sum(1)
@@ -280,6 +291,7 @@ def bench_point(
         **{f"{name}_err": rel(twell_grads[name], g) for name, g in dense_grads.items()},
         **stages,
         **{f"compiled_{name}": t for name, t in compiled_stages.items()},
+        **hosts,
         **floors(k, n, m, nnz.sum().item(), gemm_tflop_s),
     }
     twell.restore(block)
@@ -520,7 +532,7 @@ def variant_points(k, n, m, density, pattern, variants: list[str], forward_pack:
         set_backward_constants([v for v in variant.split(",") if v])
         err = max(rel(a, b) for a, b in zip(step(), reference, strict=True) if b.numel())
         point = {"K": k, "N": n, "M": m, "density": density, "pattern": pattern, "variant": variant}
-        points.append({**point, "max_rel_diff": err, **stage_times(step), "other_sources": other_sources(step)})
+        points.append({**point, "max_rel_diff": err, **stage_times(step)})
         for name, value in shipped.items():
             setattr(backward, name, value)
         t = points[-1]
@@ -555,6 +567,9 @@ def main():
     parser.add_argument("--densities", default="0.005,0.01")
     parser.add_argument("--patterns", default="uniform,skewed")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: interpreter check only)")
+    parser.add_argument(
+        "--host-profile", action="store_true", help="each point's twell compiled step under cProfile (host_profile)"
+    )
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--entries", type=int, default=1, help="twell's LayerConfig.train_entries")
     parser.add_argument(
@@ -648,6 +663,7 @@ def main():
                         args.dense_above,
                         args.hot,
                         args.forward_pack,
+                        args.host_profile,
                     )
                     torch.cuda.empty_cache()
                     result["points"].append(row)
