@@ -923,20 +923,24 @@ def test_gpu_plain_ffn_and_l1_train_sparsely(squared, sparse_training_on):
 
 
 def test_calibration_sets_train_min_m_from_a_crossover_table(monkeypatch):
-    """A layer calibrated at most a crossover row's density trains sparsely from that row's tokens; a
-    denser or unmeasured one trains dense; the default table (measured) turns it on at 0.5% from
-    16384 tokens."""
+    """A layer calibrated at most a crossover row's density (at a width of at least its K) trains sparsely
+    from that row's tokens; a denser or unmeasured one trains dense; the default table (measured) turns
+    it on at 0.5% from 16384 tokens at K >= 4096, from 32768 below."""
     from twell.calibrate.decisions import Decision
 
-    table = ((0.006, 16384), (0.012, 32768))
-    got = [policy.calibrated_train_min_m(d, table) for d in (0.005, 0.006, 0.01, 0.03, None)]
+    table = ((4096, 0.006, 8192), (0, 0.006, 16384), (0, 0.012, 32768))
+    got = [policy.calibrated_train_min_m(d, 2048, table) for d in (0.005, 0.006, 0.01, 0.03, None)]
     assert got == [16384, 16384, 32768, None, None]
-    assert [policy.calibrated_train_min_m(d) for d in (0.001, 0.005, 0.0051, None)] == [16384, 16384, None, None]
-    assert Decision(path="mlp", rewrite=True, reason="", density=0.005).layer_config().train_min_m == 16384
-    assert Decision(path="mlp", rewrite=True, reason="", density=0.02).layer_config().train_min_m is None
+    assert [policy.calibrated_train_min_m(d, 4096, table) for d in (0.005, 0.01)] == [8192, 32768]
+    assert [policy.calibrated_train_min_m(d, 2048) for d in (0.001, 0.005, 0.0051, None)] == [32768, 32768, None, None]
+    assert [policy.calibrated_train_min_m(0.005, k) for k in (0, 4095, 4096, 8192)] == [32768, 32768, 16384, 16384]
+    mlp = {"path": "mlp", "rewrite": True, "reason": ""}
+    assert Decision(**mlp, density=0.005, hidden_size=2048).layer_config().train_min_m == 32768
+    assert Decision(**mlp, density=0.005, hidden_size=4096).layer_config().train_min_m == 16384
+    assert Decision(**mlp, density=0.02, hidden_size=4096).layer_config().train_min_m is None
     real = policy.calibrated_train_min_m
-    monkeypatch.setattr(policy, "calibrated_train_min_m", lambda d: real(d, table))
-    decision = Decision(path="mlp", rewrite=True, reason="", density=0.01, stats={"decode": {"density": 0.001}})
+    monkeypatch.setattr(policy, "calibrated_train_min_m", lambda d, k: real(d, k, table))
+    decision = Decision(**mlp, density=0.01, hidden_size=2048, stats={"decode": {"density": 0.001}})
     assert decision.layer_config().train_min_m == 32768  # the layer's density, not its decode calls'
     assert decision.layer_config({"train_min_m": 1}).train_min_m == 1
 

@@ -852,7 +852,7 @@ def test_calibration_chooses_train_hot_per_layer():
     assert decision.density == pytest.approx(9216 / (2048 * 1024))
     assert decision.hot_pair_shares == pytest.approx({"128": 8192 / 9216, "256": 1.0, "512": 1.0})
     assert decision.train_hot == 128 and decision.rewrite
-    assert decision.layer_config().train_min_m == policy.calibrated_train_min_m(decision.density)
+    assert decision.layer_config().train_min_m == policy.calibrated_train_min_m(decision.density, 1024)
     assert decision.layer_config().train_hot == 128
     assert decision.layer_config({"train_hot": 256}).train_hot == 256
     assert Decision.from_dict(json.loads(json.dumps(decision.to_dict()))).layer_config().train_hot == 128
@@ -887,7 +887,7 @@ def test_layer_configs_and_the_report_show_train_hot(tmp_path):
     model = replanned_llama(tmp_path, lambda d: d.update(density=0.005, train_hot=16, hot_pair_shares={"128": 0.5}))
     configs = twell.layer_configs(model)
     assert configs and {(c.train_min_m, c.train_hot) for c in configs.values()} == {
-        (policy.calibrated_train_min_m(0.005), 16)
+        (policy.calibrated_train_min_m(0.005, model.config.hidden_size), 16)
     }
     records = twell.report(model).to_dict()["records"]
     assert {(r["decision"]["train_hot"], r["decision"]["hot_pair_shares"]["128"]) for r in records} == {(16, 0.5)}

@@ -71,7 +71,7 @@ class Decision:
         changes = dict(changes or {})
         config = policy.DEFAULT.replace(
             decode_max_m=policy.calibrated_decode_max_m(density, self.model_size),
-            train_min_m=policy.calibrated_train_min_m(self.density),
+            train_min_m=policy.calibrated_train_min_m(self.density, self.hidden_size),
         )
         if self.tile_n is not None:
             config = config.replace(tile_n=self.tile_n, slots=self.slots)

@@ -112,14 +112,15 @@ PREFILL_MIN_M_CAPTURED: int | None = 8192
 # and 4096 measured: a K between takes the K=2048 rows, a K below 2048 the same (unmeasured).
 DECODE_REACH: tuple[tuple[int, float, int], ...] = ((4096, 0.01, 32), (4096, 0.05, 16), (0, 0.01, 16))
 
-# Sparse training from calibration: (density, tokens) rows, a layer calibrated at most `density` dense
-# taking the sparse training path for calls of at least `tokens` tokens (its train_min_m; the first row
-# that holds). Measured at K=2048 N=5632, 0.5%, eager / compiled against the faster dense: 16384 tokens
-# 1.01x / 1.06x uniform, 1.12x / 1.17x skewed; 32768 tokens 1.09x / 1.13x and 1.18x / 1.24x
-# (train-20261202-115632.json); 8192 tokens 0.59-0.78x (train-20261202-055820.json, before the packed
-# forward). K=4096 N=14336 at 32768 tokens: 1.02x uniform, 1.23x skewed compiled (train-20261202-143218.json,
-# -143334.json; 0.94x uniform before the forward's unserved rows went through cuBLAS, -120318.json).
-TRAIN_CROSSOVER: tuple[tuple[float, int], ...] = ((0.005, 16384),)
+# Sparse training from calibration: (min K, max density, tokens) rows, a layer of width >= min K calibrated
+# at most `max density` dense taking the sparse training path for calls of at least `tokens` tokens (its
+# train_min_m; the first row that holds). Measured (H200, bf16, 0.5%, compiled against the faster dense):
+# K=4096 N=14336 16384 tokens 1.08x uniform / 1.38x skewed, 32768 tokens 1.14x / 1.36x
+# (train-20261202-184944.json); K=2048 N=5632 32768 tokens 1.27x / 1.37x (train-20261202-184420.json), but
+# 16384 tokens 0.82-0.90x uniform, 0.87-1.03x skewed in two runs of this session (-184420.json, -184806.json;
+# 1.06x / 1.17x in session 6's -115632.json): there the step's host time (twell 4.8-6.1 ms against 4.4 ms
+# of kernels, train.py's twell_compiled_host_ms) bounds it, and the host's speed varies between machines.
+TRAIN_CROSSOVER: tuple[tuple[int, float, int], ...] = ((4096, 0.005, 16384), (0, 0.005, 32768))
 
 # Fixed for every layer:
 DECODE_SPARSE_DENSITY = 0.01  # "known sparse" for decode_sparse_max_m: the 1% of DECODE_SPARSE_MAX_M's
@@ -315,13 +316,13 @@ def calibrated_decode_max_m(
     return max(config.decode_max_m, tokens)
 
 
-def calibrated_train_min_m(density: float | None, crossover=TRAIN_CROSSOVER) -> int | None:
-    """The train_min_m of a layer calibrated at `density` (mean kept fraction of its calls): the tokens
-    of crossover's first (density, tokens) row with density >= `density`; None (dense training) where
-    none holds or the density was not measured."""
+def calibrated_train_min_m(density: float | None, k: int = 0, crossover=TRAIN_CROSSOVER) -> int | None:
+    """The train_min_m of a layer of width k calibrated at `density` (mean kept fraction of its calls):
+    the tokens of crossover's first (min K, max density, tokens) row with k >= min K and density <= max
+    density; None (dense training) where none holds or the density was not measured."""
     if density is None:
         return None
-    return next((tokens for most, tokens in crossover if density <= most), None)
+    return next((tokens for min_k, most, tokens in crossover if k >= min_k and density <= most), None)
 
 
 def calibrated_train_hot(
