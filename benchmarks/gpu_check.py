@@ -31,12 +31,12 @@ from twell.kernels.gate import pack_dense
 # 0.5%, 1% and 5%: (BLOCK_K, SPLITS, CHUNK, SPLIT_MIN, num_warps) of the down kernel (decode.DOWN_CONFIG);
 # prefetch=False: kernel 1 leaves the W_d rows in HBM.
 # down_rows=False: one token by the list (ids, hc, counts) instead of block rows (the choice at K <= 2048).
-# compact_up=0: kernel 1's up product as the masked product over all of a block's BLOCK_N rows
-# (decode.COMPACT_UP).
+# gate_up_config (BLOCK_N, BLOCK_K, num_warps, num_stages, EACH) of kernel 1 (decode.GATE_UP_CONFIG): 32
+# neurons a program at 16 / 64 tokens, twice the programs of the shipped 64 (88 at N=5632 on 132 SMs).
 DECODE_VARIANTS = {
     1: [{}, {"down_rows": False}],
-    16: [{}, {"compact_up": 0}],
-    64: [{}, {"compact_up": 0}],
+    16: [{}, {"gate_up_config": (32, 128, 4, 4, False)}, {"gate_up_config": (32, 64, 4, 3, False)}],
+    64: [{}, {"gate_up_config": (32, 128, 4, 4, False)}],
 }
 
 

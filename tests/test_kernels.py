@@ -655,10 +655,8 @@ def gate_up(m, k):  # the launcher's choice for m tokens of width k
     wide = m == 1 and k > 2048
     bn, bk, warps, stages, each = decode.GATE_UP_CONFIG_WIDE if wide else decode.GATE_UP_CONFIG[min(m, 2)]
     rows = m == 1 and k <= 2048
-    compact, up_block_k = decode._compact_up(m, bk, k, None)
     consts = dict(BLOCK_M=m, BLOCK_N=bn, BLOCK_K=bk, EACH=each, UP_K=min(triton.next_power_of_2(k), 4096),
-                  PREFETCH_LINES=k // 64 if m == 1 and not rows else 0, DOWN_ROWS=rows, COMPACT=compact,
-                  UP_BLOCK_K=up_block_k)
+                  PREFETCH_LINES=k // 64 if m == 1 and not rows else 0, DOWN_ROWS=rows)
     return decode._decode_gate_up_kernel, consts, dict(num_warps=warps, num_stages=stages)
 
 def down(m, n_blocks):
@@ -687,7 +685,6 @@ for kernel, consts, options in [
     Path("k.cubin").write_bytes(out.asm["cubin"])
     usage = subprocess.run([str(cuobjdump), "-res-usage", "k.cubin"], capture_output=True, text=True).stdout
     assert "STACK:0 " in usage and "LOCAL:0 " in usage, (kernel.__name__, consts, usage)  # no spills
-    print(kernel.__name__, consts.get("BLOCK_M"), [f for f in usage.split() if f.startswith(("REG:", "SHARED:"))])
 """
 
 

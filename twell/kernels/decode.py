@@ -143,57 +143,6 @@ def _active_rows_down(
 
 
 @triton.jit
-def _store_compact_h(
-    x_ptr, wu_ptr, bu_ptr, g, kept, active, n_active, seg, hc_ptr, ids_ptr, n0, rows, m_ok, K, stride_xm,
-    stride_xk, stride_un, stride_uk, HAS_UP: tl.constexpr, HAS_UP_BIAS: tl.constexpr, DRELU: tl.constexpr,
-    SQUARE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    COMPACT: tl.constexpr, UP_BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """A token block's active neurons, COMPACT at a time in slot order: their gate columns gathered from g
-    [BLOCK_M, BLOCK_N] (kept: g's keep mask), their W_u rows read by a product over just those COMPACT
-    rows, UP_BLOCK_K of K a step (a masked product over all BLOCK_N rows pays one memory latency per
-    BLOCK_K step whatever the rows: 4x the steps), and h = act(g) * u stored to the block's segment of
-    ids / hc (entry seg + slot), as the masked block product would."""
-    dtype = hc_ptr.dtype.element_ty
-    lane = tl.arange(0, BLOCK_N)
-    slot = tl.cumsum(active.to(tl.int32), axis=0) - 1
-    local_m = tl.arange(0, BLOCK_M)
-    for c0 in range(0, n_active, COMPACT):
-        jj = c0 + tl.arange(0, COMPACT)
-        j_ok = jj < n_active
-        local = tl.sum(tl.where((slot[None, :] == jj[:, None]) & active[None, :], lane[None, :], 0), axis=1)
-        at = tl.broadcast_to(local[None, :], [BLOCK_M, COMPACT])
-        g_c = tl.gather(g, at, axis=1)
-        kept_c = (tl.gather(kept.to(tl.int32), at, axis=1) != 0) & j_ok[None, :]
-        h = tl.where(kept_c, g_c, 0.0)
-        if SQUARE:
-            h = (h * h).to(dtype).to(tl.float32)
-        neurons = (n0 + local).to(tl.int64)
-        if HAS_UP:
-            u = tl.zeros([BLOCK_M, COMPACT], dtype=tl.float32)
-            for k0 in tl.range(0, K, UP_BLOCK_K, num_stages=2):
-                offs_k = k0 + tl.arange(0, UP_BLOCK_K)
-                k_ok = offs_k < K
-                xt = tl.load(
-                    x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0,
-                )  # fmt: skip
-                wt = tl.load(
-                    wu_ptr + neurons[None, :] * stride_un + offs_k[:, None] * stride_uk,
-                    mask=j_ok[None, :] & k_ok[:, None], other=0.0,
-                )  # fmt: skip
-                u = tl.dot(xt, wt, u, input_precision=DOT_PRECISION)
-            if HAS_UP_BIAS:
-                u += tl.load(bu_ptr + neurons, mask=j_ok, other=0.0).to(tl.float32)[None, :]
-            u = u.to(dtype).to(tl.float32)
-            if DRELU:
-                u = tl.where(u <= 0.0, 0.0, u)
-            h = tl.where(kept_c, h * u, 0.0)
-        tl.store(ids_ptr + seg + jj, n0 + local, mask=j_ok)
-        tl.store(hc_ptr + (seg + jj)[None, :] * BLOCK_M + local_m[:, None], h.to(dtype), mask=j_ok[None, :])
-
-
-@triton.jit
 def _prefetch_rows_to_l2(ptr, rows, wanted, K, stride_n, LINE: tl.constexpr, LINES: tl.constexpr):
     """Asks L2 for rows[wanted] of a [N, K] array (unit stride on K), LINE elements a 128-byte line, and
     waits for nothing: the kernel that reads them next finds them in L2. GPU only (PTX prefetch)."""
@@ -251,8 +200,6 @@ def _decode_gate_up_kernel(
     PREFETCH_LINE: tl.constexpr,
     PREFETCH_LINES: tl.constexpr,
     DOWN_ROWS: tl.constexpr,
-    COMPACT: tl.constexpr,
-    UP_BLOCK_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -294,15 +241,6 @@ def _decode_gate_up_kernel(
         return
     if PREFETCH_LINES > 0:  # the down kernel's W_d rows, from HBM to L2 while this kernel runs on
         _prefetch_rows_to_l2(wd_ptr, offs_n, active, K, stride_dn, PREFETCH_LINE, PREFETCH_LINES)
-    seg = pid_m.to(tl.int64) * n_blocks * BLOCK_N + pid_n * BLOCK_N
-    if COMPACT > 0:
-        _store_compact_h(
-            x_ptr, wu_ptr, bu_ptr, g, kept, active, n_active, seg, hc_ptr, ids_ptr, pid_n * BLOCK_N, rows, m_ok,
-            K, stride_xm, stride_xk, stride_un, stride_uk, HAS_UP, HAS_UP_BIAS, DRELU, SQUARE, DOT_PRECISION,
-            BLOCK_M, BLOCK_N, COMPACT, UP_BLOCK_K,
-        )  # fmt: skip
-        tl.store(cnt_ptr + pid_m * n_blocks + pid_n, n_active)
-        return
     if HAS_UP:
         if n_active > 0:
             if BLOCK_M == 1:
@@ -322,6 +260,7 @@ def _decode_gate_up_kernel(
                 u = tl.where(u <= 0.0, 0.0, u)
             h = tl.where(kept, h * u, 0.0)
     slot = tl.cumsum(active.to(tl.int32), axis=0) - 1
+    seg = pid_m.to(tl.int64) * n_blocks * BLOCK_N + pid_n * BLOCK_N
     tl.store(ids_ptr + seg + slot, offs_n, mask=active)
     # the block's active columns of h, compacted like ids: entry e holds h[token block, ids[e]]
     local_m = tl.arange(0, BLOCK_M)
@@ -498,11 +437,6 @@ GATE_UP_CONFIG_WIDE = (16, 256, 4, 3, True)
 # ids, then hc and W_d) is not overlapped; 64 tokens gain from smaller K blocks (34.6 against 40.6 us
 # at K=2048). gpu_check-decode-20261201-114215.json, -114635.json.
 DOWN_CONFIG = {1: (32, 4, 64, 64, 4), 16: (128, 8, 16, 0, 4), 32: (128, 8, 16, 0, 4), 64: (64, 8, 32, 0, 4)}
-# Kernel 1's up product for a token block (2+ tokens): its active neurons COMPACT_UP at a time, over K in
-# steps of UP_STEP_BYTES // (2 * BLOCK_M) (x tile of UP_STEP_BYTES in bf16; 512 at 16 tokens: 8 steps at
-# K=4096 against the masked block product's 32); 0: the masked product over all BLOCK_N rows.
-COMPACT_UP = 16
-UP_STEP_BYTES = 16384
 
 
 def _check_ffn(caller, x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold):
@@ -569,13 +503,6 @@ def _decode_plan(m: int, k: int, n: int, gate_up_config, down_config, down_rows)
     )
 
 
-def _compact_up(block_m: int, block_k: int, k: int, compact_up: int | None) -> tuple[int, int]:
-    """Kernel 1's (COMPACT, UP_BLOCK_K) for a token block of block_m (COMPACT_UP, UP_STEP_BYTES;
-    compact_up overrides COMPACT_UP; one token has its own up path: 0)."""
-    compact = (COMPACT_UP if compact_up is None else compact_up) if block_m > 1 else 0
-    return compact, max(block_k, min(triton.next_power_of_2(k), UP_STEP_BYTES // (2 * block_m)))
-
-
 def decode_ffn(
     x: torch.Tensor,
     gate_weight: torch.Tensor,
@@ -593,7 +520,6 @@ def decode_ffn(
     prefetch: bool = True,
     down_rows: bool | None = None,
     rows_config: tuple[int, int] | None = None,
-    compact_up: int | None = None,
 ) -> torch.Tensor:
     """y [M, K] in the dtype of x: down(act(gate(x)) * up(x)), or down(act(gate(x))) without up_weight
     (act² with square).
@@ -603,8 +529,7 @@ def decode_ffn(
     The configs override GATE_UP_CONFIG(_WIDE) / DOWN_CONFIG (tests, benchmarks); prefetch=False leaves
     out kernel 1's L2 prefetch of the active W_d rows at one token (benchmarks); down_rows takes one
     token by block rows (True; only one token with K <= 4096, the list otherwise) or by the list
-    (False), None leaving it to K; compact_up overrides COMPACT_UP (a power of two >= 16; 0: the masked
-    block product).
+    (False), None leaving it to K.
     """
     m, k, n = _check_ffn(
         "decode_ffn", x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold
@@ -617,7 +542,6 @@ def decode_ffn(
     down_k, splits, chunk, split_min, down_warps = plan.down
     block_m, n_blocks, m_blocks, k_blocks, up_k = plan.block_m, plan.n_blocks, plan.m_blocks, plan.k_blocks, plan.up_k
     group, down_rows = plan.group, plan.down_rows
-    compact, up_block_k = _compact_up(block_m, block_k, k, compact_up)
     precision = dot_precision(x.dtype)
     counts = torch.empty(m_blocks * n_blocks, dtype=torch.int32, device=x.device)
     y = torch.empty_like(x)
@@ -675,8 +599,6 @@ def decode_ffn(
         PREFETCH_LINE=line,
         PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(k, line)) if prefetch else 0,
         DOWN_ROWS=down_rows,
-        COMPACT=compact,
-        UP_BLOCK_K=up_block_k,
         num_warps=warps,
         num_stages=stages,
     )
