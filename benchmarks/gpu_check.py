@@ -31,12 +31,12 @@ from twell.kernels.gate import pack_dense
 # 0.5%, 1% and 5%: (BLOCK_K, SPLITS, CHUNK, SPLIT_MIN, num_warps) of the down kernel (decode.DOWN_CONFIG);
 # prefetch=False: kernel 1 leaves the W_d rows in HBM.
 # down_rows=False: one token by the list (ids, hc, counts) instead of block rows (the choice at K <= 2048).
-# gate_up_config (BLOCK_N, BLOCK_K, num_warps, num_stages, EACH) of kernel 1 (decode.GATE_UP_CONFIG): 32
-# neurons a program at 16 / 64 tokens, twice the programs of the shipped 64 (88 at N=5632 on 132 SMs).
+# k_splits: kernel 1's gate split over K across that many programs a neuron block (decode.GATE_K_SPLITS),
+# the last split to arrive going on to the up product.
 DECODE_VARIANTS = {
-    1: [{}, {"down_rows": False}],
-    16: [{}, {"gate_up_config": (32, 128, 4, 4, False)}, {"gate_up_config": (32, 64, 4, 3, False)}],
-    64: [{}, {"gate_up_config": (32, 128, 4, 4, False)}],
+    1: [{}, {"k_splits": 2}, {"k_splits": 4}],
+    16: [{}, {"k_splits": 2}, {"k_splits": 4}, {"k_splits": 8}],
+    64: [{}, {"k_splits": 2}, {"k_splits": 4}],
 }
 
 
@@ -68,6 +68,7 @@ def decode_point(k, n, m, density, variants, pattern) -> list[dict]:
             try:
                 err = rel_err_sample(run(block), x, block)
                 ms = per_layer(run)
+                kernels = graph_kernel_us(lambda: [run(b) for b in blocks]) if density == 0.005 else None
             except Exception as e:  # a config the compiler refuses (shared memory, registers)
                 print(f"{variant}: {type(e).__name__}", flush=True)
                 continue
@@ -75,6 +76,8 @@ def decode_point(k, n, m, density, variants, pattern) -> list[dict]:
                 {"K": k, "N": n, "M": m, "density": density, "variant": variant, "dense_ms": dense_ms,
                  "decode_ms": ms, "speedup": dense_ms / ms, "rel_err": err}
             )  # fmt: skip
+            if kernels is not None:  # each kernel's time in the graph, summed over its layers
+                rows[-1]["kernels_us"] = kernels
             print(
                 f"{k:>5} {n:>6} {m:>4} {density:.3f} {str(variant):>60} {dense_ms * 1e3:8.1f}us "
                 f"{ms * 1e3:8.1f}us {dense_ms / ms:5.2f}x err {err:.1e}",
