@@ -31,13 +31,7 @@ from twell.kernels.gate import pack_dense
 # 0.5%, 1% and 5%: (BLOCK_K, SPLITS, CHUNK, SPLIT_MIN, num_warps) of the down kernel (decode.DOWN_CONFIG);
 # prefetch=False: kernel 1 leaves the W_d rows in HBM.
 # down_rows=False: one token by the list (ids, hc, counts) instead of block rows (the choice at K <= 2048).
-# k_splits: kernel 1's gate split over K across that many programs a neuron block (decode.GATE_K_SPLITS),
-# the last split to arrive going on to the up product.
-DECODE_VARIANTS = {
-    1: [{}, {"k_splits": 2}, {"k_splits": 4}],
-    16: [{}, {"k_splits": 2}, {"k_splits": 4}, {"k_splits": 8}],
-    64: [{}, {"k_splits": 2}, {"k_splits": 4}],
-}
+DECODE_VARIANTS = {1: [{}, {"down_rows": False}], 16: [{}], 64: [{}]}
 
 
 def decode_point(k, n, m, density, variants, pattern) -> list[dict]:

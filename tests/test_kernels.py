@@ -539,27 +539,21 @@ def poisoned_empty(monkeypatch):
 
 
 DECODE_CASES = {
-    # m, k, n, densities, gate_up_config, down_config, down_rows (None: the launcher's choice), k_splits
-    "m1-list": (1, 16, 64, MIXED[1:2], (16, 16, 4, 1, False), (16, 2, 16, 4, 4), False, None),
-    "m1-list-empty": (1, 40, 100, [0.0], (16, 32, 4, 1, False), (16, 2, 16, 4, 4), False, None),
-    "m1-list-super-blocks": (1, 24, 1100, [0.03], (16, 16, 4, 1, False), (16, 3, 16, 8, 4), False, None),
-    "m1-list-defaults": (1, 40, 100, [1.0], (16, 16, 4, 1, True), None, False, None),
-    "m1-rows-each": (1, 40, 100, [1.0], (16, 16, 4, 1, True), None, None, None),
-    "m1-rows-empty": (1, 40, 100, [0.0], (16, 32, 4, 1, False), None, None, None),
-    "m1-rows-blocks": (1, 130, 1100, [0.02], (16, 64, 4, 1, False), None, True, None),
-    "m16-splits": (16, 40, 200, MIXED, (16, 32, 4, 1, False), (32, 3, 16, 8, 4), None, None),
-    "m16-groups": (16, 40, 200, MIXED, (16, 32, 4, 1, False), (32, 2, 16, 0, 4), None, None),
-    "m70-blocks": (70, 130, 100, MIXED, (32, 64, 4, 1, True), (64, 1, 16, 16, 4), None, None),
-    "m3-dense": (3, 24, 48, [1.0], (16, 16, 4, 1, False), None, None, None),
-    "m2-super-blocks": (2, 24, 1100, [0.0, 0.01, 0.3, 0.0, 0.02], (16, 16, 4, 1, False), (16, 3, 16, 8, 4), None, None),
-    "m40-defaults": (40, 24, 300, MIXED, None, None, None, None),
-    "m300-defaults": (300, 24, 100, MIXED, None, None, None, None),
-    # the gate split over K (the last split to arrive goes on): one token by the list and by block rows,
-    # token blocks by groups, a split count past K's blocks (fewer splits launched), several token blocks
-    "m1-list-ksplit": (1, 40, 100, MIXED[1:2], (16, 16, 4, 1, False), (16, 2, 16, 4, 4), False, 3),
-    "m1-rows-ksplit": (1, 130, 1100, [0.02], (16, 32, 4, 1, True), None, True, 4),
-    "m16-groups-ksplit": (16, 40, 200, MIXED, (16, 16, 4, 1, False), (32, 2, 16, 0, 4), None, 2),
-    "m70-ksplit-short-k": (70, 24, 100, MIXED, (32, 16, 4, 1, False), None, None, 5),
+    # m, k, n, densities, gate_up_config, down_config, down_rows (None: the launcher's choice)
+    "m1-list": (1, 16, 64, MIXED[1:2], (16, 16, 4, 1, False), (16, 2, 16, 4, 4), False),
+    "m1-list-empty": (1, 40, 100, [0.0], (16, 32, 4, 1, False), (16, 2, 16, 4, 4), False),
+    "m1-list-super-blocks": (1, 24, 1100, [0.03], (16, 16, 4, 1, False), (16, 3, 16, 8, 4), False),
+    "m1-list-defaults": (1, 40, 100, [1.0], (16, 16, 4, 1, True), None, False),
+    "m1-rows-each": (1, 40, 100, [1.0], (16, 16, 4, 1, True), None, None),
+    "m1-rows-empty": (1, 40, 100, [0.0], (16, 32, 4, 1, False), None, None),
+    "m1-rows-blocks": (1, 130, 1100, [0.02], (16, 64, 4, 1, False), None, True),
+    "m16-splits": (16, 40, 200, MIXED, (16, 32, 4, 1, False), (32, 3, 16, 8, 4), None),
+    "m16-groups": (16, 40, 200, MIXED, (16, 32, 4, 1, False), (32, 2, 16, 0, 4), None),
+    "m70-blocks": (70, 130, 100, MIXED, (32, 64, 4, 1, True), (64, 1, 16, 16, 4), None),
+    "m3-dense": (3, 24, 48, [1.0], (16, 16, 4, 1, False), None, None),
+    "m2-super-blocks": (2, 24, 1100, [0.0, 0.01, 0.3, 0.0, 0.02], (16, 16, 4, 1, False), (16, 3, 16, 8, 4), None),
+    "m40-defaults": (40, 24, 300, MIXED, None, None, None),
+    "m300-defaults": (300, 24, 100, MIXED, None, None, None),
 }
 
 
@@ -582,7 +576,7 @@ def test_decode_matches_reference(case_id, dtype, variant, poisoned_empty):
     """Several splits by entries and by neuron-block groups (partials summed by the last program),
     several super-blocks and token blocks, one token by the list and by block rows, empty and full
     active lists, awkward K and N; every output and scratch element poisoned before the kernels run."""
-    m, k, n, densities, gate_up_config, down_config, down_rows, k_splits = DECODE_CASES[case_id]
+    m, k, n, densities, gate_up_config, down_config, down_rows = DECODE_CASES[case_id]
     gated = variant in ("gated", "drelu", "nobias")
     case = make_ffn(m, k, n, densities, dtype, DEVICE, seed=m * k, biases=variant != "nobias", gated=gated)
     y = decode_ffn(
@@ -592,7 +586,6 @@ def test_decode_matches_reference(case_id, dtype, variant, poisoned_empty):
         gate_up_config=gate_up_config,
         down_config=down_config,
         down_rows=down_rows,
-        k_splits=k_splits,
     )
     ref = gated_ref(case, drelu=variant == "drelu") if gated else plain_ref(case, squared=variant == "relu2")
     assert y.dtype == dtype and y.shape == (m, k)
@@ -607,23 +600,6 @@ def test_decode_is_deterministic():
         decode_ffn(*args, case["down_weight"].t(), case["down_bias"], 0.0, down_config=(32, 4, 16, 8, 4)) for _ in "ab"
     ]
     assert torch.equal(runs[0], runs[1])
-
-
-def test_decode_gate_split_over_k_is_deterministic():
-    """The gate's K splits are summed in split order by whichever program arrives last: the same bits on
-    every call."""
-    case = make_ffn(16, 40, 200, MIXED, torch.float32, DEVICE, seed=6, biases=True)
-    args = (case["x"], case["gate_weight"], case["gate_bias"], case["up_weight"], case["up_bias"])
-    args += (case["down_weight"].t(), case["down_bias"], 0.0)
-    runs = [decode_ffn(*args, gate_up_config=(16, 16, 4, 1, False), k_splits=3) for _ in "ab"]
-    assert torch.equal(runs[0], runs[1])
-
-
-def test_decode_refuses_no_k_splits():
-    case = make_ffn(4, 16, 64, [0.1], torch.float32, DEVICE)
-    args = (case["x"], case["gate_weight"], None, case["up_weight"], None, case["down_weight"].t(), None, 0.0)
-    with pytest.raises(ValueError, match="k_splits needs to be >= 1"):
-        decode_ffn(*args, k_splits=0)
 
 
 def test_decode_rows_of_more_blocks_than_a_step(poisoned_empty):
@@ -672,15 +648,15 @@ from twell.kernels import decode
 def arg_type(name):
     if not name.endswith("_ptr"):
         return "fp32" if name == "threshold" else "i32"
-    return {"ids_ptr": "*i32", "cnt_ptr": "*i32", "sem_ptr": "*i32", "rows_ptr": "*fp32", "part_ptr": "*fp32",
-            "gsem_ptr": "*i32", "gpart_ptr": "*fp32"}.get(name, "*bf16")
+    return {"ids_ptr": "*i32", "cnt_ptr": "*i32", "sem_ptr": "*i32", "rows_ptr": "*fp32", "part_ptr": "*fp32"}.get(
+        name, "*bf16")
 
-def gate_up(m, k, k_splits=1):  # the launcher's choice for m tokens of width k
+def gate_up(m, k):  # the launcher's choice for m tokens of width k
     wide = m == 1 and k > 2048
     bn, bk, warps, stages, each = decode.GATE_UP_CONFIG_WIDE if wide else decode.GATE_UP_CONFIG[min(m, 2)]
     rows = m == 1 and k <= 2048
     consts = dict(BLOCK_M=m, BLOCK_N=bn, BLOCK_K=bk, EACH=each, UP_K=min(triton.next_power_of_2(k), 4096),
-                  PREFETCH_LINES=k // 64 if m == 1 and not rows else 0, DOWN_ROWS=rows, KSPLIT=k_splits)
+                  PREFETCH_LINES=k // 64 if m == 1 and not rows else 0, DOWN_ROWS=rows)
     return decode._decode_gate_up_kernel, consts, dict(num_warps=warps, num_stages=stages)
 
 def down(m, n_blocks):
@@ -694,7 +670,6 @@ flags = dict(HAS_UP=True, HAS_GATE_BIAS=True, HAS_UP_BIAS=True, HAS_DOWN_BIAS=Tr
 cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
 for kernel, consts, options in [
     gate_up(1, 2048), gate_up(1, 4096), gate_up(16, 4096), gate_up(64, 4096),
-    gate_up(1, 2048, 2), gate_up(1, 4096, 2), gate_up(16, 4096, 4), gate_up(64, 4096, 4),
     down(1, 896), down(16, 224), down(64, 224),
     (decode._decode_down_rows_kernel, dict(ROWS=512, BLOCK_K=16), dict(num_warps=8)),
     (decode._decode_down_rows_kernel, dict(ROWS=1024, BLOCK_K=16), dict(num_warps=16)),
@@ -733,8 +708,6 @@ def test_decode_on_the_gpu_with_and_without_the_w_down_prefetch(m):
     assert torch.equal(runs[0], runs[1])
     assert rel_err(runs[0], gated_ref(case)) <= TOL[torch.bfloat16]
     assert rel_err(decode_ffn(*args, down_rows=True), gated_ref(case)) <= TOL[torch.bfloat16]
-    for k_splits in (2, 4):  # the gate split over K, the last split of a block to arrive going on
-        assert rel_err(decode_ffn(*args, k_splits=k_splits), gated_ref(case)) <= TOL[torch.bfloat16]
 
 
 @pytest.fixture

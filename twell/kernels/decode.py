@@ -47,8 +47,7 @@ def _rows_times_x(
     cols,
     m_ok,
     w_rows_ok,
-    k_lo,
-    k_hi,
+    K,
     stride_xm,
     stride_xk,
     stride_wn,
@@ -59,8 +58,7 @@ def _rows_times_x(
     BLOCK_K: tl.constexpr,
     EACH: tl.constexpr,
 ):
-    """x[rows, k_lo:k_hi] @ w[cols, k_lo:k_hi]^T in fp32, [BLOCK_M, BLOCK_N]; rows of w outside w_rows_ok
-    are not read. One
+    """x[rows] @ w[cols]^T in fp32, [BLOCK_M, BLOCK_N]; rows of w outside w_rows_ok are not read. One
     token (BLOCK_M == 1) is a GEMV on the CUDA cores: products accumulate per lane, one reduction at
     the end (no 16-row padding of the tensor-core path), or with EACH one reduction per K step (no
     [BLOCK_K, BLOCK_N] accumulator: registers left for loads in flight)."""
@@ -68,9 +66,9 @@ def _rows_times_x(
         part = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < k_hi
+        k_ok = offs_k < K
         w_mask = w_rows_ok[None, :] & k_ok[:, None]
         wt = tl.load(w_ptr + cols[None, :] * stride_wn + offs_k[:, None] * stride_wk, mask=w_mask, other=0.0)
         if BLOCK_M == 1:
@@ -177,9 +175,6 @@ def _decode_gate_up_kernel(
     cnt_ptr,
     sem_ptr,
     n_sems,
-    gpart_ptr,
-    gsem_ptr,
-    k_per,
     M,
     N,
     K,
@@ -205,13 +200,11 @@ def _decode_gate_up_kernel(
     PREFETCH_LINE: tl.constexpr,
     PREFETCH_LINES: tl.constexpr,
     DOWN_ROWS: tl.constexpr,
-    KSPLIT: tl.constexpr,
 ):
-    pid_s = tl.program_id(0)  # the K split of the gate (the splits of a block run side by side)
-    pid_n = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    n_blocks = tl.num_programs(1)
-    if pid_s == 0 and pid_n == 0 and pid_m == 0:  # the down kernel's arrival counters start at zero
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    n_blocks = tl.num_programs(0)
+    if pid_n == 0 and pid_m == 0:  # the down kernel's arrival counters start at zero
         for s0 in range(0, n_sems, SEM_BLOCK):
             offs_s = s0 + tl.arange(0, SEM_BLOCK)
             tl.store(sem_ptr + offs_s, tl.zeros([SEM_BLOCK], tl.int32), mask=offs_s < n_sems)
@@ -223,22 +216,10 @@ def _decode_gate_up_kernel(
     cols = offs_n.to(tl.int64)
     dtype = hc_ptr.dtype.element_ty
 
-    k_lo = pid_s * k_per
     acc = _rows_times_x(
-        x_ptr, wg_ptr, rows, cols, m_ok, n_ok, k_lo, tl.minimum(K, k_lo + k_per), stride_xm, stride_xk, stride_gn,
-        stride_gk, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, EACH,
+        x_ptr, wg_ptr, rows, cols, m_ok, n_ok, K, stride_xm, stride_xk, stride_gn, stride_gk,
+        DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, EACH,
     )  # fmt: skip
-    if KSPLIT > 1:  # this split's fp32 share of the gate; the last split of the block to arrive goes on
-        tile_mask = m_ok[:, None] & n_ok[None, :]
-        part = gpart_ptr + rows[:, None] * N + cols[None, :]
-        split_stride = tl.cast(M, tl.int64) * N
-        tl.store(part + pid_s * split_stride, acc, mask=tile_mask)
-        tl.debug_barrier()  # every thread's share is stored before the arrival is published
-        if tl.atomic_add(gsem_ptr + pid_m * n_blocks + pid_n, 1, sem="acq_rel") != KSPLIT - 1:
-            return
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for split in range(0, KSPLIT):  # in split order: the same bits on every call
-            acc += tl.load(part + split * split_stride, mask=tile_mask, other=0.0, cache_modifier=".cg")
     if HAS_GATE_BIAS:
         acc += tl.load(bg_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     g = acc.to(dtype).to(tl.float32)  # the dense gate's rounding
@@ -269,7 +250,7 @@ def _decode_gate_up_kernel(
                 )  # fmt: skip
             else:
                 u = _rows_times_x(
-                    x_ptr, wu_ptr, rows, cols, m_ok, active, 0, K, stride_xm, stride_xk, stride_un, stride_uk,
+                    x_ptr, wu_ptr, rows, cols, m_ok, active, K, stride_xm, stride_xk, stride_un, stride_uk,
                     DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, EACH,
                 )  # fmt: skip
             if HAS_UP_BIAS:
@@ -455,11 +436,6 @@ GATE_UP_CONFIG_WIDE = (16, 256, 4, 3, True)
 # group: 2-4x faster than run-time splits for 16-64 tokens, where the chain of loads per chunk (counts,
 # ids, then hc and W_d) is not overlapped; 64 tokens gain from smaller K blocks (34.6 against 40.6 us
 # at K=2048). gpu_check-decode-20261201-114215.json, -114635.json.
-# Kernel 1's K splits by token block (BLOCK_M; 1 where absent): each neuron block's gate is computed by
-# that many programs over K / splits columns each, so the GEMV runs on more programs (88 at N=5632 and
-# 16 tokens without), and the last split of a block to arrive sums the fp32 shares in split order and
-# goes on to the up product; one memset a call for the arrival counters. Not measured yet: off.
-GATE_K_SPLITS: dict[int, int] = {}
 DOWN_CONFIG = {1: (32, 4, 64, 64, 4), 16: (128, 8, 16, 0, 4), 32: (128, 8, 16, 0, 4), 64: (64, 8, 32, 0, 4)}
 
 
@@ -496,11 +472,9 @@ class _DecodePlan:
     up_k: int
     group: int  # neuron blocks a static split walks (SPLIT_MIN 0), else 0
     down_rows: bool
-    k_splits: int  # kernel 1's programs a neuron block's gate is split over (K)
-    k_per: int  # the K columns of one split, a multiple of kernel 1's BLOCK_K
 
 
-def _decode_plan(m: int, k: int, n: int, gate_up_config, down_config, down_rows, k_splits=None) -> _DecodePlan:
+def _decode_plan(m: int, k: int, n: int, gate_up_config, down_config, down_rows) -> _DecodePlan:
     """The launcher's choice of configs for m tokens of width k over n neurons (decode_ffn's arguments
     override them)."""
     default = GATE_UP_CONFIG_WIDE if m == 1 and k > 2048 else GATE_UP_CONFIG[min(m, 2)]
@@ -516,11 +490,6 @@ def _decode_plan(m: int, k: int, n: int, gate_up_config, down_config, down_rows,
     up_k = min(triton.next_power_of_2(k), 4096)
     if down_rows is None:  # measured faster at K = 2048, slower at 4096 (the rows helper's registers)
         down_rows = k <= 2048
-    if k_splits is None:
-        k_splits = GATE_K_SPLITS.get(block_m, 1)
-    if k_splits < 1:
-        raise ValueError(f"k_splits needs to be >= 1, got {k_splits}")
-    k_per = triton.cdiv(triton.cdiv(k, k_splits), gate_up[1]) * gate_up[1]
     return _DecodePlan(
         gate_up=gate_up,
         down=(down_k, splits, chunk, split_min, down_warps),
@@ -531,8 +500,6 @@ def _decode_plan(m: int, k: int, n: int, gate_up_config, down_config, down_rows,
         up_k=up_k,
         group=group,
         down_rows=bool(down_rows) and m == 1 and k <= up_k,
-        k_splits=triton.cdiv(k, k_per),  # no empty split where K is short
-        k_per=k_per,
     )
 
 
@@ -553,7 +520,6 @@ def decode_ffn(
     prefetch: bool = True,
     down_rows: bool | None = None,
     rows_config: tuple[int, int] | None = None,
-    k_splits: int | None = None,
 ) -> torch.Tensor:
     """y [M, K] in the dtype of x: down(act(gate(x)) * up(x)), or down(act(gate(x))) without up_weight
     (act² with square).
@@ -563,8 +529,7 @@ def decode_ffn(
     The configs override GATE_UP_CONFIG(_WIDE) / DOWN_CONFIG (tests, benchmarks); prefetch=False leaves
     out kernel 1's L2 prefetch of the active W_d rows at one token (benchmarks); down_rows takes one
     token by block rows (True; only one token with K <= 4096, the list otherwise) or by the list
-    (False), None leaving it to K; k_splits splits each neuron block's gate over that many programs
-    along K (None: GATE_K_SPLITS).
+    (False), None leaving it to K.
     """
     m, k, n = _check_ffn(
         "decode_ffn", x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold
@@ -572,7 +537,7 @@ def decode_ffn(
     if m == 0 or n == 0 or k == 0:  # no tokens, neurons or width: y is the down bias (no launch)
         y = torch.zeros_like(x)
         return y + down_bias if down_bias is not None else y
-    plan = _decode_plan(m, k, n, gate_up_config, down_config, down_rows, k_splits)
+    plan = _decode_plan(m, k, n, gate_up_config, down_config, down_rows)
     block_n, block_k, warps, stages, each = plan.gate_up
     down_k, splits, chunk, split_min, down_warps = plan.down
     block_m, n_blocks, m_blocks, k_blocks, up_k = plan.block_m, plan.n_blocks, plan.m_blocks, plan.k_blocks, plan.up_k
@@ -588,11 +553,6 @@ def decode_ffn(
         ids = torch.empty(m_blocks * n_blocks * block_n, dtype=torch.int32, device=x.device)
         sems = torch.empty(max(k_blocks * m_blocks, 1), dtype=torch.int32, device=x.device)
         parts = torch.empty(splits if splits > 1 else 0, m, k, dtype=torch.float32, device=x.device)
-    if plan.k_splits > 1:  # the gate's split shares and their arrival counters (zeroed: a memset)
-        gparts = torch.empty(plan.k_splits, m, n, dtype=torch.float32, device=x.device)
-        gsems = torch.zeros(m_blocks * n_blocks, dtype=torch.int32, device=x.device)
-    else:
-        gparts, gsems = x, counts
     # PTX prefetch of the active W_d rows into L2 for the list path's down kernel: one token, on an NVIDIA
     # GPU, rows with unit stride on K. It took 1-2.5% off one token's layer and added 2-10% to 16-64
     # tokens at K=4096, where the union's rows compete with W_g's stream
@@ -600,7 +560,7 @@ def decode_ffn(
     nvidia = x.is_cuda and torch.version.hip is None and not interpreting()
     prefetch = prefetch and nvidia and m == 1 and not down_rows and down_weight_t.stride(1) == 1
     line = 128 // x.element_size()
-    _decode_gate_up_kernel[(plan.k_splits, n_blocks, m_blocks)](
+    _decode_gate_up_kernel[(n_blocks, m_blocks)](
         x,
         gate_weight,
         gate_bias if gate_bias is not None else x,
@@ -615,9 +575,6 @@ def decode_ffn(
         counts,
         sems,
         sems.numel(),
-        gparts,
-        gsems,
-        plan.k_per,
         m,
         n,
         k,
@@ -642,7 +599,6 @@ def decode_ffn(
         PREFETCH_LINE=line,
         PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(k, line)) if prefetch else 0,
         DOWN_ROWS=down_rows,
-        KSPLIT=plan.k_splits,
         num_warps=warps,
         num_stages=stages,
     )
