@@ -84,16 +84,27 @@ def test_pack_autotunes_over_its_table(monkeypatch):
     assert [(c.kwargs["BLOCK_M"], c.num_warps, c.num_stages) for c in gate._pack_configs()] == gate.PACK_CONFIGS[:1]
 
 
-def test_pack_dense_hands_over_hot_columns():
+HOT_SETS = {
+    "spread": [0, 7, 64, 65, 200, 299],
+    # more hot columns in one tile than a hand-over step takes (gate.HOT_STEP), positions not in column order
+    "crowded": list(range(3, 43)) + [70, 299],
+}
+
+
+@pytest.mark.parametrize("hot_set", HOT_SETS)
+def test_pack_dense_hands_over_hot_columns(hot_set):
     """Hot neurons' columns go to hot_values whole (pre-activations, NaN included) and never into TwELL;
     a position past hot_values packs its neuron instead of storing outside the buffer."""
     g = torch.Generator().manual_seed(3)
     h = torch.randn(37, 300, generator=g)
     h[1::5] += 5.0  # dense rows: overflow
     h[2, 7] = float("nan")
-    index = torch.tensor([0, 7, 64, 65, 200, 299])
+    index = torch.tensor(HOT_SETS[hot_set])
     pos = torch.full((300,), -1, dtype=torch.int32)
-    pos[index] = torch.arange(len(index), dtype=torch.int32)
+    pos[index] = torch.randperm(len(index), generator=g, dtype=torch.int32) if hot_set == "crowded" else torch.arange(
+        len(index), dtype=torch.int32
+    )
+    index = index[pos[index].argsort()]  # hot_values' columns in position order
     hot = (pos.to(DEVICE), torch.full((37, len(index)), float("nan"), device=DEVICE))
     words, counts = pack_dense(h.to(DEVICE), 0.0, 64, 8, hot=hot)
     assert torch.allclose(hot[1].cpu(), h[:, index], rtol=0, atol=0, equal_nan=True)
@@ -234,9 +245,9 @@ def stack(kernel, consts, options):
     return int(usage.split("STACK:")[1].split()[0]), usage
 
 cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
-pack = dict(HAS_HOT=False, SQUARE=False, TILE_N=128, SLOTS=16, stride_hn=1)
-for bm, warps, stages in gate.PACK_CONFIGS:
-    consts = dict(pack, BLOCK_M=bm)
+pack = dict(SQUARE=False, TILE_N=128, SLOTS=16, stride_hn=1)
+for (bm, warps, stages), hot in [(c, h) for c in gate.PACK_CONFIGS for h in (False, True)]:
+    consts = dict(pack, BLOCK_M=bm, HAS_HOT=hot)
     spilled, usage = stack(gate._pack_dense_kernel.fn, consts, dict(num_warps=warps, num_stages=stages))
     assert spilled == 0 and "LOCAL:0 " in usage, (consts, usage)
 fused = dict(HAS_BIAS=True, HAS_HOT=False, SQUARE=False, EVEN_N=True, DOT_PRECISION="tf32", VALUE=tl.bfloat16,
@@ -250,7 +261,8 @@ assert spilled <= 512, usage
 
 
 def test_pack_and_gate_kernels_compile_for_hopper(tmp_path):
-    """Triton's compiler and ptxas build the pack pass (every config) for sm_90 without register spills,
+    """Triton's compiler and ptxas build the pack pass (every config, with and without the hot neurons'
+    hand-over) for sm_90 without register spills,
     and the fused gate's first config (bf16, bias) with no more spills than the lean probe kernel's (the
     spill that made the kernel before its rebuild slow)."""
     compile_for_hopper(GATE_SM90_COMPILE, tmp_path)

@@ -74,14 +74,31 @@ def _squared(value, SQUARE: tl.constexpr):
     return value
 
 
+# The hot columns of a tile handed over this many at a time.
+HOT_STEP = tl.constexpr(16)
+
+
 @triton.jit
 def _hand_over(value, rows, row_ok, cols, N, pos_ptr, hot_ptr, n_hot):
-    """value (fp32, any rank; rows, cols: int64 rows and global columns broadcasting to it) with the hot
-    neurons' columns set to -inf (never packed), their values stored to hot_ptr [M, n_hot] first."""
+    """value [BLOCK_M, TILE_N] (rows: int64 [BLOCK_M, 1], row_ok [BLOCK_M, 1], cols: the tile's global
+    columns [TILE_N]) with the hot neurons' columns set to -inf (never packed), their values stored to
+    hot_ptr [M, n_hot] first. The tile's hot columns are gathered HOT_STEP at a time, so the stores
+    cover those columns only: a store over the whole tile, masked to them, doubled the pack pass (0.90
+    -> 1.90 ms at 131072 tokens, 352 hot neurons: ffn-20261202-033016.json)."""
     pos = tl.load(pos_ptr + cols, mask=cols < N, other=-1)
     hot = (pos >= 0) & (pos < n_hot)  # a position past hot_values is no store
-    tl.store(hot_ptr + rows * n_hot + pos, value.to(hot_ptr.dtype.element_ty), mask=row_ok & hot)
-    return tl.where(hot, float("-inf"), value)  # never kept, NaN included
+    rank = tl.cumsum(hot.to(tl.int32), axis=0) - 1
+    n_tile_hot = tl.sum(hot.to(tl.int32), axis=0)
+    local = tl.arange(0, value.shape[1])
+    for first in range(0, n_tile_hot, HOT_STEP):
+        step = first + tl.arange(0, HOT_STEP)
+        pick = hot[None, :] & (rank[None, :] == step[:, None])  # [HOT_STEP, TILE_N]: the step's columns
+        col = tl.sum(tl.where(pick, local[None, :], 0), axis=1)
+        at = tl.sum(tl.where(pick, pos[None, :], 0), axis=1)  # their positions in hot_values
+        hv = tl.gather(value, tl.broadcast_to(col[None, :], [value.shape[0], HOT_STEP]), axis=1)
+        ok = row_ok & (step < n_tile_hot)[None, :]
+        tl.store(hot_ptr + rows * n_hot + at[None, :], hv.to(hot_ptr.dtype.element_ty), mask=ok)
+    return tl.where(hot[None, :], float("-inf"), value)  # never kept, NaN included
 
 
 # (BLOCK_M, BLOCK_K, num_warps, num_stages); BLOCK_N is the TwELL tile width: one GEMM tile packs exactly
@@ -206,7 +223,7 @@ def _gate_twell_kernel(
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         if HAS_HOT:
             acc = _hand_over(
-                acc, offs_m.to(tl.int64)[:, None], (offs_m < M)[:, None], cols[None, :], N, pos_ptr, hot_ptr, n_hot
+                acc, offs_m.to(tl.int64)[:, None], (offs_m < M)[:, None], cols, N, pos_ptr, hot_ptr, n_hot
             )
         # the value the dense FFN sees is the gate rounded to VALUE; threshold is the fp32 bound that
         # decides as that rounded value would (gate_threshold): the compare runs before the rounding
@@ -271,8 +288,7 @@ def _pack_dense_kernel(
     ptrs = h_ptr + rows * stride_hm + cols[None, :] * stride_hn
     value = tl.load(ptrs, mask=row_ok & (cols < N)[None, :], other=float("-inf"))  # -inf: never kept
     if HAS_HOT:
-        value = _hand_over(value.to(tl.float32), rows, row_ok, cols[None, :], N, pos_ptr, hot_ptr, n_hot)
-        value = value.to(h_ptr.dtype.element_ty)
+        value = _hand_over(value, rows, row_ok, cols, N, pos_ptr, hot_ptr, n_hot)
     keep = ~(value <= tl.cast(threshold, h_ptr.dtype.element_ty))  # NaN is kept, as by relu
     _pack_rows(keep, _squared(value, SQUARE), offs_m, M, tile, words_ptr, cnt_ptr, n_tiles, TILE_N, SLOTS)
 
