@@ -327,14 +327,17 @@ def prefill_stages(x, w, config) -> dict:
     row["overflow_tiles"] = int((counts > slots).sum())
     hot = largest_hot()
     if hot is not None:  # the pieces of the hybrid by neuron, at the layer's hot neurons
-        packed_hot = (hot.pos, dispatch.hot_values(x.shape[0], len(hot.index), x.dtype, x.device))
-        row["pack_hot_ms"] = do_bench(lambda: pack_dense(pre, 0.0, tile_n, slots, hot=packed_hot), return_mode="median")
-        words, counts = pack_dense(pre, 0.0, tile_n, slots, hot=packed_hot)
-        h_hot, wu = packed_hot[1], w["up_weight"]
-        # in place on h_hot: repeated, the same work on the same shapes
-        row["hot_up_ms"] = do_bench(
-            lambda: dispatch._hot_hidden_(h_hot, x, hot.index, wu, None, 0.0, False, False), return_mode="median"
+        words, counts = pack_dense(pre, 0.0, tile_n, slots, hot_pos=hot.pos)
+        row["pack_hot_ms"] = do_bench(
+            lambda: pack_dense(pre, 0.0, tile_n, slots, hot_pos=hot.pos), return_mode="median"
         )
+        wu = w["up_weight"]
+
+        def products():
+            return dispatch._hot_products(x, hot.index, wg, bg, wu, None, 0.0, False, False, False)[0]
+
+        row["hot_up_ms"] = do_bench(products, return_mode="median")  # the hot neurons' gate and up products
+        h_hot = products()
         y = torch.empty_like(x)
         row["hot_down_ms"] = do_bench(lambda: y.addmm_(h_hot, wd_t.index_select(0, hot.index)), return_mode="median")
         row["updown_hot_ms"] = do_bench(

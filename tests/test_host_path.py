@@ -14,7 +14,7 @@ from twell.kernels import checks, common, dispatch, gate, policy, updown
 from twell.kernels.policy import LayerConfig
 
 # every check the launchers' modules call on their inputs
-CHECKS = ("check_input", "check_operand", "check_bias", "check_threshold", "check_tile", "check_pos", "check_hot")
+CHECKS = ("check_input", "check_operand", "check_bias", "check_threshold", "check_tile", "check_pos")
 
 
 def _counted(words, counts):

@@ -42,7 +42,7 @@ import triton
 from twell.kernels import dense as dense_route
 from twell.kernels import policy
 from twell.kernels.decode import decode_ffn
-from twell.kernels.gate import fused_gate_supported, hot_values, launch_gate_twell, launch_pack_dense
+from twell.kernels.gate import fused_gate_supported, launch_gate_twell, launch_pack_dense
 from twell.kernels.updown import launch_up_down
 
 
@@ -217,21 +217,21 @@ def always_dense(m: int, k: int, config: policy.LayerConfig, wd_t: torch.Tensor)
 def _prefill(
     x2, gate_weight, gate_bias, up_weight, up_bias, wd_t, down_bias, threshold, drelu, square, config, state, capturing
 ):
-    """The prefill path: the gate packed to TwELL (the hot neurons' columns handed over), up+down, the
-    hot neurons' dense products, and the layer's density and hot-neuron probes."""
+    """The prefill path: the gate packed to TwELL (the hot neurons' columns left out), up+down, the hot
+    neurons' dense products, and the layer's density and hot-neuron probes."""
     m = x2.shape[0]
     tile_n, slots = config.tile_n, config.slots
     n = gate_weight.shape[0]
     # one density probe in flight per layer: a newer one would never land while the host runs ahead
     probe = state.pending is None and not capturing
     hot = state.hot if config.hot_rate is not None else None
-    packed_hot = (hot.pos, hot_values(m, len(hot.index), x2.dtype, x2.device)) if hot is not None else None
+    hot_pos = hot.pos if hot is not None else None
     measure = config.hot_rate is not None and not capturing and state.hot_pending is None and state.hot_calls_left == 0
     if config.hot_rate is not None and not capturing:
         state.hot_calls_left = policy.DENSE_RETRY if measure else max(state.hot_calls_left - 1, 0)
     if config.fused_gate and fused_gate_supported(x2, gate_weight, tile_n):
         words, counts = launch_gate_twell(
-            x2, gate_weight, gate_bias, threshold, tile_n, slots, square=square, hot=packed_hot
+            x2, gate_weight, gate_bias, threshold, tile_n, slots, square=square, hot_pos=hot_pos
         )
         if measure:
             state.hot_pending = _measure_neurons(F.linear(x2[: policy.HOT_SAMPLE], gate_weight, gate_bias), threshold)
@@ -239,16 +239,16 @@ def _prefill(
         pre = F.linear(x2, gate_weight, gate_bias)
         if measure:
             state.hot_pending = _measure_neurons(pre[: policy.HOT_SAMPLE], threshold)
-        words, counts = launch_pack_dense(pre, threshold, tile_n, slots, square=square, hot=packed_hot)
+        words, counts = launch_pack_dense(pre, threshold, tile_n, slots, square=square, hot_pos=hot_pos)
         del pre
     if hot is not None:
-        h_hot = packed_hot[1]
-        hot_kept = (h_hot > threshold).sum() if probe else None
-        _hot_hidden_(h_hot, x2, hot.index, up_weight, up_bias, threshold, drelu, square)
+        h_hot, hot_kept = _hot_products(
+            x2, hot.index, gate_weight, gate_bias, up_weight, up_bias, threshold, drelu, square, probe
+        )
     # the op boundary checked the inputs (twell.kernels.library): the launchers do not again
     y, kept = launch_up_down(
         x2, words, counts, gate_weight, gate_bias, up_weight, up_bias, wd_t, down_bias, tile_n=tile_n,
-        threshold=threshold, drelu=drelu, square=square, hot_pos=hot.pos if hot is not None else None,
+        threshold=threshold, drelu=drelu, square=square, hot_pos=hot_pos,
     )  # fmt: skip
     if hot is not None:
         y.addmm_(h_hot, wd_t.index_select(0, hot.index))
@@ -265,14 +265,21 @@ def _measure_neurons(pre: torch.Tensor, threshold: float) -> tuple:
     return (*_to_host(counts), counts, pre.shape[0])
 
 
-def _hot_hidden_(g, x, index, up_weight, up_bias, threshold, drelu, square) -> torch.Tensor:
-    """In place on the hot neurons' gate pre-activations g [M, H]: their hidden activations, act(g) *
-    up(x) over the gathered up rows `index` (as the dense route computes them), or act(g) (squared)."""
+def _rows(weight, bias, index):
+    """The rows `index` of a weight [N, K] and of its bias [N] (or None)."""
+    return weight.index_select(0, index), bias.index_select(0, index) if bias is not None else None
+
+
+def _hot_products(x, index, gate_weight, gate_bias, up_weight, up_bias, threshold, drelu, square, probe):
+    """(h [M, H], kept) of the hot neurons `index`: act(g) * up(x), or act(g) (squared) without up, by
+    cuBLAS products over their gathered rows, as the dense route computes them; kept: how many of their
+    pre-activations g pass the threshold (the density probe's hot share; None without probe)."""
+    g = F.linear(x, *_rows(gate_weight, gate_bias, index))
+    kept = (g > threshold).sum() if probe else None
     if up_weight is None:
-        return dense_route.act_mul_(g, None, threshold, drelu=False, square=square)
-    bias = up_bias.index_select(0, index) if up_bias is not None else None
-    u = F.linear(x, up_weight.index_select(0, index), bias)
-    return dense_route.act_mul_(g, u, threshold, drelu=drelu, square=False)
+        return dense_route.act_mul_(g, None, threshold, drelu=False, square=square), kept
+    u = F.linear(x, *_rows(up_weight, up_bias, index))
+    return dense_route.act_mul_(g, u, threshold, drelu=drelu, square=False), kept
 
 
 def gated_ffn_cuda(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu, config):

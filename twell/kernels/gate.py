@@ -8,12 +8,12 @@ consumers mask by count). The dense gate never reaches global memory. A count ab
 row as an overflow row (the launchers never drop it: see twell.kernels.dispatch). The pack pass
 (pack_dense, for a cuBLAS gate) packs the same layout by the same prefix sum.
 
-hot (both launchers): (hot_pos, hot_values) for a caller that computes some neurons by dense products
-(twell.kernels.dispatch's hot neurons). hot_pos: int32 [N], neuron n's column in
-hot_values [M, H] or -1; those neurons are never packed (their columns count as inactive), and their
-pre-activations (bias added, rounded to the output dtype, before any activation) go to hot_values.
-Positions are not checked on the host (that would wait for the device); one outside [0, H) makes its
-neuron a packed one, never a store outside hot_values.
+hot_pos (both launchers): int32 [N], >= 0 for the neurons a caller computes by dense products
+(twell.kernels.dispatch's hot neurons), -1 elsewhere; those neurons are never packed (their columns
+count as inactive). Their pre-activations are the caller's to compute (a cuBLAS product over their
+gate rows): handing them over from the packers cost a masked store over every tile value, which
+doubled the pack pass (0.90 -> 1.90 ms at 131072 tokens and 352 hot neurons, ffn-20261202-033016.json;
+gathering the hot columns 16 a step cost more: 2.27, ffn-20261202-220027.json).
 """
 
 from __future__ import annotations
@@ -74,31 +74,12 @@ def _squared(value, SQUARE: tl.constexpr):
     return value
 
 
-# The hot columns of a tile handed over this many at a time.
-HOT_STEP = tl.constexpr(16)
-
-
 @triton.jit
-def _hand_over(value, rows, row_ok, cols, N, pos_ptr, hot_ptr, n_hot):
-    """value [BLOCK_M, TILE_N] (rows: int64 [BLOCK_M, 1], row_ok [BLOCK_M, 1], cols: the tile's global
-    columns [TILE_N]) with the hot neurons' columns set to -inf (never packed), their values stored to
-    hot_ptr [M, n_hot] first. The tile's hot columns are gathered HOT_STEP at a time, so the stores
-    cover those columns only: a store over the whole tile, masked to them, doubled the pack pass (0.90
-    -> 1.90 ms at 131072 tokens, 352 hot neurons: ffn-20261202-033016.json)."""
+def _drop_hot(value, cols, N, pos_ptr):
+    """value [BLOCK_M, TILE_N] (cols: the tile's global columns) with the hot neurons' columns (hot_pos
+    >= 0) set to -inf: never kept, NaN included."""
     pos = tl.load(pos_ptr + cols, mask=cols < N, other=-1)
-    hot = (pos >= 0) & (pos < n_hot)  # a position past hot_values is no store
-    rank = tl.cumsum(hot.to(tl.int32), axis=0) - 1
-    n_tile_hot = tl.sum(hot.to(tl.int32), axis=0)
-    local = tl.arange(0, value.shape[1])
-    for first in range(0, n_tile_hot, HOT_STEP):
-        step = first + tl.arange(0, HOT_STEP)
-        pick = hot[None, :] & (rank[None, :] == step[:, None])  # [HOT_STEP, TILE_N]: the step's columns
-        col = tl.sum(tl.where(pick, local[None, :], 0), axis=1)
-        at = tl.sum(tl.where(pick, pos[None, :], 0), axis=1)  # their positions in hot_values
-        hv = tl.gather(value, tl.broadcast_to(col[None, :], [value.shape[0], HOT_STEP]), axis=1)
-        ok = row_ok & (step < n_tile_hot)[None, :]
-        tl.store(hot_ptr + rows * n_hot + at[None, :], hv.to(hot_ptr.dtype.element_ty), mask=ok)
-    return tl.where(hot[None, :], float("-inf"), value)  # never kept, NaN included
+    return tl.where((pos >= 0)[None, :], float("-inf"), value)
 
 
 # (BLOCK_M, BLOCK_K, num_warps, num_stages); BLOCK_N is the TwELL tile width: one GEMM tile packs exactly
@@ -172,8 +153,6 @@ def _gate_twell_kernel(
     words_ptr,
     cnt_ptr,
     pos_ptr,
-    hot_ptr,
-    n_hot,
     M,
     N,
     K,
@@ -222,9 +201,7 @@ def _gate_twell_kernel(
             acc = tl.where((cols < N)[None, :], acc, float("-inf"))
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         if HAS_HOT:
-            acc = _hand_over(
-                acc, offs_m.to(tl.int64)[:, None], (offs_m < M)[:, None], cols, N, pos_ptr, hot_ptr, n_hot
-            )
+            acc = _drop_hot(acc, cols, N, pos_ptr)
         # the value the dense FFN sees is the gate rounded to VALUE; threshold is the fp32 bound that
         # decides as that rounded value would (gate_threshold): the compare runs before the rounding
         keep = ~(acc <= threshold)  # NaN is kept, as by relu
@@ -263,8 +240,6 @@ def _pack_dense_kernel(
     words_ptr,
     cnt_ptr,
     pos_ptr,
-    hot_ptr,
-    n_hot,
     M,
     N,
     M_BUCKET,
@@ -288,7 +263,7 @@ def _pack_dense_kernel(
     ptrs = h_ptr + rows * stride_hm + cols[None, :] * stride_hn
     value = tl.load(ptrs, mask=row_ok & (cols < N)[None, :], other=float("-inf"))  # -inf: never kept
     if HAS_HOT:
-        value = _hand_over(value, rows, row_ok, cols, N, pos_ptr, hot_ptr, n_hot)
+        value = _drop_hot(value, cols, N, pos_ptr)
     keep = ~(value <= tl.cast(threshold, h_ptr.dtype.element_ty))  # NaN is kept, as by relu
     _pack_rows(keep, _squared(value, SQUARE), offs_m, M, tile, words_ptr, cnt_ptr, n_tiles, TILE_N, SLOTS)
 
@@ -304,33 +279,6 @@ def _alloc(m: int, n: int, tile_n: int, slots: int, dtype, device):
     words = torch.empty(m, n_tiles, slots, dtype=word_dtype(dtype), device=device)
     counts = torch.empty(m, n_tiles, dtype=torch.int32, device=device)
     return words, counts
-
-
-def hot_values(m: int, n_hot: int, dtype, device) -> torch.Tensor:
-    """The [M, H] buffer the packers fill with the hot neurons' pre-activations."""
-    return torch.empty(m, n_hot, dtype=dtype, device=device)
-
-
-def _hot_args(hot, dummy) -> tuple:
-    """(pos_ptr, hot_ptr, n_hot) kernel arguments."""
-    if hot is None:
-        return dummy, dummy, 0
-    return hot[0], hot[1], hot[1].shape[1]
-
-
-def check_hot(hot, m: int, n: int, x: torch.Tensor) -> None:
-    """An optional (hot_pos int32 [N], hot_values [M, H] in x's dtype, contiguous) pair."""
-    if hot is None:
-        return
-    if not isinstance(hot, tuple) or len(hot) != 2:
-        raise ValueError("hot must be a (hot_pos, hot_values) pair")
-    pos, values = hot
-    check_pos(pos, n, x)
-    if not isinstance(values, torch.Tensor) or values.dim() != 2:
-        raise ValueError(f"hot_values must be a tensor [{m}, H], got {type(values).__name__}")
-    check_operand("hot_values", values, (m, values.shape[1]), x)
-    if not values.is_contiguous():
-        raise ValueError(f"hot_values must be contiguous, got strides {values.stride()}")
 
 
 def fused_gate_supported(x: torch.Tensor, weight: torch.Tensor, tile_n: int) -> bool:
@@ -357,15 +305,14 @@ def gate_twell(
     slots: int,
     square: bool = False,
     config: tuple[int, int, int, int] | None = None,
-    hot: tuple[torch.Tensor, torch.Tensor] | None = None,
+    hot_pos: torch.Tensor | None = None,
 ):
     """TwELL arrays (words, counts) of act_t(x @ weight^T + bias), x: [M, K], weight: [N, K] (layout:
     twell.format; slots past each count unwritten); the dense gate never reaches memory.
 
     square: store act² (relu², non-gated FFNs). Counts are true counts: > slots means the row overflows.
     The operands must pass fused_gate_supported (cuBLAS + pack_dense serves the rest). config: one row
-    of GATE_CONFIGS instead of autotuning (tests, benchmarks). hot: (hot_pos, hot_values), module
-    docstring.
+    of GATE_CONFIGS instead of autotuning (tests, benchmarks). hot_pos: module docstring.
     """
     check_input("x", x)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -374,14 +321,14 @@ def gate_twell(
     check_operand("weight", weight, tuple(weight.shape), x)
     check_bias("bias", bias, weight.shape[0], x)
     check_threshold(threshold)
-    check_hot(hot, x.shape[0], weight.shape[0], x)
+    check_pos(hot_pos, weight.shape[0], x)
     if not fused_gate_supported(x, weight, tile_n):
         raise ValueError(
             "gate_twell needs unit stride on K, 16-byte aligned rows and a config that fits shared memory "
             "(see fused_gate_supported)"
         )
     check_tile(tile_n, slots)
-    return launch_gate_twell(x, weight, bias, threshold, tile_n, slots, square, config, hot)
+    return launch_gate_twell(x, weight, bias, threshold, tile_n, slots, square, config, hot_pos)
 
 
 @functools.lru_cache(maxsize=64)
@@ -413,7 +360,7 @@ def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def launch_gate_twell(x, weight, bias, threshold, tile_n, slots, square=False, config=None, hot=None):
+def launch_gate_twell(x, weight, bias, threshold, tile_n, slots, square=False, config=None, hot_pos=None):
     """gate_twell without its input checks, for callers that checked at the op boundary (the
     dispatcher). Autotuned once per (token bucket, shape, layout, dtype, hot or not), then launched
     with that config (TunedLaunch)."""
@@ -431,12 +378,13 @@ def launch_gate_twell(x, weight, bias, threshold, tile_n, slots, square=False, c
 
     bucket = m_bucket(m)
     args = (
-        x, weight, bias if bias is not None else x, words, counts, *_hot_args(hot, counts), m, n, k, bucket, n_tiles,
+        x, weight, bias if bias is not None else x, words, counts, hot_pos if hot_pos is not None else counts, m, n, k,
+        bucket, n_tiles,
         gate_threshold(threshold, x.dtype), x.stride(0), weight.stride(0),
     )  # fmt: skip
     flags = {
         "HAS_BIAS": bias is not None,
-        "HAS_HOT": hot is not None,
+        "HAS_HOT": hot_pos is not None,
         "SQUARE": square,
         "EVEN_N": n % tile_n == 0,
         "DOT_PRECISION": dot_precision(x.dtype),
@@ -446,7 +394,7 @@ def launch_gate_twell(x, weight, bias, threshold, tile_n, slots, square=False, c
         "PROGRAMS": programs,
     }
     if config is None:
-        _gate_twell_launch((bucket, n, k, tile_n, slots, x.dtype, hot is None), grid, *args, **flags)
+        _gate_twell_launch((bucket, n, k, tile_n, slots, x.dtype, hot_pos is None), grid, *args, **flags)
         return words, counts
     block_m, block_k, warps, stages = config
     meta = {"BLOCK_M": block_m, "BLOCK_K": block_k, "num_warps": warps, "num_stages": stages}
@@ -460,22 +408,22 @@ def pack_dense(
     tile_n: int,
     slots: int,
     square: bool = False,
-    hot: tuple[torch.Tensor, torch.Tensor] | None = None,
+    hot_pos: torch.Tensor | None = None,
     config: tuple[int, int, int] | None = None,
 ):
     """TwELL arrays (words, counts) of a dense pre-activation h [M, N]: the pack pass for a cuBLAS gate.
-    hot: (hot_pos, hot_values), module docstring. config: one row of PACK_CONFIGS instead of autotuning
+    hot_pos: module docstring. config: one row of PACK_CONFIGS instead of autotuning
     (tests, benchmarks)."""
     if not isinstance(h, torch.Tensor) or h.dim() != 2:
         raise ValueError(f"pack_dense expects h [M, N], got {list(h.shape) if isinstance(h, torch.Tensor) else h}")
     check_input("h", h)
     check_threshold(threshold)
-    check_hot(hot, h.shape[0], h.shape[1], h)
+    check_pos(hot_pos, h.shape[1], h)
     check_tile(tile_n, slots)
-    return launch_pack_dense(h, threshold, tile_n, slots, square, hot, config)
+    return launch_pack_dense(h, threshold, tile_n, slots, square, hot_pos, config)
 
 
-def launch_pack_dense(h, threshold, tile_n, slots, square=False, hot=None, config=None):
+def launch_pack_dense(h, threshold, tile_n, slots, square=False, hot_pos=None, config=None):
     """pack_dense without its input checks, for callers that checked at the op boundary (the
     dispatcher). Autotuned once per (token bucket, N, layout, dtype, hot or not), then launched with
     that config (TunedLaunch)."""
@@ -483,18 +431,17 @@ def launch_pack_dense(h, threshold, tile_n, slots, square=False, hot=None, confi
     words, counts = _alloc(m, n, tile_n, slots, h.dtype, h.device)
     n_tiles = counts.shape[1]
     bucket = m_bucket(m)
-    pos, hot_buf, n_hot = _hot_args(hot, counts)
     args = (
-        h, words, counts, pos, hot_buf, n_hot, m, n, bucket, n_tiles, threshold_in(threshold, h.dtype), h.stride(0),
-        h.stride(1),
+        h, words, counts, hot_pos if hot_pos is not None else counts, m, n, bucket, n_tiles,
+        threshold_in(threshold, h.dtype), h.stride(0), h.stride(1),
     )  # fmt: skip
-    flags = {"HAS_HOT": hot is not None, "SQUARE": square, "TILE_N": tile_n, "SLOTS": slots}
+    flags = {"HAS_HOT": hot_pos is not None, "SQUARE": square, "TILE_N": tile_n, "SLOTS": slots}
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]), n_tiles)
 
     if config is None:
-        _pack_dense_launch((bucket, n, tile_n, slots, h.dtype, hot is None), grid, *args, **flags)
+        _pack_dense_launch((bucket, n, tile_n, slots, h.dtype, hot_pos is None), grid, *args, **flags)
     else:
         block_m, warps, stages = config
         _pack_dense_kernel.fn[grid](*args, **flags, BLOCK_M=block_m, num_warps=warps, num_stages=stages)
