@@ -243,10 +243,9 @@ assert spilled <= 512, usage
 
 
 def test_pack_and_gate_kernels_compile_for_hopper(tmp_path):
-    """Triton's compiler and ptxas build the pack pass (every config, with and without the hot neurons'
-    hand-over) for sm_90 without register spills,
-    and the fused gate's first config (bf16, bias) with no more spills than the lean probe kernel's (the
-    spill that made the kernel before its rebuild slow)."""
+    """Triton's compiler and ptxas build the pack pass (every config, with and without hot columns left
+    out) for sm_90 without register spills, and the fused gate's first config (bf16, bias) with no more
+    spills than the lean probe kernel's (the spill that made the kernel before its rebuild slow)."""
     compile_for_hopper(GATE_SM90_COMPILE, tmp_path)
 
 

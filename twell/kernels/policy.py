@@ -41,8 +41,7 @@ DENSE_ABOVE = 0.008
 # over just those neurons (the packer leaves their columns out; cuBLAS: their gate and up columns over
 # their gathered rows, then their share of the down projection), the rest sparse. A sparse (token,
 # neuron) pair gathers 8 KB of weight rows at ~8 TB/s of L2 (~1 ns); a hot neuron costs ~0.02 ns a
-# token (measured at K=2048):
-# dense pays from a few percent of tokens (benchmarks/NOTES.md v15).
+# token (measured at K=2048): dense pays from a few percent of tokens (benchmarks/NOTES.md v15).
 HOT_RATE: float | None = 0.02
 # Training calls (autograd recording) of at least this many tokens take the sparse training path
 # (twell.kernels.backward); None: none does. Off by default: a training step through it measured
