@@ -227,10 +227,13 @@ def hot_neurons() -> int:
     return 0 if hot is None else len(hot.index)
 
 
-def bench_point(k, n, m, density, pattern, compiled, variants=()) -> dict:
+def bench_point(k, n, m, density, pattern, compiled, variants=(), module_variants=()) -> dict:
     """One point: the dense module (eager, and torch.compile) against the same module after
     twell.sparsify, called exactly as a user calls it (W_down in the layout sparsify gives it).
-    Decode-sized calls: times per layer of a graph over LAYERS_PER_GRAPH such modules."""
+    Decode-sized calls: times per layer of a graph over LAYERS_PER_GRAPH such modules.
+    variants: LayerConfig changes timed on the forced prefill (prefill[name]_*); module_variants: timed
+    on the module as installed with those changes (twell[name]_*), after the module at its defaults
+    again (twell[default]_*), each from a clean layer state, in one loop."""
     x, block = make_inputs(m, k, n, density, pattern, seed=m + n)
     graph = m <= GRAPH_MAX_M
     blocks = [block] + [neuron_permuted(block, i) for i in range(1, LAYERS_PER_GRAPH if graph else 1)]
@@ -298,6 +301,16 @@ def bench_point(k, n, m, density, pattern, compiled, variants=()) -> dict:
                     row[f"prefill[{name}]_err"] = rel_err_sample(warm_call(block, x), x, block)
                     row[f"prefill[{name}]_neurons"] = hot_neurons()
                     row[f"prefill[{name}]_ms"] = timed(lambda: block(x), False)
+        if module_variants:
+            for name, changes in (("default", {}), *module_variants):
+                with contextlib.ExitStack() as configured:
+                    for b in blocks:
+                        configured.enter_context(twell.configure(b, **changes))
+                    dispatch.forget_layers()
+                    row[f"twell[{name}]_err"] = rel_err_sample(warm_call(block, x), x, block)
+                    row[f"twell[{name}]_neurons"] = hot_neurons()
+                    dispatch.forget_layers()
+                    row[f"twell[{name}]_ms"] = per_layer(lambda b: b(x))
         if m >= 8192:
             with twell.configure(block, route="prefill"):  # the stages at the default hot_rate's neurons
                 dispatch.forget_layers()
@@ -405,6 +418,12 @@ def main():
         help="LayerConfig changes to time the forced prefill at, ';' between variants, e.g. "
         "'fused_gate=True;fused_gate=False,hot_rate=None'",
     )
+    parser.add_argument(
+        "--module-variants",
+        default="",
+        help="LayerConfig changes to time the module as installed at (twell.configure), as --variants; "
+        "e.g. 'hot_rate=0.03;hot_rate=0.04;hot_rate=None'",
+    )
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -422,7 +441,10 @@ def main():
             for pattern in args.patterns.split(","):
                 dens = args.densities if pattern == "uniform" else args.other_densities
                 for density in map(float, dens.split(",")):
-                    row = bench_point(k, n, m, density, pattern, compiled, parse_variants(args.variants))
+                    row = bench_point(
+                        k, n, m, density, pattern, compiled, parse_variants(args.variants),
+                        parse_variants(args.module_variants),
+                    )  # fmt: skip
                     torch.cuda.empty_cache()
                     result["points"].append(row)
                     path.write_text(json.dumps(result, indent=1))  # kept if a later point fails
@@ -440,6 +462,8 @@ def main():
                     )
                     timed_variants = [v for v, _ in parse_variants(args.variants) if f"prefill[{v}]_ms" in row]
                     line += "".join(f"  [{v}] {row[f'prefill[{v}]_ms']:.3f}" for v in timed_variants)
+                    module = [(key[:-3], v) for key, v in row.items() if key[:6] == "twell[" and key[-3:] == "_ms"]
+                    line += "".join(f"  {name} {v:.3f}" for name, v in module)
                     lines.append(line)
                     print(line, flush=True)
     path.write_text(json.dumps(result, indent=1))

@@ -1,19 +1,26 @@
-"""Where one decode step of a whole model spends its GPU time: dense against twell.sparsify'd, eager.
+"""Where a whole model spends its GPU time: dense against twell.sparsify'd, by kernel.
 
-The model benchmark (e2e.py) measured the sparsified 2B model's generation at batch 1 no faster than
-dense although its decode FFN kernels run 2.3x alone. This script takes the same model and sparsity
-profile (e2e.py's 2B shape, skewed profile), runs eager decode steps (not captured: the profiler sees
-each kernel) under torch.profiler and writes per step: the CUDA time, the number of kernels, and the
-kernels grouped by name (count and time per step), dense and twell, at batch 1 and 16.
+The model benchmark (e2e.py) measures the sparsified 2B model against dense, but not where the
+difference goes. This script takes the same model and sparsity profile (e2e.py's 2B shape, skewed
+profile) and writes, under torch.profiler, the CUDA time, the number of kernels, and the kernels
+grouped by name (count and time per call), dense and twell:
+- `decode` (default): eager decode steps (not captured: the profiler sees each kernel) at batch 1 and 16;
+- `prefill`: the compiled prefill forward (e2e.py's twell-compiled and dense-compiled rows, --layers of
+  the 2B shape, --batch x --seq tokens), with each forward's median time by CUDA events and its host
+  time (from an idle GPU to the call's return): e2e.py's prefill saved 0.74 ms a layer where the FFN
+  alone saves 1.2 ms at 32768 tokens (e2e-20261202-221810.json, ffn-20261202-221123.json).
 
-    cd benchmarks && PYTHONPATH=.. python step_profile.py     # CUDA only; JSON to results/
+    cd benchmarks && PYTHONPATH=.. python step_profile.py [decode|prefill]   # CUDA only; JSON to results/
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import statistics
 import sys
+import time
 
 import torch
 
@@ -39,20 +46,92 @@ def step_kernels(decoder: GreedyDecoder, prompt: torch.Tensor) -> dict:
         for _ in range(STEPS):
             decoder._step()
         torch.cuda.synchronize()
+    table = kernel_table(prof, STEPS)
+    return {"cuda_us": table["cuda_us"], "kernels_per_step": table["kernels_per_call"], "kernels": table["kernels"]}
+
+
+def kernel_table(prof, calls: int) -> dict:
+    """Per kernel name (80 characters): count and us per call, largest first, and their totals."""
     kernels = {}
     for event in prof.key_averages():
         us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
         if us and event.count:
-            kernels[event.key[:80]] = {"count": event.count / STEPS, "us": us / STEPS}
+            kernels[event.key[:80]] = {"count": event.count / calls, "us": us / calls}
     kernels = dict(sorted(kernels.items(), key=lambda kv: -kv[1]["us"]))
     return {
         "cuda_us": sum(k["us"] for k in kernels.values()),
-        "kernels_per_step": sum(k["count"] for k in kernels.values()),
+        "kernels_per_call": sum(k["count"] for k in kernels.values()),
         "kernels": kernels,
     }
 
 
+@torch.no_grad()
+def prefill_kernels(forward, ids, calls: int = 3) -> dict:
+    """A compiled prefill forward: median ms (CUDA events, 10 calls), host ms (from an idle GPU to
+    the call's return, median of 5), and the kernels of `calls` calls under torch.profiler."""
+
+    def call():
+        return forward(input_ids=ids, use_cache=False, logits_to_keep=1).logits
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    times, hosts = [], []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    for _ in range(5):
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        call()
+        hosts.append((time.perf_counter() - began) * 1e3)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    return {"ms": statistics.median(times), "host_ms": statistics.median(hosts)} | kernel_table(prof, calls)
+
+
+def prefill_main(args):
+    shape = SHAPES["2b"] | {"num_hidden_layers": args.layers}
+    model = llama("cuda", torch.bfloat16, max_position_embeddings=args.seq, **shape)
+    g = torch.Generator().manual_seed(2)
+    share_gate_direction(model, ROW_SPREAD, g)
+    calib = torch.randint(0, shape["vocab_size"], (CALIB_TOKENS // 256, 256), generator=g).cuda()
+    rates = profile_rates("skewed", shape["num_hidden_layers"], shape["intermediate_size"], g, None)
+    set_gate_biases(model, rates, calib)
+    ids = torch.randint(0, shape["vocab_size"], (args.batch, args.seq), generator=g).cuda()
+    result = environment() | {"part": "prefill", "model": "2b", "profile": "skewed", "config": shape}
+    result |= {"batch": args.batch, "seq": args.seq, "rows": []}
+    path = result_path(os.path.join(os.path.dirname(__file__), "results"), "step_profile")
+    for row in ("dense-compiled", "twell-compiled"):
+        if row == "twell-compiled":
+            twell.sparsify(model)
+        torch._dynamo.reset()
+        point = prefill_kernels(torch.compile(model), ids)
+        top = ", ".join(
+            f"{name[:40]} x{k['count']:.0f} {k['us']:.0f}us" for name, k in list(point["kernels"].items())[:10]
+        )
+        print(f"{row}: {point['ms']:.2f} ms (host {point['host_ms']:.2f}), {point['cuda_us']:.0f} us of kernels; {top}")
+        result["rows"].append({"row": row} | point)
+        path.write_text(json.dumps(result, indent=1))
+    print(path)
+
+
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("part", nargs="?", default="decode", choices=["decode", "prefill"])
+    parser.add_argument("--layers", type=int, default=12, help="prefill: layers of the 2B shape")
+    parser.add_argument("--batch", type=int, default=16, help="prefill: sequences a forward")
+    parser.add_argument("--seq", type=int, default=2048, help="prefill: tokens a sequence")
+    args = parser.parse_args()
+    if args.part == "prefill":
+        return prefill_main(args)
     shape = SHAPES["2b"]
     model = llama("cuda", torch.bfloat16, max_position_embeddings=2048, **shape)
     g = torch.Generator().manual_seed(2)

@@ -273,7 +273,7 @@ def test_direct_dense_call_only_where_every_state_routes_dense(m, config, direct
     assert direct_dense == []
 
 
-def test_direct_dense_call_not_under_autograd_compile_or_tensor_subclasses(direct_dense, monkeypatch):
+def test_direct_dense_call_not_under_autograd_or_tensor_subclasses(direct_dense):
     case = make_ffn(64, 16, 40, [0.2], torch.float32)
     x = case["x"].clone().requires_grad_()
     twell.ops.gated_ffn(x, *_gated_args(case)[1:]).sum().backward()  # the op's autograd
@@ -287,10 +287,57 @@ def test_direct_dense_call_not_under_autograd_compile_or_tensor_subclasses(direc
 
     direct_dense.clear()
     twell.ops.gated_ffn(case["x"].as_subclass(Marked), *_gated_args(case)[1:])
-    with monkeypatch.context() as patch:
-        patch.setattr(torch.compiler, "is_compiling", lambda: True)
-        twell.ops.gated_ffn(*_gated_args(case))
     assert direct_dense == []
+
+
+def _traced_calls(fn, sizes, k):
+    """The calls each graph torch.compile (fullgraph) traced for fn holds, compiling fn at each token
+    count of `sizes` in turn (the second size of a dimension makes it dynamic)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([str(node.target) for node in gm.graph.nodes if node.op == "call_function"])
+        return gm.forward
+
+    torch._dynamo.reset()  # no dynamic dimension or cache entry left by an earlier test
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+    outputs = [(compiled(x), fn(x)) for x in (torch.randn(m, k) for m in sizes)]
+    return graphs, outputs
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+def test_compiled_dense_size_traces_plain_ops(gated, direct_dense):
+    """Under torch.compile a size every state routes dense is traced as the dense FFN's torch ops (no
+    twell op: Inductor compiles it as it compiles the dense model), with dynamo guarding the decision: a
+    later decode-size call of the same dynamic graph traces the op. Results equal eager's."""
+    n, k = 40, 16
+    case = make_ffn(1, k, n, [0.2], torch.float32, biases=True, gated=gated)
+    down = case["down_weight"]  # make_ffn's: sparsify's layout, rows of down_weight^T contiguous
+
+    def fn(x):
+        if gated:
+            return twell.ops.gated_ffn(x, case["gate_weight"], case["up_weight"], down, gate_bias=case["gate_bias"])
+        return twell.ops.ffn(x, case["up_weight"], down, up_bias=case["up_bias"], squared=True)
+
+    graphs, outputs = _traced_calls(fn, (64, 100, 8, 300), k)
+    op = "twell.gated_ffn" if gated else "twell.ffn"
+    assert [op in calls for calls in graphs] == [False, False, True]  # static 64, dynamic 9+, then 8 tokens
+    assert all("linear" in " ".join(calls) for calls in graphs[:2])
+    for compiled, eager in outputs:
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    # eager calls of the three dense sizes run the dense route's own kernels, never the traced ops
+    assert direct_dense == ["gated_ffn_dense" if gated else "ffn_dense"] * 3
+
+
+def test_compiled_call_keeps_the_op_where_a_state_routes_sparse(direct_dense):
+    """Prefill sizes, and every size with the down weight in the nn.Linear layout, as the eager call."""
+    case = make_ffn(1, 16, 40, [0.2], torch.float32)
+    config = twell.LayerConfig(prefill_min_m=32)
+    graphs, _ = _traced_calls(lambda x: twell.ops.gated_ffn(x, *_gated_args(case)[1:], config=config), [64], 16)
+    assert any("twell.gated_ffn" in call for call in graphs[0])
+    linear_layout = case["down_weight"].contiguous()  # [K, N]: the kernels do not read it, dense in every state
+    graphs, _ = _traced_calls(lambda x: twell.ops.gated_ffn(x, *_gated_args(case)[1:3], linear_layout), [8], 16)
+    assert not any("twell.gated_ffn" in call for call in graphs[0])
 
 
 def test_direct_dense_call_checks_as_the_op(direct_dense):

@@ -84,7 +84,7 @@ def _run(args: tuple, drelu: bool, squared: bool, return_l1: bool, config: Layer
             return y
     else:
         if _direct_dense(args, config):
-            y = _dense(args, drelu, squared)
+            y = _dense(args, drelu, squared, traced=torch.compiler.is_compiling())
         elif up_weight is None:
             route = config.op_args()
             y = torch.ops.twell.ffn(x, gate_weight, down_weight, gate_bias, down_bias, threshold, squared, *route)
@@ -103,14 +103,17 @@ DIRECT_DENSE_DEVICE = "cuda"
 
 
 def _direct_dense(args: tuple, config: LayerConfig) -> bool:
-    """An eager call without autograd on plain tensors that the CUDA dispatcher would route dense in any
-    state: twell.ops runs the dense route's function itself, without the custom op's layers and the
-    dispatcher (the eager module at 256 tokens: 0.277 ms of host time through the op, 0.242 direct, the
-    dense module's 0.07-0.16 on the same hosts: host_time-20261202-114041 / -115620.json); the kernels
-    and their results are the same."""
+    """A call without autograd on plain tensors that the CUDA dispatcher would route dense in any state:
+    twell.ops runs the dense route itself, without the custom op's layers and the dispatcher. Eager (the
+    module at 256 tokens: 0.277 ms of host time through the op, 0.242 direct, the dense module's
+    0.07-0.16 on the same hosts: host_time-20261202-114041 / -115620.json), the dense route's own kernels.
+    Under torch.compile the decision is taken while tracing (dynamo guards on the token count) and the
+    FFN is traced as plain torch ops, which Inductor compiles as it compiles the dense model: a compiled
+    prompt of 16-1024 tokens paid the op's host path, 0.2-0.27 ms a layer, where dense compiled pays none
+    (whole generation 0.94x of dense compiled at batch 16, e2e-20261202-222107.json)."""
     x, down_weight = args[0], args[3]
     tensors = [t for t in args[:7] if t is not None]
-    if x.device.type != DIRECT_DENSE_DEVICE or torch.compiler.is_compiling():
+    if x.device.type != DIRECT_DENSE_DEVICE:
         return False
     if x.dim() == 0 or not isinstance(down_weight, torch.Tensor) or down_weight.dim() != 2:
         return False  # the op's checks name what is wrong
@@ -123,17 +126,23 @@ def _direct_dense(args: tuple, config: LayerConfig) -> bool:
     return dispatch.always_dense(x.numel() // max(x.shape[-1], 1), x.shape[-1], config, down_weight.t())
 
 
-def _dense(args: tuple, drelu: bool, squared: bool) -> torch.Tensor:
-    """The dispatcher's dense route of the FFN (its checks first: the op's errors)."""
+def _dense(args: tuple, drelu: bool, squared: bool, traced: bool = False) -> torch.Tensor:
+    """The dispatcher's dense route of the FFN (its checks first: the op's errors); traced (under
+    torch.compile): the same function in plain torch ops (reference.hidden), for Inductor to fuse."""
     from twell.kernels import dense
 
     x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold = args
-    x2 = x.reshape(-1, x.shape[-1])
     if up_weight is None:
         checks.check_plain(x, gate_weight, down_weight, gate_bias, down_bias, threshold)
-        y = dense.ffn_dense(x2, gate_weight, down_weight, gate_bias, down_bias, threshold, squared)
     else:
         checks.check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold)
+    if traced:
+        h = reference.hidden(x, gate_weight, up_weight, gate_bias, up_bias, threshold, drelu, squared)
+        return torch.nn.functional.linear(h, down_weight, down_bias)
+    x2 = x.reshape(-1, x.shape[-1])
+    if up_weight is None:
+        y = dense.ffn_dense(x2, gate_weight, down_weight, gate_bias, down_bias, threshold, squared)
+    else:
         y = dense.gated_ffn_dense(
             x2, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu
         )
