@@ -357,11 +357,14 @@ def prefill_call(forward, ids):
     return lambda: forward(input_ids=ids, use_cache=False, logits_to_keep=1).logits
 
 
-def run_row(meter, model, forward, work: Workload, args, *, eager: bool, decoders, reference) -> dict:
-    """Every measurement of one row: prefill points, generation per batch, correctness."""
+def run_row(meter, model, forward, work: Workload, args, *, eager: bool, decoders, reference, biases) -> dict:
+    """Every measurement of one row: prefill points, generation per batch, correctness; biases: the
+    profile's gate biases for the prefill points and for generation (run_model)."""
     layers = model.config.num_hidden_layers
     row = {"prefill": [], "generation": []}
     breakdown = Breakdown(model, meter) if eager else None
+    if work.prefill:
+        load_gate_biases(model, biases["prefill"])
     try:
         for i, point in enumerate(work.prefill):
             if not eager:  # one dynamic-shape graph for every prefill point
@@ -382,6 +385,7 @@ def run_row(meter, model, forward, work: Workload, args, *, eager: bool, decoder
     finally:
         if breakdown is not None:
             breakdown.remove()
+    load_gate_biases(model, biases["generation"])
     for b, prompt in work.prompts.items():
         decoder = decoders[b]
         m = measure_generation(meter, decoder, prompt, work.new_tokens, args.min_time)
@@ -466,17 +470,28 @@ def run_model(name, shape, args, meter, demo, cuda, save) -> dict:
     calib = torch.randint(0, shape["vocab_size"], (CALIB_TOKENS // 256, 256), generator=g).to(device)
     if args.smoke:
         calib = calib[:, :64]
+    work = Workload(args, shape["vocab_size"], device)
+    # Two bias sets a profile. In a random-weight model a sequence's tokens share components (attention
+    # averages them), so biases set on some random sequences fire far more often on others: the biases
+    # set on 256-token sequences ran the 16 x 2048 prefill at 0.5-1.5% a layer, 1.1% on average, and 5 of
+    # 12 layers took the dense route (step_profile-20261205-025503.json). So the prefill points run on
+    # biases set on the first prefill point's own sequences (its density is the profile's), generation on
+    # biases set on CALIB_TOKENS tokens of 256-token sequences, as before.
     profiles, biases = {}, {}
     for profile in args.profiles.split(","):
         rates = profile_rates(profile, shape["num_hidden_layers"], shape["intermediate_size"], g, demo)
         layers = set_gate_biases(model, rates, calib)
-        biases[profile] = gate_biases(model)
+        biases[profile] = {"generation": gate_biases(model)}
         profiles[profile] = {
             "density": statistics.mean(s["density"] for s in layers),
             "dead_fraction": statistics.mean(s["dead_fraction"] for s in layers),
             "layers": layers,
         }
-    work = Workload(args, shape["vocab_size"], device)
+        if work.prefill:
+            prefill_layers = set_gate_biases(model, rates, work.prefill[0]["ids"])
+            biases[profile]["prefill"] = gate_biases(model)
+            profiles[profile]["prefill_density"] = statistics.mean(s["density"] for s in prefill_layers)
+            profiles[profile]["prefill_layers"] = prefill_layers
     result = {
         "model": name,
         "config": shape,
@@ -488,11 +503,12 @@ def run_model(name, shape, args, meter, demo, cuda, save) -> dict:
     dense_decoders = make_decoders(model, work, cuda)
     references = {}
     for profile in profiles:
-        load_gate_biases(model, biases[profile])
         logits = None
         if work.prefill:
+            load_gate_biases(model, biases[profile]["prefill"])
             with torch.no_grad():
                 logits = prefill_call(model, work.prefill[0]["ids"])().float()
+        load_gate_biases(model, biases[profile]["generation"])
         tokens = {b: d.generate(work.prompts[b], work.new_tokens) for b, d in dense_decoders.items()}
         references[profile] = {"logits": logits, "tokens": tokens}
     first = next(iter(profiles))
@@ -500,8 +516,12 @@ def run_model(name, shape, args, meter, demo, cuda, save) -> dict:
 
     def measure(row_name, profile):
         reference = references[profile or first]
+        row_biases = biases[profile or first]
         if row_name == "dense-eager":
-            return run_row(meter, model, model, work, args, eager=True, decoders=dense_decoders, reference=reference)
+            return run_row(
+                meter, model, model, work, args, eager=True, decoders=dense_decoders, reference=reference,
+                biases=row_biases,
+            )  # fmt: skip
         if row_name in CALIBRATED:
             started = time.perf_counter()
             twell.sparsify(
@@ -512,7 +532,9 @@ def run_model(name, shape, args, meter, demo, cuda, save) -> dict:
             if row_name == "twell-eager":
                 twell.sparsify(model)
             decoders = make_decoders(model, work, cuda)
-            row = run_row(meter, model, model, work, args, eager=True, decoders=decoders, reference=reference)
+            row = run_row(
+                meter, model, model, work, args, eager=True, decoders=decoders, reference=reference, biases=row_biases
+            )
             row["report"] = twell.report(model).summary()
             if row_name in CALIBRATED:
                 row["calibration"] = calibration
@@ -529,7 +551,9 @@ def run_model(name, shape, args, meter, demo, cuda, save) -> dict:
             forward = compiled[row_name]
         # captured per profile: a graph keeps the paths the layers' measured densities chose at capture
         decoders = make_decoders(model, work, cuda, forward, args.compiled_prompt)
-        row = run_row(meter, model, forward, work, args, eager=False, decoders=decoders, reference=reference)
+        row = run_row(
+            meter, model, forward, work, args, eager=False, decoders=decoders, reference=reference, biases=row_biases
+        )
         if row_name in TWELL_COMPILED:
             row["report"] = twell.report(model).summary()
         if row_name in CALIBRATED:
@@ -540,7 +564,7 @@ def run_model(name, shape, args, meter, demo, cuda, save) -> dict:
         for profile in [None] if row_name.startswith("dense") else profiles:  # dense times: any profile's
             started = time.perf_counter()
             print(f"{name}: {row_name}" + (f" ({profile})" if profile else ""), flush=True)
-            load_gate_biases(model, biases[profile or first])
+            load_gate_biases(model, biases[profile or first]["generation"])  # calibration: generation's
             dispatch.forget_layers()
             try:
                 row = measure(row_name, profile)

@@ -31,6 +31,7 @@ from ffn import environment, result_path  # noqa: E402
 from generation import GreedyDecoder  # noqa: E402
 
 import twell  # noqa: E402
+from twell.kernels import dispatch  # noqa: E402
 
 STEPS = 5
 
@@ -97,15 +98,28 @@ def prefill_kernels(forward, ids, calls: int = 3) -> dict:
     return {"ms": statistics.median(times), "host_ms": statistics.median(hosts)} | kernel_table(prof, calls)
 
 
+def layer_state(mlp) -> dict:
+    """The dispatcher's state of a sparsified FFN's prefill calls (every token bucket it saw)."""
+    weight = mlp.gate_proj.weight
+    states = dispatch._layers.get(id(weight), {})
+    return {
+        str(key[2]): {
+            "density": state.density,
+            "dense_calls_left": state.dense_calls_left,
+            "hot": None if state.hot is None else len(state.hot.index),
+        }
+        for key, state in states.items()
+    }
+
+
 def prefill_main(args):
     shape = SHAPES["2b"] | {"num_hidden_layers": args.layers}
     model = llama("cuda", torch.bfloat16, max_position_embeddings=args.seq, **shape)
     g = torch.Generator().manual_seed(2)
     share_gate_direction(model, ROW_SPREAD, g)
-    calib = torch.randint(0, shape["vocab_size"], (CALIB_TOKENS // 256, 256), generator=g).cuda()
     rates = profile_rates("skewed", shape["num_hidden_layers"], shape["intermediate_size"], g, None)
-    set_gate_biases(model, rates, calib)
     ids = torch.randint(0, shape["vocab_size"], (args.batch, args.seq), generator=g).cuda()
+    set_gate_biases(model, rates, ids)  # on the measured sequences, as e2e.py's prefill points
     result = environment() | {"part": "prefill", "model": "2b", "profile": "skewed", "config": shape}
     result |= {"batch": args.batch, "seq": args.seq, "rows": []}
     path = result_path(os.path.join(os.path.dirname(__file__), "results"), "step_profile")
@@ -114,6 +128,8 @@ def prefill_main(args):
             twell.sparsify(model)
         torch._dynamo.reset()
         point = prefill_kernels(torch.compile(model), ids)
+        if row == "twell-compiled":  # what each layer's prefill calls measured, and whether they now run dense
+            point["layers"] = [layer_state(layer.mlp) for layer in model.model.layers]
         top = ", ".join(
             f"{name[:40]} x{k['count']:.0f} {k['us']:.0f}us" for name, k in list(point["kernels"].items())[:10]
         )
