@@ -1,0 +1,95 @@
+"""Does the up+down kernel gather faster when each pass touches only a group of neurons whose weight rows
+fit in L2? A measurement of the idea before it is built into the kernel.
+
+At K=4096, N=14336 the up+down kernel moves its gathered W_u / W_d rows at ~5 TB/s (9.9 ms at 32768
+tokens, uniform 0.5%: ffn-20261202-221207.json) against 8-9 TB/s at K=2048, where both matrices (46 MB)
+fit the H200's L2 (~50 MB); at K=4096 they are 235 MB. Run as G passes, pass g over the TwELL tiles of
+neuron group g only (the counts of the other tiles zeroed), each pass's rows are 235 / G MB. Each pass
+here writes its own bf16 y and the passes' outputs are summed afterwards (a kernel built for it would
+carry an fp32 partial of y between passes instead): the timing is the G up+down launches alone, the
+summation left out, so it bounds what the built kernel can gain from below by its y traffic.
+
+Run on a GPU:  PYTHONPATH=. python benchmarks/updown_groups.py [--shapes 4096x14336,2048x5632] [--groups 1,2,4,8]
+JSON to benchmarks/results/ (or $OUT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+from ffn import environment, make_inputs, result_path, weights
+from triton.testing import do_bench
+
+from twell.kernels.gate import pack_dense
+from twell.kernels.policy import SLOTS, TILE_N
+from twell.kernels.updown import launch_up_down
+
+
+def group_counts(counts: torch.Tensor, groups: int) -> list[torch.Tensor]:
+    """counts [M, T] as `groups` copies, copy g keeping the tiles of the g-th contiguous range only."""
+    tiles = counts.shape[1]
+    bounds = [tiles * g // groups for g in range(groups + 1)]
+    parts = []
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        part = torch.zeros_like(counts)
+        part[:, lo:hi] = counts[:, lo:hi]
+        parts.append(part)
+    return parts
+
+
+@torch.no_grad()
+def point(k: int, n: int, m: int, density: float, pattern: str, group_list: list[int]) -> dict:
+    x, block = make_inputs(m, k, n, density, pattern, seed=m + n)
+    w = weights(block)
+    wd_t = w["down_weight"].t().contiguous()
+    pre = F.linear(x, w["gate_weight"], w["gate_bias"])
+    words, counts = pack_dense(pre, 0.0, TILE_N, SLOTS)
+    del pre
+    args = (x, words)
+    rest = (w["gate_weight"], w["gate_bias"], w["up_weight"], None, wd_t, None)
+
+    def passes(parts):
+        return [launch_up_down(*args, c, *rest, tile_n=TILE_N, threshold=0.0)[0] for c in parts]
+
+    reference = passes([counts])[0].float()
+    entries = counts.sum().item()
+    row = {"K": k, "N": n, "M": m, "density": density, "pattern": pattern, "entries": entries, "groups": {}}
+    for groups in group_list:
+        parts = group_counts(counts, groups)
+        y = torch.stack(passes(parts)).float().sum(0)
+        err = ((y - reference).norm() / reference.norm()).item()
+        ms = do_bench(lambda parts=parts: passes(parts), warmup=25, rep=100, return_mode="median")
+        gathered = entries * 2 * k * x.element_size()  # W_u and W_d rows a kept entry
+        row["groups"][str(groups)] = {"ms": ms, "gather_tb_s": gathered / ms / 1e9, "rel_err": err}
+        print(f"K={k} N={n} M={m} {pattern} {density}: {groups} passes {ms:.3f} ms "
+              f"({gathered / ms / 1e9:.2f} TB/s of gathered rows), sum vs one pass {err:.1e}", flush=True)  # fmt: skip
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default="4096x14336,2048x5632")
+    parser.add_argument("--ms", default="32768")
+    parser.add_argument("--patterns", default="uniform,skewed")
+    parser.add_argument("--density", type=float, default=0.005)
+    parser.add_argument("--groups", default="1,2,4,8,16")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    result = {**environment(), "points": []}
+    path = result_path(args.out, "updown_groups")
+    group_list = [int(g) for g in args.groups.split(",")]
+    for shape in args.shapes.split(","):
+        k, n = map(int, shape.split("x"))
+        for m in map(int, args.ms.split(",")):
+            for pattern in args.patterns.split(","):
+                result["points"].append(point(k, n, m, args.density, pattern, group_list))
+                path.write_text(json.dumps(result, indent=1))
+                torch.cuda.empty_cache()
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
