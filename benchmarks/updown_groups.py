@@ -7,7 +7,9 @@ fit the H200's L2 (~50 MB); at K=4096 they are 235 MB. Run as G passes, pass g o
 neuron group g only (the counts of the other tiles zeroed), each pass's rows are 235 / G MB. Each pass
 here writes its own bf16 y and the passes' outputs are summed afterwards (a kernel built for it would
 carry an fp32 partial of y between passes instead): the timing is the G up+down launches alone, the
-summation left out, so it bounds what the built kernel can gain from below by its y traffic.
+summation left out, so it bounds what the built kernel can gain from below by its y traffic. The built
+passes (launch_up_down(groups=G), LayerConfig.neuron_groups: y carried in fp32) are timed next to it, and
+checked to give the one pass's bits.
 
 Run on a GPU:  PYTHONPATH=. python benchmarks/updown_groups.py [--shapes 4096x14336,2048x5632] [--groups 1,2,4,8]
 JSON to benchmarks/results/ (or $OUT).
@@ -54,7 +56,11 @@ def point(k: int, n: int, m: int, density: float, pattern: str, group_list: list
     def passes(parts):
         return [launch_up_down(*args, c, *rest, tile_n=TILE_N, threshold=0.0)[0] for c in parts]
 
-    reference = passes([counts])[0].float()
+    def built(groups):
+        return launch_up_down(*args, counts, *rest, tile_n=TILE_N, threshold=0.0, groups=groups)[0]
+
+    one_pass = passes([counts])[0]
+    reference = one_pass.float()
     entries = counts.sum().item()
     row = {"K": k, "N": n, "M": m, "density": density, "pattern": pattern, "entries": entries, "groups": {}}
     for groups in group_list:
@@ -62,10 +68,17 @@ def point(k: int, n: int, m: int, density: float, pattern: str, group_list: list
         y = torch.stack(passes(parts)).float().sum(0)
         err = ((y - reference).norm() / reference.norm()).item()
         ms = do_bench(lambda parts=parts: passes(parts), warmup=25, rep=100, return_mode="median")
+        same_bits = torch.equal(built(groups), one_pass)
+        built_ms = do_bench(lambda groups=groups: built(groups), warmup=25, rep=100, return_mode="median")
         gathered = entries * 2 * k * x.element_size()  # W_u and W_d rows a kept entry
-        row["groups"][str(groups)] = {"ms": ms, "gather_tb_s": gathered / ms / 1e9, "rel_err": err}
+        row["groups"][str(groups)] = {
+            "ms": ms, "gather_tb_s": gathered / ms / 1e9, "rel_err": err, "built_ms": built_ms,
+            "built_gather_tb_s": gathered / built_ms / 1e9, "built_same_bits": same_bits,
+        }  # fmt: skip
+        bits = "the same bits" if same_bits else "OTHER BITS"
         print(f"K={k} N={n} M={m} {pattern} {density}: {groups} passes {ms:.3f} ms "
-              f"({gathered / ms / 1e9:.2f} TB/s of gathered rows), sum vs one pass {err:.1e}", flush=True)  # fmt: skip
+              f"({gathered / ms / 1e9:.2f} TB/s of gathered rows), sum vs one pass {err:.1e}; built "
+              f"{built_ms:.3f} ms ({gathered / built_ms / 1e9:.2f} TB/s), {bits}", flush=True)  # fmt: skip
     return row
 
 

@@ -384,6 +384,104 @@ def test_up_down_heavy_rows_split_or_whole_give_the_same_bits(monkeypatch):
     assert torch.equal(runs[0], runs[1])
 
 
+def _recorded_passes(monkeypatch) -> tuple[list, list]:
+    """(passes, heavy): each main-kernel launch's (tile_lo, tile_hi, FIRST, LAST), and each heavy-row
+    launch's list of rows (sorted ids; a row listed twice shows twice)."""
+    passes, heavy = [], []
+    launch, heavy_kernel = updown._up_down_launch, updown._heavy_kernel
+    names = updown._twell_up_down_kernel.arg_names
+
+    def main(key, grid, *args, **kwargs):
+        bound = dict(zip(names, args, strict=False))
+        passes.append((bound["tile_lo"], bound["tile_hi"], kwargs["FIRST"], kwargs["LAST"]))
+        launch(key, grid, *args, **kwargs)
+
+    class Heavy:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                listed = args[3]  # heavy[0]: how many, heavy[1:]: the row ids
+                heavy.append(sorted(listed[1 : 1 + int(listed[0])].tolist()))
+                heavy_kernel[grid](*args, **kwargs)
+
+            return run
+
+    monkeypatch.setattr(updown, "_up_down_launch", main)
+    monkeypatch.setattr(updown, "_heavy_kernel", Heavy())
+    return passes, heavy
+
+
+# sparse and empty rows, one with overflowing tiles (row 5), two past a row width of 12 entries (rows 12, 30)
+GROUPS_DENSITIES = [0.12 if i == 5 else 0.06 if i in (12, 30) else [0.03, 0.01, 0.02, 0.0][i % 4] for i in range(37)]
+
+
+# Slow: the gated variant in fp16 and the plain one in fp32 (the same branches in the other dtype)
+@pytest.mark.parametrize(
+    "variant,dtype",
+    [
+        pytest.param("fatrelu-bias", torch.float32, id="fatrelu-bias-fp32"),
+        pytest.param("plain", torch.float16, id="plain-fp16"),
+        pytest.param("fatrelu-bias", torch.float16, id="fatrelu-bias-fp16", marks=pytest.mark.slow),
+        pytest.param("plain", torch.float32, id="plain-fp32", marks=pytest.mark.slow),
+    ],
+)
+def test_up_down_neuron_group_passes_give_the_one_pass_bits(variant, dtype, poisoned_empty, monkeypatch):
+    """groups = 2, 3 (uneven ranges of the 5 tiles; the last tile ragged) and 64 (one pass a tile)
+    against one pass, bit for bit, with biases, awkward K and M: rows with entries in some groups only,
+    empty rows, heavy rows (overflowing tiles; past the row width with none) listed once, by the first
+    pass, and computed once after the passes. The carry, the scratch and y start poisoned."""
+    m, k, n, tile_n, slots, width = 37, 40, 300, 64, 8, 12
+    gated = variant != "plain"
+    case = make_ffn(m, k, n, GROUPS_DENSITIES, dtype, DEVICE, seed=5, biases=True, gated=gated)
+    threshold = 0.02 if gated else 0.0
+    gate_w, gate_b = (case["gate_weight"], case["gate_bias"]) if gated else (case["up_weight"], case["up_bias"])
+    words, counts = pack_dense(torch.nn.functional.linear(case["x"], gate_w, gate_b), threshold, tile_n, slots)
+    monkeypatch.setattr(updown, "MAX_WIDTH", width)
+    overflow, wide = (counts > slots).any(1), counts.sum(1) > width
+    heavy_rows = torch.nonzero(overflow | wide).flatten().tolist()
+    in_groups = torch.stack([counts[:, lo:hi].sum(1) for lo, hi in ((0, 1), (1, 3), (3, 5))], 1)
+    light = ~(overflow | wide)
+    assert (wide & ~overflow).any() and overflow.any(), "heavy rows of both kinds"
+    assert (light & (in_groups == 0).any(1) & (in_groups > 0).any(1)).any(), "light rows missing from a group"
+    assert (light & (counts.sum(1) == 0)).any()
+    passes, heavy = _recorded_passes(monkeypatch)
+    up = (case["up_weight"], case["up_bias"]) if gated else (None, None)
+    runs = {}
+    for groups in (1, 2, 3, 64):
+        out = torch.full_like(case["x"], float("nan"))
+        twell_up_down(
+            case["x"], words, counts, gate_w, gate_b, *up, case["down_weight"].t(), case["down_bias"], tile_n=tile_n,
+            threshold=threshold, out=out, groups=groups,
+        )  # fmt: skip
+        runs[groups] = out
+    ranges = [(t, t + 1, t == 0, t == 4) for t in range(5)]
+    assert passes == [
+        (0, 5, True, True), (0, 2, True, False), (2, 5, False, True),
+        (0, 1, True, False), (1, 3, False, False), (3, 5, False, True), *ranges,
+    ]  # fmt: skip
+    assert heavy == [heavy_rows] * 4
+    ref = gated_ref(case, threshold) if gated else plain_ref(case, threshold)
+    assert rel_err(runs[1], ref) <= TOL[dtype]
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    for groups in (2, 3, 64):
+        assert torch.equal(runs[groups].view(bits), runs[1].view(bits)), f"{groups} groups"
+
+
+def test_up_down_groups_are_checked():
+    """groups: a positive int (not a bool), and one pass where the training record is stored."""
+    case = make_ffn(4, 16, 64, [0.1], torch.float32, DEVICE)
+    words, counts = pack_dense(case["x"] @ case["gate_weight"].T, 0.0, 32, 8)
+    args = (case["x"], words, counts, case["gate_weight"], None, case["up_weight"], None, case["down_weight"].t())
+    for bad in (0, -2, True, 2.0):
+        with pytest.raises(ValueError, match=f"groups must be a positive int, got {bad!r}"):
+            twell_up_down(*args, None, tile_n=32, threshold=0.0, groups=bad)
+    with pytest.raises(ValueError, match="up_out .* one pass only, got groups=2"):
+        updown.launch_up_down(*args, None, tile_n=32, threshold=0.0, groups=2, up_out=torch.empty(4, 2))
+    assert LayerConfig().neuron_groups == policy.NEURON_GROUPS == 1  # off until measured
+    for bad in (0, -1, False, 1.5, None):
+        with pytest.raises(ValueError, match=f"neuron_groups must be a positive int, got {bad!r}"):
+            LayerConfig(neuron_groups=bad)
+
+
 def test_up_down_checks_its_arrays():
     case = make_ffn(4, 16, 64, [0.1], torch.float32, DEVICE)
     words, counts = pack_dense(case["x"] @ case["gate_weight"].T, 0.0, 32, 8)
@@ -730,6 +828,35 @@ def test_prefill_through_each_gate_route(fused, tile_n, slots, sparse_paths, mon
     fused = fused and gate.fused_gate_supported(case["x"], case["gate_weight"], tile_n)
     assert calls == [("launch_gate_twell" if fused else "launch_pack_dense", tile_n, slots), tile_n]
     assert rel_err(y, gated_ref(case)) <= 1e-5
+
+
+def test_neuron_groups_reach_the_up_down_launch(monkeypatch):
+    """twell.configure(neuron_groups=...) on a sparsified block: the op's route arguments carry it, and the
+    dispatcher's prefill launches up+down in that many passes (on the CPU, the op's CUDA implementation
+    runs in place of its plain-torch one); the result is the dense block's."""
+    from ffn_cases import GatedBlock
+
+    from twell.kernels import library
+
+    if not HAS_CUDA:
+        monkeypatch.setitem(library.gated_ffn._backend_fns, None, library.gated_ffn._backend_fns["cuda"])
+    torch.manual_seed(0)
+    block = GatedBlock(24, 100).to(DEVICE).eval()
+    torch.nn.init.constant_(block.mlp.gate_proj.bias, -1.0)  # ~5% of the gate firing
+    x = torch.randn(37, 24, device=DEVICE)
+    groups = []
+    launch = dispatch.launch_up_down
+    monkeypatch.setattr(dispatch, "launch_up_down", lambda *a, **k: groups.append(k["groups"]) or launch(*a, **k))
+    with torch.no_grad():
+        dense = block(x)
+        twell.sparsify(block, layer_config={"hot_rate": None, "tile_n": 32, "slots": 8})
+        dispatch.forget_layers()
+        with twell.configure(block, route="prefill", neuron_groups=3):
+            y = block(x)
+        with twell.configure(block, route="prefill"):
+            block(x[:3])
+    assert groups == [3, 1]
+    assert rel_err(y, dense) <= 1e-5
 
 
 # every variant and dtype at 1 and 16 tokens (decode); the prefill path (3-10 s a case in the

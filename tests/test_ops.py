@@ -193,6 +193,8 @@ def test_ops_take_the_layer_config_as_arguments():
         torch.ops.twell.ffn(*plain, 32, 4, 8, 16, -1)
     with pytest.raises(ValueError, match=r"hot_rate must be a number in \[0, 1\] or None, got 1.5"):
         torch.ops.twell.gated_ffn(*gated, *config.op_args()[:7], 1.5)
+    with pytest.raises(ValueError, match="neuron_groups must be a positive int, got 0"):
+        torch.ops.twell.ffn(*plain, *config.op_args()[:-1], 0)
     with pytest.raises(TypeError, match="config must be a twell.kernels.policy.LayerConfig"):
         twell.ops.gated_ffn(*_gated_args(case), config={"tile_n": 32})
 

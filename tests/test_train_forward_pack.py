@@ -409,16 +409,20 @@ from twell.kernels import backward, updown
 
 cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
 INT = {"ids_ptr", "cnt_ptr", "tcnt_ptr", "nz_ptr", "words_ptr", "heavy_ptr", "n_ptr", "redo_ptr", "rows_ptr"}
-TYPES = {"order_ptr": "*i64", "l1_ptr": "*fp32", "g_ptr": "*fp32"}
+TYPES = {"order_ptr": "*i64", "l1_ptr": "*fp32", "g_ptr": "*fp32", "acc_ptr": "*fp32"}
 UPDOWN = dict(HAS_ORDER=True, HAS_UP=True, HAS_UP_BIAS=False, HAS_DOWN_BIAS=False, DRELU=False, TILE_N=128,
-              SLOTS=16, TILES_PAD=64, WIDTH=256, CHUNK=16, STORE_U=True, U_WIDTH=256)
+              SLOTS=16, TILES_PAD=64, WIDTH=256, CHUNK=16, STORE_U=True, U_WIDTH=256, GROUPED=False, FIRST=True,
+              LAST=True)
+# the neuron-group passes (no STORE_U): first, middle (loads and stores the fp32 carry) and last
+GROUPED = [{**UPDOWN, "STORE_U": False, "U_WIDTH": 0, "GROUPED": True, "FIRST": first, "LAST": last}
+           for first, last in ((True, False), (False, False), (False, True))]
 entries = backward._row_entries(backward.REDO_ENTRIES, 2048)
 for kernel, consts, warps in [
     (backward._pack_record_kernel, dict(HAS_UP=True, DRELU=False, TILE_N=128, SLOTS=16, WIDTH=512, LIMIT=256,
                                         TILES_PAD=128, BLOCK_M=backward.PACK_BLOCK_M, CHUNK=64), 4),
     # the autotuner's configs that do not spill without STORE_U (4096 at 4 warps and 8192 do)
-    (updown._twell_up_down_kernel.fn, {**UPDOWN, "BLOCK_K": 2048}, 4),
-    (updown._twell_up_down_kernel.fn, {**UPDOWN, "BLOCK_K": 4096}, 8),
+    *[(updown._twell_up_down_kernel.fn, {**c, "BLOCK_K": bk}, warps) for c in [UPDOWN, *GROUPED]
+      for bk, warps in ((2048, 4), (4096, 8))],
     (backward._train_forward_kernel, dict(HAS_UP=True, HAS_UP_BIAS=True, HAS_DOWN_BIAS=True, DRELU=False,
                                           SQUARE=False, WIDTH=256, SCAN=backward.SCAN, CHUNK=256, BLOCK_K=2048,
                                           ENTRIES=entries, LISTED=True), backward._row_warps(2048, entries=entries)),
@@ -441,8 +445,9 @@ for kernel, consts, warps in [
 
 
 def test_kernels_compile_for_hopper_without_spills(tmp_path):
-    """The record kernel (N=14336 at tile 128: 112 tiles), the up+down kernel storing u and the row
-    kernel over the listed rows (K=2048, REDO_ENTRIES a step) build for sm_90 with no register spills."""
+    """The record kernel (N=14336 at tile 128: 112 tiles), the up+down kernel storing u and as each kind of
+    neuron-group pass, and the row kernel over the listed rows (K=2048, REDO_ENTRIES a step) build for sm_90
+    with no register spills."""
     compile_for_hopper(SM90_COMPILE, tmp_path)
 
 

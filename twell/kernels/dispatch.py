@@ -11,8 +11,8 @@ and TwELL layout; policy.route decides.
   kernels ran eagerly at its token bucket, and the first eager call of a bucket in that range does:
   nothing tunes or compiles inside a capture): the gate packed to TwELL at the layer's tile_n / slots (fused_gate: the
   persistent TMA GEMM packing in its epilogue, where the operands allow; otherwise cuBLAS + a pack
-  pass), then the fused up+down kernels, which recompute the gate of tiles that overflow their slots:
-  exact at any sparsity.
+  pass), then the fused up+down kernels (the main one in the layer's neuron_groups passes over groups of
+  tiles), which recompute the gate of tiles that overflow their slots: exact at any sparsity.
 - Otherwise dense (also for K > MAX_K, and for a down weight not stored as the kernels read it):
   twell.kernels.dense, cuBLAS with the activation and product in one pass.
 - Hot neurons (prefill, the layer's hot_rate): the layer's hot neurons, those firing in more
@@ -248,7 +248,7 @@ def _prefill(
     # the op boundary checked the inputs (twell.kernels.library): the launchers do not again
     y, kept = launch_up_down(
         x2, words, counts, gate_weight, gate_bias, up_weight, up_bias, wd_t, down_bias, tile_n=tile_n,
-        threshold=threshold, drelu=drelu, square=square, hot_pos=hot_pos,
+        threshold=threshold, drelu=drelu, square=square, hot_pos=hot_pos, groups=config.neuron_groups,
     )  # fmt: skip
     if hot is not None:
         y.addmm_(h_hot, wd_t.index_select(0, hot.index))

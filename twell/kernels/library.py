@@ -7,7 +7,7 @@ that dispatches to Triton (twell.kernels.dispatch, imported on first CUDA call, 
 compiles nothing).
 
 Route arguments: gated_ffn and ffn take the fields of the layer's twell.kernels.policy.LayerConfig
-(tile_n ... prefill_min_m_captured, in LayerConfig.op_args' order, defaulting to its defaults): the CUDA dispatcher
+(tile_n ... neuron_groups, in LayerConfig.op_args' order, defaulting to its defaults): the CUDA dispatcher
 routes by them; every implementation checks them, so a bad value fails the same on any device.
 
 Training: twell::ffn_train (a forward that also returns the compact record of the hidden layer) and
@@ -60,6 +60,7 @@ def gated_ffn(
     fused_gate: bool = _D.fused_gate,
     hot_rate: Optional[float] = _D.hot_rate,
     prefill_min_m_captured: Optional[int] = _D.prefill_min_m_captured,
+    neuron_groups: int = _D.neuron_groups,
 ) -> torch.Tensor:
     check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold)
     route_config(
@@ -72,6 +73,7 @@ def gated_ffn(
         fused_gate,
         hot_rate,
         prefill_min_m_captured,
+        neuron_groups,
     )
     return reference.gated_ffn_reference(
         x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu
@@ -114,6 +116,7 @@ def ffn(
     fused_gate: bool = _D.fused_gate,
     hot_rate: Optional[float] = _D.hot_rate,
     prefill_min_m_captured: Optional[int] = _D.prefill_min_m_captured,
+    neuron_groups: int = _D.neuron_groups,
 ) -> torch.Tensor:
     check_plain(x, up_weight, down_weight, up_bias, down_bias, threshold)
     route_config(
@@ -126,6 +129,7 @@ def ffn(
         fused_gate,
         hot_rate,
         prefill_min_m_captured,
+        neuron_groups,
     )
     return reference.ffn_reference(x, up_weight, down_weight, up_bias, down_bias, threshold, squared)
 

@@ -100,6 +100,11 @@ TRAIN_FORWARD_PACK = True
 # 1.04x / 1.205x / 1.375x at 4096 / 8192 / 16384 tokens uniform (host_time-20261202-033002.json), 1.42x
 # at 8192 skewed (host_time-20261202-035026.json): from 8192 (benchmarks/NOTES.md, "Prefill host v2").
 PREFILL_MIN_M_CAPTURED: int | None = 8192
+# Passes of the prefill up+down kernel, each over a contiguous group of the TwELL tiles, so that its
+# gathered W_u / W_d rows (235 MB at K=4096, N=14336; 46 MB at K=2048, N=5632) stay in the H200's ~50 MB
+# L2; y is carried between passes in fp32 (M x K x 8 bytes a pass boundary). 1 (one pass, off) until
+# measured: benchmarks/updown_groups.py times the passes.
+NEURON_GROUPS = 1
 
 # The decode kernels' reach from calibration: (min K, max density, tokens) rows, a layer of width K
 # >= min K calibrated at most `max density` dense in its decode calls taking the decode kernels for
@@ -158,6 +163,12 @@ def check_train_hot(value) -> None:
         raise ValueError(f"train_hot must be a non-negative multiple of {HOT_ALIGN}, got {value!r}")
 
 
+def check_neuron_groups(value, name: str = "neuron_groups") -> None:
+    """LayerConfig.neuron_groups (the up+down launcher's `groups`): a positive int."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
 @dataclass(frozen=True)
 class LayerConfig:
     """How one rewritten FFN's calls run; defaults: the measured values of this module.
@@ -195,6 +206,9 @@ class LayerConfig:
         forward and backward; the record holds the others.
     train_forward_pack: the sparse training path's forward through the prefill kernels (TwELL pack,
         up+down) and a kernel writing the record from the TwELL words (relu² FFNs keep the row kernel).
+    neuron_groups: the prefill up+down kernel as this many passes, each over a contiguous group of
+        TwELL tiles (so of neurons), y carried between them in fp32: each pass's gathered weight rows
+        fit L2 where the whole matrices do not; the same bits as one pass (1: one pass).
     Every other call runs dense, as do all calls with K > MAX_K.
     """
 
@@ -212,6 +226,7 @@ class LayerConfig:
     prefill_min_m_captured: int | None = PREFILL_MIN_M_CAPTURED
     train_hot: int = TRAIN_HOT
     train_forward_pack: bool = TRAIN_FORWARD_PACK
+    neuron_groups: int = NEURON_GROUPS
 
     def __post_init__(self):
         check_tile(self.tile_n, self.slots)
@@ -233,6 +248,7 @@ class LayerConfig:
             raise ValueError(f"train_entries must be one of {TRAIN_ENTRIES}, got {entries!r}")
         check_train_dense_above(self.train_dense_above)
         check_train_hot(self.train_hot)
+        check_neuron_groups(self.neuron_groups)
         rate = self.hot_rate
         if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1):
             raise ValueError(f"hot_rate must be a number in [0, 1] or None, got {rate!r}")
@@ -268,7 +284,7 @@ DEFAULT = LayerConfig()
 # the fields op_args passes, in its order
 OP_FIELDS = (
     "tile_n", "slots", "decode_max_m", "decode_sparse_max_m", "prefill_min_m", "dense_above", "fused_gate",
-    "hot_rate", "prefill_min_m_captured",
+    "hot_rate", "prefill_min_m_captured", "neuron_groups",
 )  # fmt: skip
 
 

@@ -20,6 +20,13 @@ The row's entries are read from TwELL words (twell.kernels.words) inside each ti
 W_d is read as rows of down_weight^T ([N, K]): pass down_weight.t() with unit stride on K.
 hot_pos: the neurons the packer left out (twell.kernels.gate's hot map, -1: packed); recomputed
 tiles leave them out too.
+
+Neuron-group passes (groups > 1, LayerConfig.neuron_groups): the main kernel runs once per contiguous
+range of tiles, each pass walking only its range's entries, so the W_u / W_d rows a pass gathers (1 / G
+of them) can stay in L2 where the whole matrices do not (235 MB at K=4096, N=14336 against the H200's
+~50 MB). y is carried between passes in an fp32 [M, K] buffer and the entries are walked in the one pass's
+order: the same bits. Heavy rows are decided on the whole row, listed by the first pass and skipped by
+all; _heavy_kernel runs once after the last.
 """
 
 from __future__ import annotations
@@ -165,11 +172,14 @@ ROWVEC_CONFIGS = [
     configs=autotune_configs(ROWVEC_CONFIGS, lambda w, s: {}),
     # per token bucket: with one key for every M, whichever size ran first chose the config for all sizes
     # (the 8192-token variance it was suspected of came from host time instead: benchmarks/NOTES.md v9)
-    key=["M_BUCKET", "K", "TILE_N", "SLOTS", "HAS_UP", "WIDTH"],
+    # GROUPED: the neuron-group passes. FIRST and LAST are not in the key: a grouped key is first launched, so
+    # benchmarked, by a first pass, which starts from zeros (a later pass run again would add its group to acc
+    # again); the later passes take its config
+    key=["M_BUCKET", "K", "TILE_N", "SLOTS", "HAS_UP", "WIDTH", "GROUPED"],
     cache_results=True,
     reset_to_zero=["heavy_ptr"],  # the heavy list starts empty on every benchmarked run
 )
-@triton.jit
+@triton.jit(do_not_specialize=["tile_lo", "tile_hi"])  # one binary for every pass's bounds
 def _twell_up_down_kernel(
     x_ptr,
     words_ptr,
@@ -181,11 +191,14 @@ def _twell_up_down_kernel(
     wd_ptr,
     bd_ptr,
     y_ptr,
+    acc_ptr,
     g_ptr,
     n_ptr,
     u_ptr,
     K,
     n_tiles,
+    tile_lo,
+    tile_hi,
     M_BUCKET,
     stride_xm,
     stride_xk,
@@ -208,12 +221,19 @@ def _twell_up_down_kernel(
     BLOCK_K: tl.constexpr,
     STORE_U: tl.constexpr,
     U_WIDTH: tl.constexpr,
+    GROUPED: tl.constexpr,
+    FIRST: tl.constexpr,
+    LAST: tl.constexpr,
 ):
     """The common row: no overflowing tile and at most WIDTH entries; the others are appended to the
     heavy list (heavy[0]: their number, heavy[1 + i]: row ids) for _heavy_kernel. Program i takes
     row order[i] with HAS_ORDER (heaviest first), else row i. STORE_U (the training forward's record,
     twell.kernels.backward): the row's first U_WIDTH entries' u, in entry order, to u [M, U_WIDTH]
-    (u_ptr None without: the inference kernel unchanged); heavy rows' are not stored."""
+    (u_ptr None without: the inference kernel unchanged); heavy rows' are not stored.
+    GROUPED: one pass of several, over the entries in tiles [tile_lo, tile_hi) only (in the same order as
+    the whole row's walk); y starts from zeros in the FIRST pass, else from the row's fp32 partial in acc
+    [M, K] (contiguous), and goes to acc, or (LAST) to y. Which rows are heavy is decided on all their
+    tiles, and only the FIRST pass lists them."""
     if HAS_ORDER:
         m = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
     else:
@@ -222,9 +242,14 @@ def _twell_up_down_kernel(
     cnt = tl.load(cnt_ptr + m * n_tiles + offs_t, mask=offs_t < n_tiles, other=0)
     total = tl.sum(cnt, axis=0)
     if (tl.max(cnt, axis=0) > SLOTS) | (total > WIDTH):
-        slot = tl.atomic_add(heavy_ptr, 1)
-        tl.store(heavy_ptr + 1 + slot, m.to(tl.int32))
+        if FIRST:
+            slot = tl.atomic_add(heavy_ptr, 1)
+            tl.store(heavy_ptr + 1 + slot, m.to(tl.int32))
         return
+    if GROUPED:
+        # the other groups' tiles as empty: the flat entries are this group's, walked in the whole row's order
+        cnt = tl.where((offs_t >= tile_lo) & (offs_t < tile_hi), cnt, 0)
+        total = tl.sum(cnt, axis=0)
     incl = tl.cumsum(cnt, axis=0)
     g_row = g_ptr + m * WIDTH
     n_row = n_ptr + m * WIDTH
@@ -239,11 +264,18 @@ def _twell_up_down_kernel(
     u_row = u_ptr
     if STORE_U:
         u_row = u_ptr + m * U_WIDTH
+    if FIRST:
+        y = tl.zeros([BLOCK_K], dtype=tl.float32)
+    else:
+        y = tl.load(acc_ptr + m * K + offs_k, mask=k_ok, other=0.0)
     y = _walk(
-        tl.zeros([BLOCK_K], dtype=tl.float32), xv, g_row, n_row, total, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr,
-        stride_un, stride_uk, stride_dn, stride_dk, u_row, HAS_UP, HAS_UP_BIAS, DRELU, STORE_U, U_WIDTH,
+        y, xv, g_row, n_row, total, offs_k, k_ok, wu_ptr, bu_ptr, wd_ptr, stride_un, stride_uk, stride_dn, stride_dk,
+        u_row, HAS_UP, HAS_UP_BIAS, DRELU, STORE_U, U_WIDTH,
     )  # fmt: skip
-    _store_row(y, m, bd_ptr, y_ptr, offs_k, k_ok, stride_ym, stride_yk, HAS_DOWN_BIAS)
+    if LAST:
+        _store_row(y, m, bd_ptr, y_ptr, offs_k, k_ok, stride_ym, stride_yk, HAS_DOWN_BIAS)
+    else:
+        tl.store(acc_ptr + m * K + offs_k, y, mask=k_ok)
 
 
 @triton.jit
@@ -483,6 +515,7 @@ def twell_up_down(
     out: torch.Tensor | None = None,
     order: bool = True,
     hot_pos: torch.Tensor | None = None,
+    groups: int = 1,
 ) -> torch.Tensor:
     """y [M, K] from x [M, K] and the TwELL arrays (words, counts; twell.format's layout, slots past
     each count never read) of act(x gate_weight^T + gate_bias).
@@ -492,7 +525,9 @@ def twell_up_down(
     [N, K] (= down_weight.t()). threshold: the activation's (as given to the gate). K <= policy.MAX_K:
     whole rows are held in registers. order: rows heaviest first (an argsort of the row totals on the
     device; it changes which program takes a row, never the row's result). hot_pos: int32 [N], the
-    packer's hot map (neurons >= 0 were packed without): overflowing tiles leave them out too.
+    packer's hot map (neurons >= 0 were packed without): overflowing tiles leave them out too. groups:
+    the main kernel's passes, each over a contiguous range of tiles (at most one a tile; the same bits
+    as one pass).
     """
     check_input("x", x)
     check_threshold(threshold)
@@ -534,26 +569,34 @@ def twell_up_down(
         )
     return launch_up_down(
         x, words, counts, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, tile_n=tile_n,
-        threshold=threshold, drelu=drelu, square=square, out=out, order=order, hot_pos=hot_pos,
+        threshold=threshold, drelu=drelu, square=square, out=out, order=order, hot_pos=hot_pos, groups=groups,
     )[0]  # fmt: skip
 
 
 def launch_up_down(
     x, words, counts, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, *, tile_n, threshold,
-    drelu=False, square=False, out=None, order=True, hot_pos=None, up_out=None,
+    drelu=False, square=False, out=None, order=True, hot_pos=None, up_out=None, groups=1,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """twell_up_down without its input checks, for callers that checked at the op boundary (the
     dispatcher); returns (y, kept): kept, int64 [P] on the device, parts of the total of counts (the
     density probe's numerator: their sum; counted by the launch that builds the row order). up_out:
     None, or [M, U] contiguous in x's dtype (the training forward's record): the main kernel's rows
     (no overflowing tile, at most min(T * S, MAX_WIDTH) entries) store their first U entries' u there,
-    in entry order (tiles, then slots), rounded to the dtype; other slots are left as they were. Launches:
-    row totals, the argsort of their keys (order), the main kernel (autotuned once per key,
-    TunedLaunch), the heavy-row kernel; no zero fill."""
+    in entry order (tiles, then slots), rounded to the dtype; other slots are left as they were. groups:
+    the main kernel as that many passes (at most one a tile), pass g over the tiles [T * g // groups,
+    T * (g + 1) // groups), y carried between them in fp32 (not with up_out). Launches: row totals, the
+    argsort of their keys (order), the main kernel (autotuned once per key, TunedLaunch) once a pass,
+    the heavy-row kernel; no zero fill."""
+    policy.check_neuron_groups(groups, "groups")
+    if groups > 1 and up_out is not None:
+        raise ValueError(f"up_out (the training record) is stored by one pass only, got groups={groups}")
     m, k = x.shape
     n = gate_weight.shape[0]
     n_tiles, slots = words.shape[1], words.shape[2]
+    groups = min(groups, n_tiles)
     y = torch.empty_like(x) if out is None else out
+    # y of the main kernel's rows between its passes: fp32, so the passes give one pass's bits
+    acc = torch.empty(m, k, dtype=torch.float32, device=x.device) if groups > 1 else None
     width = row_width(n_tiles, slots)
     programs = persistent_programs(x.device, 8)
     # a row's entries (main kernel), then a heavy-row program's (after it, in stream order)
@@ -596,12 +639,15 @@ def launch_up_down(
     )  # fmt: skip
     row_order = torch.argsort(keys, descending=True) if order else counts  # int64: the kernel reads either
     bucket = m_bucket(m)
-    _up_down_launch(
-        (bucket, k, tile_n, slots, flags["HAS_UP"], width, x.dtype, order, up_out is not None), (m,),
-        x, words, counts, row_order, heavy, *up, down_weight_t, down_bias, y, g_scratch, n_scratch, up_out, k,
-        n_tiles, bucket, x.stride(0), x.stride(1), *strides, HAS_ORDER=order, CHUNK=CHUNK,
-        STORE_U=up_out is not None, U_WIDTH=up_out.shape[1] if up_out is not None else 0, **flags,
-    )  # fmt: skip
+    key = (bucket, k, tile_n, slots, flags["HAS_UP"], width, x.dtype, order, up_out is not None, groups > 1)
+    for g in range(groups):
+        _up_down_launch(
+            key, (m,), x, words, counts, row_order, heavy, *up, down_weight_t, down_bias, y, acc, g_scratch,
+            n_scratch, up_out, k, n_tiles, n_tiles * g // groups, n_tiles * (g + 1) // groups, bucket, x.stride(0),
+            x.stride(1), *strides, HAS_ORDER=order, CHUNK=CHUNK, STORE_U=up_out is not None,
+            U_WIDTH=up_out.shape[1] if up_out is not None else 0, GROUPED=groups > 1, FIRST=g == 0,
+            LAST=g == groups - 1, **flags,
+        )  # fmt: skip
     # neurons recomputed at a time: a [RECOMPUTE, BLOCK_K] tile of W_g in registers, kept ones fit the scratch
     recompute = 1 << (min(16, max(1, 16384 // flags["BLOCK_K"]), tile_n, width).bit_length() - 1)
     _heavy_kernel[(programs,)](
