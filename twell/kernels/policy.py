@@ -102,8 +102,10 @@ TRAIN_FORWARD_PACK = True
 PREFILL_MIN_M_CAPTURED: int | None = 8192
 # Passes of the prefill up+down kernel, each over a contiguous group of the TwELL tiles, so that its
 # gathered W_u / W_d rows (235 MB at K=4096, N=14336; 46 MB at K=2048, N=5632) stay in the H200's ~50 MB
-# L2; y is carried between passes in fp32 (M x K x 8 bytes a pass boundary). 1 (one pass, off) until
-# measured: benchmarks/updown_groups.py times the passes.
+# L2; y is carried between passes in fp32 (M x K x 8 bytes a pass boundary). Simulated passes (each
+# writing its own y) measured 8.63 -> 7.18 ms at two passes, K=4096 uniform 0.5%, 32768 tokens, and no
+# gain on skewed rates or at K=2048 (updown_groups-20261205-033435.json); the built passes are not
+# measured yet: 1 (one pass, off) until benchmarks/updown_groups.py has timed them.
 NEURON_GROUPS = 1
 
 # The decode kernels' reach from calibration: (min K, max density, tokens) rows, a layer of width K
