@@ -104,8 +104,10 @@ PREFILL_MIN_M_CAPTURED: int | None = 8192
 # gathered W_u / W_d rows (235 MB at K=4096, N=14336; 46 MB at K=2048, N=5632) stay in the H200's ~50 MB
 # L2; y is carried between passes in fp32 (M x K x 8 bytes a pass boundary). Simulated passes (each
 # writing its own y) measured 8.63 -> 7.18 ms at two passes, K=4096 uniform 0.5%, 32768 tokens, and no
-# gain on skewed rates or at K=2048 (updown_groups-20261205-033435.json); the built passes are not
-# measured yet: 1 (one pass, off) until benchmarks/updown_groups.py has timed them.
+# gain on skewed rates or at K=2048 (updown_groups-20261205-033435.json); the built passes (fp32 carry)
+# did not: 8.61 against 8.69 ms at two passes, uniform, 5.62 against 5.91 skewed, slower at three or four,
+# with the autotuner choosing 4 warps for them where one pass takes 8 (updown_groups-20261205-042107.json;
+# benchmarks/NOTES.md, session 10). 1: one pass.
 NEURON_GROUPS = 1
 
 # The decode kernels' reach from calibration: (min K, max density, tokens) rows, a layer of width K
@@ -210,7 +212,7 @@ class LayerConfig:
         up+down) and a kernel writing the record from the TwELL words (relu² FFNs keep the row kernel).
     neuron_groups: the prefill up+down kernel as this many passes, each over a contiguous group of
         TwELL tiles (so of neurons), y carried between them in fp32: each pass's gathered weight rows
-        fit L2 where the whole matrices do not; the same bits as one pass (1: one pass).
+        fit L2 where the whole matrices do not; one pass's bits at the same kernel config (1: one pass).
     Every other call runs dense, as do all calls with K > MAX_K.
     """
 

@@ -25,8 +25,11 @@ Neuron-group passes (groups > 1, LayerConfig.neuron_groups): the main kernel run
 range of tiles, each pass walking only its range's entries, so the W_u / W_d rows a pass gathers (1 / G
 of them) can stay in L2 where the whole matrices do not (235 MB at K=4096, N=14336 against the H200's
 ~50 MB). y is carried between passes in an fp32 [M, K] buffer and the entries are walked in the one pass's
-order: the same bits. Heavy rows are decided on the whole row, listed by the first pass and skipped by
-all; _heavy_kernel runs once after the last.
+order: the one pass's bits at the same config (the interpreter's tests). The grouped kernel is autotuned
+on its own key and may take other warps, whose reduction order for u differs: on the H200 it took 4
+warps where one pass took 8, and gave other bits, equally close to float64 (1.6589e-3 both, K=4096,
+8192 tokens). Heavy rows are decided on the whole row, listed by the first pass and skipped by all;
+_heavy_kernel runs once after the last.
 """
 
 from __future__ import annotations
@@ -526,8 +529,8 @@ def twell_up_down(
     whole rows are held in registers. order: rows heaviest first (an argsort of the row totals on the
     device; it changes which program takes a row, never the row's result). hot_pos: int32 [N], the
     packer's hot map (neurons >= 0 were packed without): overflowing tiles leave them out too. groups:
-    the main kernel's passes, each over a contiguous range of tiles (at most one a tile; the same bits
-    as one pass).
+    the main kernel's passes, each over a contiguous range of tiles (at most one a tile; one pass's
+    bits at the same kernel config: module docstring).
     """
     check_input("x", x)
     check_threshold(threshold)
@@ -595,7 +598,7 @@ def launch_up_down(
     n_tiles, slots = words.shape[1], words.shape[2]
     groups = min(groups, n_tiles)
     y = torch.empty_like(x) if out is None else out
-    # y of the main kernel's rows between its passes: fp32, so the passes give one pass's bits
+    # y of the main kernel's rows between its passes: fp32, so the passes give one pass's bits (same config)
     acc = torch.empty(m, k, dtype=torch.float32, device=x.device) if groups > 1 else None
     width = row_width(n_tiles, slots)
     programs = persistent_programs(x.device, 8)
