@@ -110,7 +110,8 @@ def _direct_dense(args: tuple, config: LayerConfig) -> bool:
     Under torch.compile the decision is taken while tracing (dynamo guards on the token count) and the
     FFN is traced as plain torch ops, which Inductor compiles as it compiles the dense model: a compiled
     prompt of 16-1024 tokens paid the op's host path, 0.2-0.27 ms a layer, where dense compiled pays none
-    (whole generation 0.94x of dense compiled at batch 16, e2e-20261202-222107.json)."""
+    (whole generation 0.94x of dense compiled at batch 16, e2e-20261202-222107.json); traced, the prompt
+    costs what dense's does (batch 64: 10.01 against 9.79 ms, e2e-20261205-033502.json)."""
     x, down_weight = args[0], args[3]
     tensors = [t for t in args[:7] if t is not None]
     if x.device.type != DIRECT_DENSE_DEVICE:
