@@ -831,32 +831,22 @@ def test_prefill_through_each_gate_route(fused, tile_n, slots, sparse_paths, mon
 
 
 def test_neuron_groups_reach_the_up_down_launch(monkeypatch):
-    """twell.configure(neuron_groups=...) on a sparsified block: the op's route arguments carry it, and the
-    dispatcher's prefill launches up+down in that many passes (on the CPU, the op's CUDA implementation
-    runs in place of its plain-torch one); the result is the dense block's."""
-    from ffn_cases import GatedBlock
-
+    """A layer's neuron_groups survives the op's route arguments (library.route_config, what the CUDA
+    implementation builds its LayerConfig with) and the dispatcher's prefill launches up+down in that
+    many passes; the result is the dense FFN's."""
     from twell.kernels import library
 
-    if not HAS_CUDA:
-        monkeypatch.setitem(library.gated_ffn._backend_fns, None, library.gated_ffn._backend_fns["cuda"])
-    torch.manual_seed(0)
-    block = GatedBlock(24, 100).to(DEVICE).eval()
-    torch.nn.init.constant_(block.mlp.gate_proj.bias, -1.0)  # ~5% of the gate firing
-    x = torch.randn(37, 24, device=DEVICE)
+    dispatch.forget_layers()
+    grouped = LayerConfig(hot_rate=None, tile_n=32, slots=8).replace(route="prefill", neuron_groups=3)
     groups = []
     launch = dispatch.launch_up_down
     monkeypatch.setattr(dispatch, "launch_up_down", lambda *a, **k: groups.append(k["groups"]) or launch(*a, **k))
-    with torch.no_grad():
-        dense = block(x)
-        twell.sparsify(block, layer_config={"hot_rate": None, "tile_n": 32, "slots": 8})
-        dispatch.forget_layers()
-        with twell.configure(block, route="prefill", neuron_groups=3):
-            y = block(x)
-        with twell.configure(block, route="prefill"):
-            block(x[:3])
+    case = make_ffn(37, 24, 100, [0.05], torch.float32, DEVICE, seed=3, biases=True)
+    args = [case[k] for k in ("gate_weight", "up_weight", "down_weight", "gate_bias", "up_bias", "down_bias")]
+    y = dispatch.gated_ffn_cuda(case["x"], *args, 0.0, False, library.route_config(*grouped.op_args()))
+    dispatch.gated_ffn_cuda(case["x"][:3], *args, 0.0, False, grouped.replace(neuron_groups=1))
     assert groups == [3, 1]
-    assert rel_err(y, dense) <= 1e-5
+    assert rel_err(y, gated_ref(case)) <= 1e-5
 
 
 # every variant and dtype at 1 and 16 tokens (decode); the prefill path (3-10 s a case in the
