@@ -384,16 +384,17 @@ def test_up_down_heavy_rows_split_or_whole_give_the_same_bits(monkeypatch):
     assert torch.equal(runs[0], runs[1])
 
 
-def _recorded_passes(monkeypatch) -> tuple[list, list]:
-    """(passes, heavy): each main-kernel launch's (tile_lo, tile_hi, FIRST, LAST), and each heavy-row
-    launch's list of rows (sorted ids; a row listed twice shows twice)."""
-    passes, heavy = [], []
+def _recorded_passes(monkeypatch) -> tuple[list, list, set]:
+    """(passes, heavy, keys): each main-kernel launch's (tile_lo, tile_hi, FIRST, LAST), each heavy-row
+    launch's list of rows (sorted ids; a row listed twice shows twice), and the main launches' config keys."""
+    passes, heavy, keys = [], [], set()
     launch, heavy_kernel = updown._up_down_launch, updown._heavy_kernel
     names = updown._twell_up_down_kernel.arg_names
 
     def main(key, grid, *args, **kwargs):
         bound = dict(zip(names, args, strict=False))
         passes.append((bound["tile_lo"], bound["tile_hi"], kwargs["FIRST"], kwargs["LAST"]))
+        keys.add(key)
         launch(key, grid, *args, **kwargs)
 
     class Heavy:
@@ -407,7 +408,7 @@ def _recorded_passes(monkeypatch) -> tuple[list, list]:
 
     monkeypatch.setattr(updown, "_up_down_launch", main)
     monkeypatch.setattr(updown, "_heavy_kernel", Heavy())
-    return passes, heavy
+    return passes, heavy, keys
 
 
 # sparse and empty rows, one with overflowing tiles (row 5), two past a row width of 12 entries (rows 12, 30)
@@ -428,7 +429,8 @@ def test_up_down_neuron_group_passes_give_the_one_pass_bits(variant, dtype, pois
     """groups = 2, 3 (uneven ranges of the 5 tiles; the last tile ragged) and 64 (one pass a tile)
     against one pass, bit for bit, with biases, awkward K and M: rows with entries in some groups only,
     empty rows, heavy rows (overflowing tiles; past the row width with none) listed once, by the first
-    pass, and computed once after the passes. The carry, the scratch and y start poisoned."""
+    pass, and computed once after the passes. The carry, the scratch and y start poisoned. The passes
+    launch at the one pass's config key (other warps reduce u in another order: other bits on the GPU)."""
     m, k, n, tile_n, slots, width = 37, 40, 300, 64, 8, 12
     gated = variant != "plain"
     case = make_ffn(m, k, n, GROUPS_DENSITIES, dtype, DEVICE, seed=5, biases=True, gated=gated)
@@ -443,7 +445,7 @@ def test_up_down_neuron_group_passes_give_the_one_pass_bits(variant, dtype, pois
     assert (wide & ~overflow).any() and overflow.any(), "heavy rows of both kinds"
     assert (light & (in_groups == 0).any(1) & (in_groups > 0).any(1)).any(), "light rows missing from a group"
     assert (light & (counts.sum(1) == 0)).any()
-    passes, heavy = _recorded_passes(monkeypatch)
+    passes, heavy, keys = _recorded_passes(monkeypatch)
     up = (case["up_weight"], case["up_bias"]) if gated else (None, None)
     runs = {}
     for groups in (1, 2, 3, 64):
@@ -459,6 +461,7 @@ def test_up_down_neuron_group_passes_give_the_one_pass_bits(variant, dtype, pois
         (0, 1, True, False), (1, 3, False, False), (3, 5, False, True), *ranges,
     ]  # fmt: skip
     assert heavy == [heavy_rows] * 4
+    assert len(keys) == 1, keys
     ref = gated_ref(case, threshold) if gated else plain_ref(case, threshold)
     assert rel_err(runs[1], ref) <= TOL[dtype]
     bits = torch.int32 if dtype == torch.float32 else torch.int16

@@ -45,8 +45,9 @@ class TunedLaunch:
     (untuned_captures counts them).
 
     key: what selects the autotuner's config, as the caller knows it: the autotune key's values and
-    whatever sets the dtypes of the tensor arguments (the autotuner keys by those too); a key must
-    never merge two of the autotuner's keys. Benchmarks that want the autotuner itself call the kernel.
+    whatever sets the dtypes of the tensor arguments (the autotuner keys by those too); a key merges
+    two of the autotuner's keys only where they must share a config (twell.kernels.updown's passes).
+    Benchmarks that want the autotuner itself call the kernel.
     """
 
     def __init__(self, kernel):

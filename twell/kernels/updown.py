@@ -25,11 +25,10 @@ Neuron-group passes (groups > 1, LayerConfig.neuron_groups): the main kernel run
 range of tiles, each pass walking only its range's entries, so the W_u / W_d rows a pass gathers (1 / G
 of them) can stay in L2 where the whole matrices do not (235 MB at K=4096, N=14336 against the H200's
 ~50 MB). y is carried between passes in an fp32 [M, K] buffer and the entries are walked in the one pass's
-order: the one pass's bits at the same config (the interpreter's tests). The grouped kernel is autotuned
-on its own key and may take other warps, whose reduction order for u differs: on the H200 it took 4
-warps where one pass took 8, and gave other bits, equally close to float64 (1.6589e-3 both, K=4096,
-8192 tokens). Heavy rows are decided on the whole row, listed by the first pass and skipped by all;
-_heavy_kernel runs once after the last.
+order, at the one pass's config (one autotune key for both: a config of other warps reduces u in another
+order, and gave other bits on the H200, equally close to float64), so they give the one pass's bits. Heavy
+rows are decided on the whole row, listed by the first pass and skipped by all; _heavy_kernel runs once
+after the last.
 """
 
 from __future__ import annotations
@@ -175,10 +174,10 @@ ROWVEC_CONFIGS = [
     configs=autotune_configs(ROWVEC_CONFIGS, lambda w, s: {}),
     # per token bucket: with one key for every M, whichever size ran first chose the config for all sizes
     # (the 8192-token variance it was suspected of came from host time instead: benchmarks/NOTES.md v9)
-    # GROUPED: the neuron-group passes. FIRST and LAST are not in the key: a grouped key is first launched, so
-    # benchmarked, by a first pass, which starts from zeros (a later pass run again would add its group to acc
-    # again); the later passes take its config
-    key=["M_BUCKET", "K", "TILE_N", "SLOTS", "HAS_UP", "WIDTH", "GROUPED"],
+    # GROUPED, FIRST and LAST are not in the key: the neuron-group passes run at the one pass's config, so they
+    # give its bits (the warps set u's reduction order). A key first launched grouped is benchmarked by a first
+    # pass, which starts from zeros (a later pass run again would add its group to acc again)
+    key=["M_BUCKET", "K", "TILE_N", "SLOTS", "HAS_UP", "WIDTH"],
     cache_results=True,
     reset_to_zero=["heavy_ptr"],  # the heavy list starts empty on every benchmarked run
 )
@@ -530,7 +529,7 @@ def twell_up_down(
     device; it changes which program takes a row, never the row's result). hot_pos: int32 [N], the
     packer's hot map (neurons >= 0 were packed without): overflowing tiles leave them out too. groups:
     the main kernel's passes, each over a contiguous range of tiles (at most one a tile; one pass's
-    bits at the same kernel config: module docstring).
+    bits: module docstring).
     """
     check_input("x", x)
     check_threshold(threshold)
@@ -598,7 +597,7 @@ def launch_up_down(
     n_tiles, slots = words.shape[1], words.shape[2]
     groups = min(groups, n_tiles)
     y = torch.empty_like(x) if out is None else out
-    # y of the main kernel's rows between its passes: fp32, so the passes give one pass's bits (same config)
+    # y of the main kernel's rows between its passes: fp32, so the passes give one pass's bits
     acc = torch.empty(m, k, dtype=torch.float32, device=x.device) if groups > 1 else None
     width = row_width(n_tiles, slots)
     programs = persistent_programs(x.device, 8)
@@ -642,7 +641,8 @@ def launch_up_down(
     )  # fmt: skip
     row_order = torch.argsort(keys, descending=True) if order else counts  # int64: the kernel reads either
     bucket = m_bucket(m)
-    key = (bucket, k, tile_n, slots, flags["HAS_UP"], width, x.dtype, order, up_out is not None, groups > 1)
+    # one key for one pass and the passes (the autotuner's two, by acc's dtype): the passes take its config
+    key = (bucket, k, tile_n, slots, flags["HAS_UP"], width, x.dtype, order, up_out is not None)
     for g in range(groups):
         _up_down_launch(
             key, (m,), x, words, counts, row_order, heavy, *up, down_weight_t, down_bias, y, acc, g_scratch,
