@@ -8,7 +8,9 @@ Models (bf16, random weights, ReLU gates with biases, SDPA attention): "2b", the
 14336, 32 heads, 8 KV heads, vocabulary 128256) with 4 of its layers, so its times are also given per layer.
 
 Sparsity profiles, set through the gate biases from each layer's own inputs (benchmarks/decode.py's
-set_gate_biases; 8192 random tokens), on gate weights that share one random direction with weight 0.3
+set_gate_biases) on the measured tokens themselves (the prefill points on the first point's sequences,
+generation on every batch's prompts and greedy continuation; other random sequences fire a random-weight
+model's neurons ~2.5x as often), on gate weights that share one random direction with weight 0.3
 per layer, so that tokens far along it fire many neurons: heavy-tailed active neurons per row (on
 Gaussian inputs at the 2B shape and the skewed profile, p99 3.9x and max 13x the mean, against 1.5x and
 2x with independent neurons; what the model's own tokens give is in the JSON):
@@ -18,7 +20,8 @@ Gaussian inputs at the 2B shape and the skewed profile, p99 3.9x and max 13x the
   (twell/demo) over Python source (twell's own, byte-level: the same text on every machine): each layer
   takes the rate quantiles of the demo layer at the same relative depth, scaled to that layer's
   measured density (0.2% to 1.4% per layer).
-What each layer then fires on its calibration tokens is in the JSON (profiles.*.layers).
+What each layer then fires on the tokens its biases were set on is in the JSON (profiles.*.layers on
+8192 random tokens, .prefill_layers, .generation_layers).
 
 Rows (--rows): "dense-eager"; "dense-compiled" (torch.compile(model)); "twell-eager" (twell.sparsify(
 model): every FFN rewritten, no calibration); "twell-compiled" (torch.compile(twell.sparsify(model)): the
@@ -471,22 +474,33 @@ def run_model(name, shape, args, meter, demo, cuda, save) -> dict:
     if args.smoke:
         calib = calib[:, :64]
     work = Workload(args, shape["vocab_size"], device)
-    # Two bias sets a profile. In a random-weight model a sequence's tokens share components (attention
+    # Bias sets a profile. In a random-weight model a sequence's tokens share components (attention
     # averages them), so biases set on some random sequences fire far more often on others: the biases
     # set on 256-token sequences ran the 16 x 2048 prefill at 0.5-1.5% a layer, 1.1% on average, and 5 of
-    # 12 layers took the dense route (step_profile-20261205-025503.json). So the prefill points run on
-    # biases set on the first prefill point's own sequences (its density is the profile's), generation on
-    # biases set on CALIB_TOKENS tokens of 256-token sequences, as before.
+    # 12 layers took the dense route (step_profile-20261205-025503.json); the decode calls of generation
+    # likewise ran at 1.1-1.5% (the calibrated rows' measured decode densities, e2e-20261202-121235.json).
+    # So each kind of point runs on biases set on its own tokens: the prefill points on the first prefill
+    # point's sequences, generation on the generated sequences themselves (every batch's prompts and their
+    # greedy continuation under the biases set on CALIB_TOKENS tokens of 256-token sequences).
+    dense_decoders = make_decoders(model, work, cuda)
     profiles, biases = {}, {}
     for profile in args.profiles.split(","):
         rates = profile_rates(profile, shape["num_hidden_layers"], shape["intermediate_size"], g, demo)
         layers = set_gate_biases(model, rates, calib)
-        biases[profile] = {"generation": gate_biases(model)}
         profiles[profile] = {
             "density": statistics.mean(s["density"] for s in layers),
             "dead_fraction": statistics.mean(s["dead_fraction"] for s in layers),
             "layers": layers,
         }
+        if work.prompts:
+            sequences = torch.cat(
+                [torch.cat([work.prompts[b], d.generate(work.prompts[b], work.new_tokens)], 1)
+                 for b, d in dense_decoders.items()]
+            )  # fmt: skip
+            generation_layers = set_gate_biases(model, rates, sequences)
+            profiles[profile]["generation_density"] = statistics.mean(s["density"] for s in generation_layers)
+            profiles[profile]["generation_layers"] = generation_layers
+        biases[profile] = {"generation": gate_biases(model)}
         if work.prefill:
             prefill_layers = set_gate_biases(model, rates, work.prefill[0]["ids"])
             biases[profile]["prefill"] = gate_biases(model)
@@ -500,7 +514,6 @@ def run_model(name, shape, args, meter, demo, cuda, save) -> dict:
         "rows": [],
     }
     # Reference outputs per profile: dense eager, the decoders reused by the dense eager row.
-    dense_decoders = make_decoders(model, work, cuda)
     references = {}
     for profile in profiles:
         logits = None
