@@ -106,8 +106,9 @@ PREFILL_MIN_M_CAPTURED: int | None = 8192
 # writing its own y) measured 8.63 -> 7.18 ms at two passes, K=4096 uniform 0.5%, 32768 tokens, and no
 # gain on skewed rates or at K=2048 (updown_groups-20261205-033435.json); the built passes (fp32 carry)
 # did not: 8.61 against 8.69 ms at two passes, uniform, 5.62 against 5.91 skewed, slower at three or four,
-# with the autotuner choosing 4 warps for them where one pass takes 8 (updown_groups-20261205-042107.json;
-# benchmarks/NOTES.md, session 10). 1: one pass.
+# with the autotuner choosing 4 warps for them where one pass takes 8 (updown_groups-20261205-042107.json),
+# and not at the one pass's config either: 8.97 against 8.72 ms (updown_groups-20261205-054543.json;
+# benchmarks/NOTES.md, session 11). 1: one pass.
 NEURON_GROUPS = 1
 
 # The decode kernels' reach from calibration: (min K, max density, tokens) rows, a layer of width K
