@@ -9,7 +9,9 @@ here writes its own bf16 y and the passes' outputs are summed afterwards (a kern
 carry an fp32 partial of y between passes instead): the timing is the G up+down launches alone, the
 summation left out, so it bounds what the built kernel can gain from below by its y traffic. The built
 passes (launch_up_down(groups=G), LayerConfig.neuron_groups: y carried in fp32) are timed next to it, and
-checked to give the one pass's bits.
+checked to give the one pass's bits on the rows both walk alike (rows past the row width whose passes each
+fit it are walked in the built passes, by the heavy-row kernel in one pass: their error against the one
+pass is recorded, and how many there are).
 
 Run on a GPU:  PYTHONPATH=. python benchmarks/updown_groups.py [--shapes 4096x14336,2048x5632] [--groups 1,2,4,8]
 JSON to benchmarks/results/ (or $OUT).
@@ -27,7 +29,14 @@ from triton.testing import do_bench
 
 from twell.kernels.gate import pack_dense
 from twell.kernels.policy import SLOTS, TILE_N
-from twell.kernels.updown import launch_up_down
+from twell.kernels.updown import launch_up_down, row_width
+
+
+def heavy_rows(counts: torch.Tensor, groups: int, width: int) -> torch.Tensor:
+    """The rows the built passes leave to the heavy-row kernel: an overflowing tile, or more than `width`
+    entries in some pass."""
+    passes = torch.stack([part.sum(1) for part in group_counts(counts, groups)], 1)
+    return (counts > SLOTS).any(1) | (passes > width).any(1)
 
 
 def group_counts(counts: torch.Tensor, groups: int) -> list[torch.Tensor]:
@@ -68,14 +77,23 @@ def point(k: int, n: int, m: int, density: float, pattern: str, group_list: list
         y = torch.stack(passes(parts)).float().sum(0)
         err = ((y - reference).norm() / reference.norm()).item()
         ms = do_bench(lambda parts=parts: passes(parts), warmup=25, rep=100, return_mode="median")
-        same_bits = torch.equal(built(groups), one_pass)
+        y_built = built(groups)
+        heavy = heavy_rows(counts, groups, row_width(counts.shape[1], SLOTS))
+        heavy_one = heavy_rows(counts, 1, row_width(counts.shape[1], SLOTS))
+        alike = heavy == heavy_one
+        same_bits = torch.equal(y_built[alike], one_pass[alike])
+        built_err = ((y_built.float() - reference).norm() / reference.norm()).item()
+        del y_built
         built_ms = do_bench(lambda groups=groups: built(groups), warmup=25, rep=100, return_mode="median")
         gathered = entries * 2 * k * x.element_size()  # W_u and W_d rows a kept entry
         row["groups"][str(groups)] = {
             "ms": ms, "gather_tb_s": gathered / ms / 1e9, "rel_err": err, "built_ms": built_ms,
-            "built_gather_tb_s": gathered / built_ms / 1e9, "built_same_bits": same_bits,
+            "built_gather_tb_s": gathered / built_ms / 1e9, "built_same_bits": same_bits, "built_rel_err": built_err,
+            "heavy_rows_one_pass": int(heavy_one.sum()), "rows_walked_in_passes": int((heavy_one & ~heavy).sum()),
         }  # fmt: skip
         bits = "the same bits" if same_bits else "OTHER BITS"
+        bits += f" where walked alike, {built_err:.1e} from one pass ({int((heavy_one & ~heavy).sum())} rows walked"
+        bits += f" in the passes of {int(heavy_one.sum())} heavy in one)"
         print(f"K={k} N={n} M={m} {pattern} {density}: {groups} passes {ms:.3f} ms "
               f"({gathered / ms / 1e9:.2f} TB/s of gathered rows), sum vs one pass {err:.1e}; built "
               f"{built_ms:.3f} ms ({gathered / built_ms / 1e9:.2f} TB/s), {bits}", flush=True)  # fmt: skip

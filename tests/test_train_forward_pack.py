@@ -411,10 +411,10 @@ cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
 INT = {"ids_ptr", "cnt_ptr", "tcnt_ptr", "nz_ptr", "words_ptr", "heavy_ptr", "n_ptr", "redo_ptr", "rows_ptr"}
 TYPES = {"order_ptr": "*i64", "l1_ptr": "*fp32", "g_ptr": "*fp32", "acc_ptr": "*fp32"}
 UPDOWN = dict(HAS_ORDER=True, HAS_UP=True, HAS_UP_BIAS=False, HAS_DOWN_BIAS=False, DRELU=False, TILE_N=128,
-              SLOTS=16, TILES_PAD=64, WIDTH=256, CHUNK=16, STORE_U=True, U_WIDTH=256, GROUPED=False, FIRST=True,
-              LAST=True)
-# the neuron-group passes (no STORE_U): first, middle (loads and stores the fp32 carry) and last
-GROUPED = [{**UPDOWN, "STORE_U": False, "U_WIDTH": 0, "GROUPED": True, "FIRST": first, "LAST": last}
+              SLOTS=16, TILES_PAD=64, WIDTH=256, CHUNK=16, STORE_U=True, U_WIDTH=256, GROUPS=1, GROUPS_PAD=1,
+              FIRST=True, LAST=True)
+# the neuron-group passes of three (no STORE_U): first, middle (loads and stores the fp32 carry) and last
+GROUPED = [{**UPDOWN, "STORE_U": False, "U_WIDTH": 0, "GROUPS": 3, "GROUPS_PAD": 4, "FIRST": first, "LAST": last}
            for first, last in ((True, False), (False, False), (False, True))]
 entries = backward._row_entries(backward.REDO_ENTRIES, 2048)
 for kernel, consts, warps in [

@@ -213,7 +213,8 @@ class LayerConfig:
         up+down) and a kernel writing the record from the TwELL words (relu² FFNs keep the row kernel).
     neuron_groups: the prefill up+down kernel as this many passes, each over a contiguous group of
         TwELL tiles (so of neurons), y carried between them in fp32: each pass's gathered weight rows
-        fit L2 where the whole matrices do not; one pass's bits, at its kernel config (1: one pass).
+        fit L2 where the whole matrices do not; at the one pass's kernel config, and rows past the
+        up+down row width whose passes each fit it are walked in the passes (1: one pass).
     Every other call runs dense, as do all calls with K > MAX_K.
     """
 

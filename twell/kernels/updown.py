@@ -26,9 +26,13 @@ range of tiles, each pass walking only its range's entries, so the W_u / W_d row
 of them) can stay in L2 where the whole matrices do not (235 MB at K=4096, N=14336 against the H200's
 ~50 MB). y is carried between passes in an fp32 [M, K] buffer and the entries are walked in the one pass's
 order, at the one pass's config (one autotune key for both: a config of other warps reduces u in another
-order, and gave other bits on the H200, equally close to float64), so they give the one pass's bits. Heavy
-rows are decided on the whole row, listed by the first pass and skipped by all; _heavy_kernel runs once
-after the last.
+order, and gave other bits on the H200, equally close to float64). A row is heavy there when it has an
+overflowing tile or more than WIDTH entries in some pass: a row past WIDTH whose passes each fit is walked
+in the passes, where gathers stay in L2, not by _heavy_kernel over all its neurons (on the benchmark's
+uniform input at K=4096, ~5% of rows, a quarter of the entries, are past the width of 256). Those rows
+get the main kernel's walk, other bits than one pass's heavy-kernel parts (both within fp32 rounding of
+float64); every other row gets one pass's bits. Heavy rows are listed by the first pass and skipped by
+all; _heavy_kernel runs once after the last.
 """
 
 from __future__ import annotations
@@ -174,7 +178,7 @@ ROWVEC_CONFIGS = [
     configs=autotune_configs(ROWVEC_CONFIGS, lambda w, s: {}),
     # per token bucket: with one key for every M, whichever size ran first chose the config for all sizes
     # (the 8192-token variance it was suspected of came from host time instead: benchmarks/NOTES.md v9)
-    # GROUPED, FIRST and LAST are not in the key: the neuron-group passes run at the one pass's config, so they
+    # GROUPS, FIRST and LAST are not in the key: the neuron-group passes run at the one pass's config, so they
     # give its bits (the warps set u's reduction order). A key first launched grouped is benchmarked by a first
     # pass, which starts from zeros (a later pass run again would add its group to acc again)
     key=["M_BUCKET", "K", "TILE_N", "SLOTS", "HAS_UP", "WIDTH"],
@@ -223,7 +227,8 @@ def _twell_up_down_kernel(
     BLOCK_K: tl.constexpr,
     STORE_U: tl.constexpr,
     U_WIDTH: tl.constexpr,
-    GROUPED: tl.constexpr,
+    GROUPS: tl.constexpr,
+    GROUPS_PAD: tl.constexpr,
     FIRST: tl.constexpr,
     LAST: tl.constexpr,
 ):
@@ -232,10 +237,11 @@ def _twell_up_down_kernel(
     row order[i] with HAS_ORDER (heaviest first), else row i. STORE_U (the training forward's record,
     twell.kernels.backward): the row's first U_WIDTH entries' u, in entry order, to u [M, U_WIDTH]
     (u_ptr None without: the inference kernel unchanged); heavy rows' are not stored.
-    GROUPED: one pass of several, over the entries in tiles [tile_lo, tile_hi) only (in the same order as
+    GROUPS > 1: one pass of GROUPS, over the entries in tiles [tile_lo, tile_hi) only (in the same order as
     the whole row's walk); y starts from zeros in the FIRST pass, else from the row's fp32 partial in acc
-    [M, K] (contiguous), and goes to acc, or (LAST) to y. Which rows are heavy is decided on all their
-    tiles, and only the FIRST pass lists them."""
+    [M, K] (contiguous), and goes to acc, or (LAST) to y. A row is heavy there when it has an overflowing
+    tile or more than WIDTH entries in some pass (pass g: tiles [T g // GROUPS, T (g + 1) // GROUPS)),
+    decided alike by every pass from all its tiles; only the FIRST pass lists it."""
     if HAS_ORDER:
         m = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
     else:
@@ -243,12 +249,19 @@ def _twell_up_down_kernel(
     offs_t = tl.arange(0, TILES_PAD)
     cnt = tl.load(cnt_ptr + m * n_tiles + offs_t, mask=offs_t < n_tiles, other=0)
     total = tl.sum(cnt, axis=0)
-    if (tl.max(cnt, axis=0) > SLOTS) | (total > WIDTH):
+    if GROUPS > 1:
+        # tile t is in pass ((t + 1) G - 1) // T, the g with T g // G <= t < T (g + 1) // G
+        offs_g = tl.arange(0, GROUPS_PAD)
+        in_pass = (((offs_t + 1) * GROUPS - 1) // n_tiles)[:, None] == offs_g[None, :]
+        widest = tl.max(tl.sum(tl.where(in_pass, cnt[:, None], 0), axis=0), axis=0)
+    else:
+        widest = total
+    if (tl.max(cnt, axis=0) > SLOTS) | (widest > WIDTH):
         if FIRST:
             slot = tl.atomic_add(heavy_ptr, 1)
             tl.store(heavy_ptr + 1 + slot, m.to(tl.int32))
         return
-    if GROUPED:
+    if GROUPS > 1:
         # the other groups' tiles as empty: the flat entries are this group's, walked in the whole row's order
         cnt = tl.where((offs_t >= tile_lo) & (offs_t < tile_hi), cnt, 0)
         total = tl.sum(cnt, axis=0)
@@ -586,7 +599,8 @@ def launch_up_down(
     (no overflowing tile, at most min(T * S, MAX_WIDTH) entries) store their first U entries' u there,
     in entry order (tiles, then slots), rounded to the dtype; other slots are left as they were. groups:
     the main kernel as that many passes (at most one a tile), pass g over the tiles [T * g // groups,
-    T * (g + 1) // groups), y carried between them in fp32 (not with up_out). Launches: row totals, the
+    T * (g + 1) // groups), y carried between them in fp32 (not with up_out); rows past the width whose
+    passes each fit are walked there (module docstring). Launches: row totals, the
     argsort of their keys (order), the main kernel (autotuned once per key, TunedLaunch) once a pass,
     the heavy-row kernel; no zero fill."""
     policy.check_neuron_groups(groups, "groups")
@@ -648,8 +662,8 @@ def launch_up_down(
             key, (m,), x, words, counts, row_order, heavy, *up, down_weight_t, down_bias, y, acc, g_scratch,
             n_scratch, up_out, k, n_tiles, n_tiles * g // groups, n_tiles * (g + 1) // groups, bucket, x.stride(0),
             x.stride(1), *strides, HAS_ORDER=order, CHUNK=CHUNK, STORE_U=up_out is not None,
-            U_WIDTH=up_out.shape[1] if up_out is not None else 0, GROUPED=groups > 1, FIRST=g == 0,
-            LAST=g == groups - 1, **flags,
+            U_WIDTH=up_out.shape[1] if up_out is not None else 0, GROUPS=groups,
+            GROUPS_PAD=triton.next_power_of_2(groups), FIRST=g == 0, LAST=g == groups - 1, **flags,
         )  # fmt: skip
     # neurons recomputed at a time: a [RECOMPUTE, BLOCK_K] tile of W_g in registers, kept ones fit the scratch
     recompute = 1 << (min(16, max(1, 16384 // flags["BLOCK_K"]), tile_n, width).bit_length() - 1)
