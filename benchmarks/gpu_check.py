@@ -31,7 +31,14 @@ from twell.kernels.gate import pack_dense
 # 0.5%, 1% and 5%: (BLOCK_K, SPLITS, CHUNK, SPLIT_MIN, num_warps) of the down kernel (decode.DOWN_CONFIG);
 # prefetch=False: kernel 1 leaves the W_d rows in HBM.
 # down_rows=False: one token by the list (ids, hc, counts) instead of block rows (the choice at K <= 2048).
-DECODE_VARIANTS = {1: [{}, {"down_rows": False}], 16: [{}], 64: [{}]}
+# pipeline: neuron blocks a kernel-1 program, each block's up rows read with the next block's gate, at the
+# launcher's BLOCK_N (64: 44 programs a token block at N=5632) and at 32 / 16 (as many programs as now).
+PIPELINES = [
+    {"pipeline": 2},
+    {"pipeline": 2, "gate_up_config": (32, 128, 4, 4, False)},
+    {"pipeline": 4, "gate_up_config": (16, 128, 4, 4, False)},
+]
+DECODE_VARIANTS = {1: [{}, {"down_rows": False}], 16: [{}, *PIPELINES], 64: [{}, *PIPELINES]}
 
 
 def decode_point(k, n, m, density, variants, pattern) -> list[dict]:

@@ -706,6 +706,45 @@ def test_decode_is_deterministic():
     assert torch.equal(runs[0], runs[1])
 
 
+@pytest.mark.parametrize(
+    "m,n,gate_up_config,pipeline,variant,dtype",
+    [
+        # 13 blocks: the last program's 1 of 3, in each of two token blocks
+        (70, 200, (16, 32, 4, 1, False), 3, "drelu", torch.float32),
+        (16, 200, (16, 32, 4, 1, False), 2, "plain", torch.float16),  # no up: the gates alone
+        (70, 100, (32, 64, 4, 1, True), 2, "nobias", torch.float32),  # two token blocks, a ragged one
+        pytest.param(16, 200, (16, 32, 4, 1, False), 4, "relu2", torch.float16, marks=pytest.mark.slow),
+    ],
+)
+def test_decode_pipeline_gives_one_block_a_programs_bits(
+    m, n, gate_up_config, pipeline, variant, dtype, poisoned_empty
+):
+    """Kernel 1 with several neuron blocks a program, each block's up rows read with the next block's gate:
+    the bits of one block a program (the same products, step for step), with empty and full blocks, a
+    ragged last program, every output and scratch element poisoned."""
+    gated = variant in ("drelu", "nobias")
+    densities = [0.0, 0.02, 0.3, 0.0, 0.05, 1.0]
+    case = make_ffn(m, 40, n, densities, dtype, DEVICE, seed=m + n, biases=variant != "nobias", gated=gated)
+    kwargs = dict(drelu=variant == "drelu", square=variant == "relu2", gate_up_config=gate_up_config)
+    runs = [decode_ffn(*decode_args(case, gated), **kwargs, pipeline=p) for p in (1, pipeline)]
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(runs[1].view(bits), runs[0].view(bits))
+    ref = gated_ref(case, drelu=variant == "drelu") if gated else plain_ref(case, squared=variant == "relu2")
+    assert rel_err(runs[1], ref) <= TOL[dtype] * (4 if variant == "relu2" else 1)
+
+
+def test_decode_pipeline_is_checked():
+    """pipeline: a positive int (not a bool), and more than one block a program only for two or more tokens."""
+    case = make_ffn(2, 16, 64, [0.1], torch.float32, DEVICE)
+    args = decode_args(case, True)
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match=f"pipeline must be a positive int, got {bad!r}"):
+            decode_ffn(*args, pipeline=bad)
+    one = make_ffn(1, 16, 64, [0.1], torch.float32, DEVICE)
+    with pytest.raises(ValueError, match="pipeline > 1 needs two or more tokens"):
+        decode_ffn(*decode_args(one, True), pipeline=2)
+
+
 def test_decode_rows_of_more_blocks_than_a_step(poisoned_empty):
     """One token by block rows with more blocks than the rows kernel takes a step (1024)."""
     case = make_ffn(1, 8, 2100, [0.05], torch.float32, DEVICE, seed=3, biases=True)
@@ -755,12 +794,12 @@ def arg_type(name):
     return {"ids_ptr": "*i32", "cnt_ptr": "*i32", "sem_ptr": "*i32", "rows_ptr": "*fp32", "part_ptr": "*fp32"}.get(
         name, "*bf16")
 
-def gate_up(m, k):  # the launcher's choice for m tokens of width k
+def gate_up(m, k, pipe=1):  # the launcher's choice for m tokens of width k (pipe: blocks a program)
     wide = m == 1 and k > 2048
     bn, bk, warps, stages, each = decode.GATE_UP_CONFIG_WIDE if wide else decode.GATE_UP_CONFIG[min(m, 2)]
     rows = m == 1 and k <= 2048
     consts = dict(BLOCK_M=m, BLOCK_N=bn, BLOCK_K=bk, EACH=each, UP_K=min(triton.next_power_of_2(k), 4096),
-                  PREFETCH_LINES=k // 64 if m == 1 and not rows else 0, DOWN_ROWS=rows)
+                  PREFETCH_LINES=k // 64 if m == 1 and not rows else 0, DOWN_ROWS=rows, PIPE=pipe)
     return decode._decode_gate_up_kernel, consts, dict(num_warps=warps, num_stages=stages)
 
 def down(m, n_blocks):
@@ -773,7 +812,7 @@ flags = dict(HAS_UP=True, HAS_GATE_BIAS=True, HAS_UP_BIAS=True, HAS_DOWN_BIAS=Tr
              DOT_PRECISION="tf32", SEM_BLOCK=256, PREFETCH_LINE=64, ARRIVE=True)
 cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
 for kernel, consts, options in [
-    gate_up(1, 2048), gate_up(1, 4096), gate_up(16, 4096), gate_up(64, 4096),
+    gate_up(1, 2048), gate_up(1, 4096), gate_up(16, 4096), gate_up(64, 4096), gate_up(16, 4096, 2),
     down(1, 896), down(16, 224), down(64, 224),
     (decode._decode_down_rows_kernel, dict(ROWS=512, BLOCK_K=16), dict(num_warps=8)),
     (decode._decode_down_rows_kernel, dict(ROWS=1024, BLOCK_K=16), dict(num_warps=16)),
@@ -794,8 +833,9 @@ for kernel, consts, options in [
 
 def test_decode_kernels_compile_for_hopper_without_spills(tmp_path):
     """Triton's compiler and ptxas build the decode kernels for sm_90 (no GPU needed) with the
-    launcher's configs, at one token (K = 2048 by block rows, 4096 by the list), 16 and 64 tokens,
-    with no register spills (a spill would cost the GPU what the interpreter cannot show)."""
+    launcher's configs, at one token (K = 2048 by block rows, 4096 by the list), 16 and 64 tokens (16 also
+    with two blocks a kernel-1 program), with no register spills (a spill would cost the GPU what the
+    interpreter cannot show)."""
     compile_for_hopper(DECODE_SM90_COMPILE, tmp_path)
 
 
@@ -803,13 +843,16 @@ def test_decode_kernels_compile_for_hopper_without_spills(tmp_path):
 @pytest.mark.parametrize("m", [1, 16, 64])
 def test_decode_on_the_gpu_with_and_without_the_w_down_prefetch(m):
     """bf16 at a model's width (the interpreter has no bf16 products and no PTX prefetch): kernel 1's L2
-    prefetch of the active W_d rows (the list path at one token) changes no bit, and every token count
+    prefetch of the active W_d rows (the list path at one token) and its pipeline of two blocks a program
+    (more tokens) change no bit, and every token count
     and both one-token paths match the float64 reference."""
     case = make_ffn(m, 1024, 2816, [0.005, 0.02, 0.0, 0.3], torch.bfloat16, "cuda", seed=m, biases=True)
     args = (case["x"], case["gate_weight"], case["gate_bias"], case["up_weight"], case["up_bias"])
     args += (case["down_weight"].t().contiguous(), case["down_bias"], 0.0)
     runs = [decode_ffn(*args, prefetch=p, down_rows=False) for p in (True, False)]
     assert torch.equal(runs[0], runs[1])
+    if m > 1:  # two neuron blocks a kernel-1 program: the same bits in bf16 on the tensor cores too
+        assert torch.equal(decode_ffn(*args, pipeline=2), runs[0])
     assert rel_err(runs[0], gated_ref(case)) <= TOL[torch.bfloat16]
     assert rel_err(decode_ffn(*args, down_rows=True), gated_ref(case)) <= TOL[torch.bfloat16]
 

@@ -6,7 +6,9 @@ Two kernels per call, no host synchronisation and no memset (CUDA graphs capture
    their W_u rows (masked loads of inactive rows move no bytes) and h = act(g) * u, rounded like the
    dense FFN rounds it. The block's active neuron ids are compacted to the front of its segment of
    `ids`, their h columns likewise to `hc` (BLOCK_M contiguous values an entry), their number to
-   `counts`.
+   `counts`. With decode_ffn(pipeline=P) (two or more tokens; measured only as a benchmark variant) a
+   program takes P neuron blocks, each block's W_u rows read in the K loop that streams the next block's
+   W_g rows, so the up rows' latency hides under the gate's stream; the same bits.
 2. down, one program per (K block, token block, split): y_part = hc[entries] W_d^T[ids, kblk] in fp32
    over the split's entries, walked in neuron-block order. A split is either a run-time share of the
    token block's entries (sized by their number: one split at low density) or a static group of
@@ -160,6 +162,62 @@ def _prefetch_rows_to_l2(ptr, rows, wanted, K, stride_n, LINE: tl.constexpr, LIN
 
 
 @triton.jit
+def _gate_and_up(
+    x_ptr, wg_ptr, wu_ptr, rows, m_ok, gate_cols, gate_ok, up_cols, up_ok, K, stride_xm, stride_xk, stride_gn,
+    stride_gk, stride_un, stride_uk, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, HAS_UP: tl.constexpr,
+):  # fmt: skip
+    """(x[rows] @ wg[gate_cols]^T, x[rows] @ wu[up_cols]^T) in fp32 in one K loop, rows of wg / wu outside
+    gate_ok / up_ok not read (BLOCK_M > 1): the next neuron block's gate streams with this block's up
+    rows, so the up rows' latency hides under the gate's stream. Each product takes _rows_times_x's steps
+    (the same bits)."""
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        x_mask = m_ok[:, None] & k_ok[None, :]
+        xt = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=x_mask, other=0.0)
+        g_mask = gate_ok[None, :] & k_ok[:, None]
+        wg = tl.load(wg_ptr + gate_cols[None, :] * stride_gn + offs_k[:, None] * stride_gk, mask=g_mask, other=0.0)
+        acc_g = tl.dot(xt, wg, acc_g, input_precision=DOT_PRECISION)
+        if HAS_UP:
+            u_mask = up_ok[None, :] & k_ok[:, None]
+            wu = tl.load(wu_ptr + up_cols[None, :] * stride_un + offs_k[:, None] * stride_uk, mask=u_mask, other=0.0)
+            acc_u = tl.dot(xt, wu, acc_u, input_precision=DOT_PRECISION)
+    return acc_g, acc_u
+
+
+@triton.jit
+def _gate_values(
+    acc, bg_ptr, offs_n, n_ok, m_ok, threshold, dtype: tl.constexpr, HAS_GATE_BIAS: tl.constexpr,
+    SQUARE: tl.constexpr,
+):  # fmt: skip
+    """From a block's gate product: (kept, h = act(g), active neurons, their number), g rounded as the
+    dense gate rounds it."""
+    if HAS_GATE_BIAS:
+        acc += tl.load(bg_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    g = acc.to(dtype).to(tl.float32)  # the dense gate's rounding
+    kept = ((g > threshold) | (g != g)) & m_ok[:, None] & n_ok[None, :]  # not (g <= t): NaN kept, as by relu
+    h = tl.where(kept, g, 0.0)
+    if SQUARE:
+        h = (h * h).to(dtype).to(tl.float32)
+    active = tl.max(kept.to(tl.int32), axis=0) > 0
+    return kept, h, active, tl.sum(active.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _times_up(h, u, kept, bu_ptr, offs_n, active, dtype: tl.constexpr, HAS_UP_BIAS: tl.constexpr, DRELU: tl.constexpr):
+    """h * act'(u) on kept entries (0 elsewhere), u (+ bias) rounded as the dense up projection rounds it."""
+    if HAS_UP_BIAS:
+        u += tl.load(bu_ptr + offs_n, mask=active, other=0.0).to(tl.float32)[None, :]
+    u = u.to(dtype).to(tl.float32)
+    if DRELU:
+        u = tl.where(u <= 0.0, 0.0, u)
+    return tl.where(kept, h * u, 0.0)
+
+
+@triton.jit
 def _decode_gate_up_kernel(
     x_ptr,
     wg_ptr,
@@ -200,72 +258,78 @@ def _decode_gate_up_kernel(
     PREFETCH_LINE: tl.constexpr,
     PREFETCH_LINES: tl.constexpr,
     DOWN_ROWS: tl.constexpr,
+    PIPE: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
+    """Program (p, t) takes token block t and the PIPE neuron blocks p * PIPE ... (PIPE > 1: BLOCK_M > 1,
+    not DOWN_ROWS): each block's up rows are read in the K loop that streams the next block's gate."""
+    pid_p = tl.program_id(0)
     pid_m = tl.program_id(1)
-    n_blocks = tl.num_programs(0)
-    if pid_n == 0 and pid_m == 0:  # the down kernel's arrival counters start at zero
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    if pid_p == 0 and pid_m == 0:  # the down kernel's arrival counters start at zero
         for s0 in range(0, n_sems, SEM_BLOCK):
             offs_s = s0 + tl.arange(0, SEM_BLOCK)
             tl.store(sem_ptr + offs_s, tl.zeros([SEM_BLOCK], tl.int32), mask=offs_s < n_sems)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
-    n_ok = offs_n < N
     rows = offs_m.to(tl.int64)
-    cols = offs_n.to(tl.int64)
     dtype = hc_ptr.dtype.element_ty
-
+    offs_n = pid_p * PIPE * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
     acc = _rows_times_x(
-        x_ptr, wg_ptr, rows, cols, m_ok, n_ok, K, stride_xm, stride_xk, stride_gn, stride_gk,
+        x_ptr, wg_ptr, rows, offs_n.to(tl.int64), m_ok, n_ok, K, stride_xm, stride_xk, stride_gn, stride_gk,
         DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, EACH,
     )  # fmt: skip
-    if HAS_GATE_BIAS:
-        acc += tl.load(bg_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    g = acc.to(dtype).to(tl.float32)  # the dense gate's rounding
-    kept = ((g > threshold) | (g != g)) & m_ok[:, None] & n_ok[None, :]  # not (g <= t): NaN kept, as by relu
-    h = tl.where(kept, g, 0.0)
-    if SQUARE:
-        h = (h * h).to(dtype).to(tl.float32)
-    active = tl.max(kept.to(tl.int32), axis=0) > 0
-    n_active = tl.sum(active.to(tl.int32), axis=0)
     if DOWN_ROWS:  # one token: the block's share of y, summed over blocks by the rows kernel
+        kept, h, active, n_active = _gate_values(
+            acc, bg_ptr, offs_n, n_ok, m_ok, threshold, dtype, HAS_GATE_BIAS, SQUARE
+        )
         row = _active_rows_down(
             x_ptr + pid_m * stride_xm, wu_ptr, bu_ptr, wd_ptr, tl.sum(h, axis=0), offs_n, active, n_active, K,
             stride_xk, stride_un, stride_uk, stride_dn, stride_dk, HAS_UP, HAS_UP_BIAS, DRELU, UP_K,
         )  # fmt: skip
         if n_active > 0:  # the down kernel reads the rows of blocks with a nonzero count only
             offs_k = tl.arange(0, UP_K)
-            tl.store(rows_ptr + pid_n.to(tl.int64) * K + offs_k, row, mask=offs_k < K)
-        tl.store(cnt_ptr + pid_n, n_active)
+            tl.store(rows_ptr + pid_p.to(tl.int64) * K + offs_k, row, mask=offs_k < K)
+        tl.store(cnt_ptr + pid_p, n_active)
         return
-    if PREFETCH_LINES > 0:  # the down kernel's W_d rows, from HBM to L2 while this kernel runs on
-        _prefetch_rows_to_l2(wd_ptr, offs_n, active, K, stride_dn, PREFETCH_LINE, PREFETCH_LINES)
-    if HAS_UP:
-        if n_active > 0:
-            if BLOCK_M == 1:
-                u = _active_rows_times_x(
-                    x_ptr + pid_m * stride_xm, wu_ptr, offs_n, active, n_active, K, stride_xk, stride_un, stride_uk,
-                    UP_K,
-                )  # fmt: skip
-            else:
-                u = _rows_times_x(
-                    x_ptr, wu_ptr, rows, cols, m_ok, active, K, stride_xm, stride_xk, stride_un, stride_uk,
-                    DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, EACH,
-                )  # fmt: skip
-            if HAS_UP_BIAS:
-                u += tl.load(bu_ptr + offs_n, mask=active, other=0.0).to(tl.float32)[None, :]
-            u = u.to(dtype).to(tl.float32)
-            if DRELU:
-                u = tl.where(u <= 0.0, 0.0, u)
-            h = tl.where(kept, h * u, 0.0)
-    slot = tl.cumsum(active.to(tl.int32), axis=0) - 1
-    seg = pid_m.to(tl.int64) * n_blocks * BLOCK_N + pid_n * BLOCK_N
-    tl.store(ids_ptr + seg + slot, offs_n, mask=active)
-    # the block's active columns of h, compacted like ids: entry e holds h[token block, ids[e]]
-    local_m = tl.arange(0, BLOCK_M)
-    tl.store(hc_ptr + (seg + slot)[None, :] * BLOCK_M + local_m[:, None], h.to(dtype), mask=active[None, :])
-    tl.store(cnt_ptr + pid_m * n_blocks + pid_n, n_active)
+    for i in tl.static_range(PIPE):
+        pid_n = pid_p * PIPE + i
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        cols = offs_n.to(tl.int64)
+        kept, h, active, n_active = _gate_values(
+            acc, bg_ptr, offs_n, n_ok, m_ok, threshold, dtype, HAS_GATE_BIAS, SQUARE
+        )
+        if PREFETCH_LINES > 0:  # the down kernel's W_d rows, from HBM to L2 while this kernel runs on
+            _prefetch_rows_to_l2(wd_ptr, offs_n, active, K, stride_dn, PREFETCH_LINE, PREFETCH_LINES)
+        if i + 1 < PIPE:  # the next block's gate, and this block's up rows, in one K loop
+            acc, u = _gate_and_up(
+                x_ptr, wg_ptr, wu_ptr, rows, m_ok, cols + BLOCK_N, offs_n + BLOCK_N < N, cols, active, K, stride_xm,
+                stride_xk, stride_gn, stride_gk, stride_un, stride_uk, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+                HAS_UP,
+            )  # fmt: skip
+            if HAS_UP:
+                h = _times_up(h, u, kept, bu_ptr, offs_n, active, dtype, HAS_UP_BIAS, DRELU)
+        elif HAS_UP:
+            if n_active > 0:
+                if BLOCK_M == 1:
+                    u = _active_rows_times_x(
+                        x_ptr + pid_m * stride_xm, wu_ptr, offs_n, active, n_active, K, stride_xk, stride_un,
+                        stride_uk, UP_K,
+                    )  # fmt: skip
+                else:
+                    u = _rows_times_x(
+                        x_ptr, wu_ptr, rows, cols, m_ok, active, K, stride_xm, stride_xk, stride_un, stride_uk,
+                        DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, EACH,
+                    )  # fmt: skip
+                h = _times_up(h, u, kept, bu_ptr, offs_n, active, dtype, HAS_UP_BIAS, DRELU)
+        slot = tl.cumsum(active.to(tl.int32), axis=0) - 1
+        seg = pid_m.to(tl.int64) * n_blocks * BLOCK_N + pid_n * BLOCK_N
+        tl.store(ids_ptr + seg + slot, offs_n, mask=active)
+        # the block's active columns of h, compacted like ids: entry e holds h[token block, ids[e]]
+        local_m = tl.arange(0, BLOCK_M)
+        tl.store(hc_ptr + (seg + slot)[None, :] * BLOCK_M + local_m[:, None], h.to(dtype), mask=active[None, :])
+        tl.store(cnt_ptr + pid_m * n_blocks + pid_n, n_active, mask=pid_n < n_blocks)
 
 
 @triton.jit
@@ -520,6 +584,7 @@ def decode_ffn(
     prefetch: bool = True,
     down_rows: bool | None = None,
     rows_config: tuple[int, int] | None = None,
+    pipeline: int = 1,
 ) -> torch.Tensor:
     """y [M, K] in the dtype of x: down(act(gate(x)) * up(x)), or down(act(gate(x))) without up_weight
     (act² with square).
@@ -529,7 +594,8 @@ def decode_ffn(
     The configs override GATE_UP_CONFIG(_WIDE) / DOWN_CONFIG (tests, benchmarks); prefetch=False leaves
     out kernel 1's L2 prefetch of the active W_d rows at one token (benchmarks); down_rows takes one
     token by block rows (True; only one token with K <= 4096, the list otherwise) or by the list
-    (False), None leaving it to K.
+    (False), None leaving it to K. pipeline: neuron blocks a kernel-1 program takes, each block's up rows
+    read in the K loop that streams the next block's gate (two or more tokens; 1: one block a program).
     """
     m, k, n = _check_ffn(
         "decode_ffn", x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold
@@ -538,6 +604,10 @@ def decode_ffn(
         y = torch.zeros_like(x)
         return y + down_bias if down_bias is not None else y
     plan = _decode_plan(m, k, n, gate_up_config, down_config, down_rows)
+    if not isinstance(pipeline, int) or isinstance(pipeline, bool) or pipeline < 1:
+        raise ValueError(f"pipeline must be a positive int, got {pipeline!r}")
+    if pipeline > 1 and plan.block_m == 1:
+        raise ValueError(f"pipeline > 1 needs two or more tokens (one token reads its active rows whole), got {m}")
     block_n, block_k, warps, stages, each = plan.gate_up
     down_k, splits, chunk, split_min, down_warps = plan.down
     block_m, n_blocks, m_blocks, k_blocks, up_k = plan.block_m, plan.n_blocks, plan.m_blocks, plan.k_blocks, plan.up_k
@@ -560,7 +630,7 @@ def decode_ffn(
     nvidia = x.is_cuda and torch.version.hip is None and not interpreting()
     prefetch = prefetch and nvidia and m == 1 and not down_rows and down_weight_t.stride(1) == 1
     line = 128 // x.element_size()
-    _decode_gate_up_kernel[(n_blocks, m_blocks)](
+    _decode_gate_up_kernel[(triton.cdiv(n_blocks, pipeline), m_blocks)](
         x,
         gate_weight,
         gate_bias if gate_bias is not None else x,
@@ -599,6 +669,7 @@ def decode_ffn(
         PREFETCH_LINE=line,
         PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(k, line)) if prefetch else 0,
         DOWN_ROWS=down_rows,
+        PIPE=pipeline,
         num_warps=warps,
         num_stages=stages,
     )
