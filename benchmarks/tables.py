@@ -166,16 +166,23 @@ def shape(e: dict) -> str:
     return f"generation, batch {batch} ({prompt}, {e['twell']['new_tokens']} new tokens)"
 
 
+def fired(p: dict) -> str:
+    """A point's density as labelled, and in brackets the share of neurons its input fired (nnz_mean / N):
+    until session 11 ffn.py's uniform / skewed / topics inputs fired more than their label."""
+    fired = f" ({p['nnz_mean'] / p['N']:.2%})" if p.get("nnz_mean") is not None else ""
+    return f"{p['density']:.1%}{fired}"
+
+
 def ffn_table(points: list[dict]) -> str:
     rows = [
-        "| K x N | tokens | pattern | density | dense ms | twell ms | speedup | path | source |",
+        "| K x N | tokens | pattern | density (fired) | dense ms | twell ms | speedup | path | source |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for p in points:
         dense = min(p["dense_eager_ms"], p["dense_compiled_ms"])
         hot = f", {p['hot_neurons']} hot" if p.get("hot_neurons") else ""
         rows.append(
-            f"| {p['K']}x{p['N']} | {p['M']} | {p['pattern']} | {p['density']:.1%} | {ms(dense)} | {ms(p['twell_ms'])} "
+            f"| {p['K']}x{p['N']} | {p['M']} | {p['pattern']} | {fired(p)} | {ms(dense)} | {ms(p['twell_ms'])} "
             f"| {speedup(p['speedup'])} | {p['path']}{hot} | {p['source']} |"
         )
     return "\n".join(rows)
