@@ -29,10 +29,10 @@ order, at the one pass's config (one autotune key for both: a config of other wa
 order, and gave other bits on the H200, equally close to float64). A row is heavy there when it has an
 overflowing tile or more than WIDTH entries in some pass: a row past WIDTH whose passes each fit is walked
 in the passes, where gathers stay in L2, not by _heavy_kernel over all its neurons (on the benchmark's
-uniform input at K=4096, ~5% of rows, a quarter of the entries, are past the width of 256). Those rows
-get the main kernel's walk, other bits than one pass's heavy-kernel parts (both within fp32 rounding of
-float64); every other row gets one pass's bits. Heavy rows are listed by the first pass and skipped by
-all; _heavy_kernel runs once after the last.
+uniform input at K=4096, 0.65% dense, ~4.4% of the rows, 16% of the entries, are past the width of 256).
+Those rows get the main kernel's walk, other bits than one pass's heavy-kernel parts (both within fp32
+rounding of float64); every other row gets one pass's bits. Heavy rows are listed by the first pass and
+skipped by all; _heavy_kernel runs once after the last.
 """
 
 from __future__ import annotations
@@ -541,8 +541,8 @@ def twell_up_down(
     whole rows are held in registers. order: rows heaviest first (an argsort of the row totals on the
     device; it changes which program takes a row, never the row's result). hot_pos: int32 [N], the
     packer's hot map (neurons >= 0 were packed without): overflowing tiles leave them out too. groups:
-    the main kernel's passes, each over a contiguous range of tiles (at most one a tile; one pass's
-    bits: module docstring).
+    the main kernel's passes, each over a contiguous range of tiles (at most one a tile; module
+    docstring).
     """
     check_input("x", x)
     check_threshold(threshold)
