@@ -90,6 +90,17 @@ def set_gate_biases(model, rates, ids) -> list[dict]:
     return stats
 
 
+@torch.no_grad()
+def set_generation_biases(model, rates, runs, new_tokens: int) -> list[dict]:
+    """set_gate_biases on generated sequences themselves: each (decoder, prompt [b, P]) of `runs` generates
+    `new_tokens` greedy tokens under the model's current biases, and the biases are then set on every
+    prompt with its continuation, so that decode calls fire at `rates` (biases set on other random
+    sequences fire a random-weight model's neurons ~2.5x as often: attention averages a sequence's
+    tokens, which then share components). Returns set_gate_biases's stats on those tokens."""
+    sequences = torch.cat([torch.cat([prompt, decoder.generate(prompt, new_tokens)], 1) for decoder, prompt in runs])
+    return set_gate_biases(model, rates, sequences)
+
+
 def build(layers: int, density: float, calib_tokens: int = 4096):
     model = llama(
         vocab_size=32000,

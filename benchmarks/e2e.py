@@ -95,7 +95,7 @@ import torch
 import transformers
 
 sys.path.insert(0, os.path.dirname(__file__))
-from decode import first_divergence, llama, set_gate_biases  # noqa: E402
+from decode import first_divergence, llama, set_gate_biases, set_generation_biases  # noqa: E402
 from ffn import environment, result_path, skewed_rates  # noqa: E402
 from generation import GreedyDecoder  # noqa: E402
 
@@ -493,11 +493,8 @@ def run_model(name, shape, args, meter, demo, cuda, save) -> dict:
             "layers": layers,
         }
         if work.prompts:
-            sequences = torch.cat(
-                [torch.cat([work.prompts[b], d.generate(work.prompts[b], work.new_tokens)], 1)
-                 for b, d in dense_decoders.items()]
-            )  # fmt: skip
-            generation_layers = set_gate_biases(model, rates, sequences)
+            runs = [(d, work.prompts[b]) for b, d in dense_decoders.items()]
+            generation_layers = set_generation_biases(model, rates, runs, work.new_tokens)
             profiles[profile]["generation_density"] = statistics.mean(s["density"] for s in generation_layers)
             profiles[profile]["generation_layers"] = generation_layers
         biases[profile] = {"generation": gate_biases(model)}

@@ -25,7 +25,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from decode import llama, set_gate_biases  # noqa: E402
+from decode import llama, set_gate_biases, set_generation_biases  # noqa: E402
 from e2e import CALIB_TOKENS, ROW_SPREAD, SHAPES, profile_rates, share_gate_direction  # noqa: E402
 from ffn import environment, result_path  # noqa: E402
 from generation import GreedyDecoder  # noqa: E402
@@ -155,14 +155,18 @@ def main():
     calib = torch.randint(0, shape["vocab_size"], (CALIB_TOKENS // 256, 256), generator=g).cuda()
     rates = profile_rates("skewed", shape["num_hidden_layers"], shape["intermediate_size"], g, None)
     set_gate_biases(model, rates, calib)
+    prompts = {batch: torch.randint(0, shape["vocab_size"], (batch, 16), generator=g).cuda() for batch in (1, 16)}
+    # the decode steps' density as the profile's: biases set on the profiled prompts and their continuation
+    runs = [(GreedyDecoder(model, batch, 80, graph=False), prompt) for batch, prompt in prompts.items()]
+    layers = set_generation_biases(model, rates, runs, 2 + STEPS)
     result = environment() | {"model": "2b", "profile": "skewed", "steps": STEPS, "rows": []}
+    result["generation_density"] = statistics.mean(s["density"] for s in layers)
     path = result_path(os.path.join(os.path.dirname(__file__), "results"), "step_profile")
     for row in ("dense", "twell"):
         if row == "twell":
             twell.sparsify(model)
             result["report"] = twell.report(model).summary()
-        for batch in (1, 16):
-            prompt = torch.randint(0, shape["vocab_size"], (batch, 16), generator=g).cuda()
+        for batch, prompt in prompts.items():
             decoder = GreedyDecoder(model, batch, 80, graph=False)
             step = step_kernels(decoder, prompt)
             top = list(step["kernels"].items())[:8]
