@@ -32,11 +32,13 @@ from twell.kernels.gate import pack_dense
 # prefetch=False: kernel 1 leaves the W_d rows in HBM.
 # down_rows=False: one token by the list (ids, hc, counts) instead of block rows (the choice at K <= 2048).
 # pipeline: neuron blocks a kernel-1 program, each block's up rows read with the next block's gate, at the
-# launcher's BLOCK_N (64: 44 programs a token block at N=5632) and at 32 / 16 (as many programs as now).
+# launcher's BLOCK_N 64 and at 32 / 16; programs a token block at N=5632 / 14336: 44 / 112 (64, 2),
+# 88 / 224 (32, 2), 118 / 299 (16, 3), 44 / 112 (32, 4), against 88 / 224 for one block a program.
 PIPELINES = [
     {"pipeline": 2},
     {"pipeline": 2, "gate_up_config": (32, 128, 4, 4, False)},
-    {"pipeline": 4, "gate_up_config": (16, 128, 4, 4, False)},
+    {"pipeline": 3, "gate_up_config": (16, 128, 4, 4, False)},
+    {"pipeline": 4, "gate_up_config": (32, 128, 4, 4, False)},
 ]
 DECODE_VARIANTS = {1: [{}, {"down_rows": False}], 16: [{}, *PIPELINES], 64: [{}, *PIPELINES]}
 
