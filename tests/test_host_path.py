@@ -111,11 +111,16 @@ def test_the_fused_gate_keeps_its_config_per_key(monkeypatch):
         assert torch.equal(counts, by_hand[1]) and torch.equal(_counted(words, counts), _counted(*by_hand))
 
 
-@pytest.mark.parametrize("m,n_tiles", [(1, 1), (37, 3), (300, 44)], ids=["m1", "m37", "m300-programs3"])
-def test_row_totals_give_the_order_keys_the_probe_total_and_zeroed_counters(m, n_tiles):
+@pytest.mark.parametrize(
+    "m,n_tiles,groups",
+    [(1, 1, 1), (37, 3, 1), (300, 44, 1), (37, 5, 3), (300, 44, 4)],
+    ids=["m1", "m37", "m300-programs3", "m37-passes3", "m300-passes4"],
+)
+def test_row_totals_give_the_order_keys_the_probe_total_and_zeroed_counters(m, n_tiles, groups):
+    """Keys: a row's total clamped to 255, or with passes one key a pass (its entries in the pass's tiles)."""
     counts = torch.randint(0, 40, (m, n_tiles), dtype=torch.int32, device=DEVICE)
     counts[::7, 0] = 300  # rows past 255 entries: key 255
-    keys = torch.full((m,), 0xAB, dtype=torch.uint8, device=DEVICE)
+    keys = torch.full((groups, m), 0xAB, dtype=torch.uint8, device=DEVICE)
     tiles_pad = max(triton.next_power_of_2(n_tiles), 2)
     block_m = max(16, 8192 // tiles_pad)
     parts = triton.cdiv(m, block_m)
@@ -124,10 +129,12 @@ def test_row_totals_give_the_order_keys_the_probe_total_and_zeroed_counters(m, n
     heavy = torch.full((1 + m + capacity,), 9, dtype=torch.int32, device=DEVICE)
     updown._row_totals_kernel[(parts,)](
         counts, keys, kept, heavy, heavy[1 + m :], m, n_tiles, capacity, ORDER=True, BLOCK_M=block_m,
-        TILES_PAD=tiles_pad,
+        TILES_PAD=tiles_pad, GROUPS=groups,
     )  # fmt: skip
     assert int(kept.sum()) == int(counts.sum())
-    assert torch.equal(keys, counts.sum(1).clamp(max=255).to(torch.uint8))
+    bounds = [n_tiles * g // groups for g in range(groups + 1)]
+    in_passes = torch.stack([counts[:, lo:hi].sum(1) for lo, hi in zip(bounds, bounds[1:], strict=False)])
+    assert torch.equal(keys, in_passes.clamp(max=255).to(torch.uint8))
     assert int(heavy[0]) == 0 and not heavy[1 + m :].any()  # the heavy list's length and arrival counts
     assert (heavy[1 : 1 + m] == 9).all()  # the ids are written by the main kernel only
 

@@ -384,10 +384,11 @@ def test_up_down_heavy_rows_split_or_whole_give_the_same_bits(monkeypatch):
     assert torch.equal(runs[0], runs[1])
 
 
-def _recorded_passes(monkeypatch) -> tuple[list, list, set]:
-    """(passes, heavy, keys): each main-kernel launch's (tile_lo, tile_hi, FIRST, LAST), each heavy-row
-    launch's list of rows (sorted ids; a row listed twice shows twice), and the main launches' config keys."""
-    passes, heavy, keys = [], [], set()
+def _recorded_passes(monkeypatch) -> tuple[list, list, set, list]:
+    """(passes, heavy, keys, orders): each main-kernel launch's (tile_lo, tile_hi, FIRST, LAST), each heavy-row
+    launch's list of rows (sorted ids; a row listed twice shows twice), the main launches' config keys, and
+    each main launch's row order."""
+    passes, heavy, keys, orders = [], [], set(), []
     launch, heavy_kernel = updown._up_down_launch, updown._heavy_kernel
     names = updown._twell_up_down_kernel.arg_names
 
@@ -395,6 +396,7 @@ def _recorded_passes(monkeypatch) -> tuple[list, list, set]:
         bound = dict(zip(names, args, strict=False))
         passes.append((bound["tile_lo"], bound["tile_hi"], kwargs["FIRST"], kwargs["LAST"]))
         keys.add(key)
+        orders.append(bound["order_ptr"].clone())
         launch(key, grid, *args, **kwargs)
 
     class Heavy:
@@ -408,7 +410,7 @@ def _recorded_passes(monkeypatch) -> tuple[list, list, set]:
 
     monkeypatch.setattr(updown, "_up_down_launch", main)
     monkeypatch.setattr(updown, "_heavy_kernel", Heavy())
-    return passes, heavy, keys
+    return passes, heavy, keys, orders
 
 
 # sparse and empty rows, one with overflowing tiles (row 5), two past a row width of 12 entries (rows 12, 30;
@@ -435,7 +437,7 @@ def test_up_down_neuron_group_passes_against_one_pass(variant, dtype, poisoned_e
     an overflowing tile, or more than the row width in some pass; rows past the width whose passes each
     fit are walked in the passes (within tolerance of float64), every other row gets one pass's bits. The
     carry, the scratch and y start poisoned. The passes launch at the one pass's config key (other warps
-    reduce u in another order: other bits on the GPU)."""
+    reduce u in another order: other bits on the GPU), each with its rows ordered by their entries in it."""
     m, k, n, tile_n, slots, width = 37, 40, 300, 64, 8, 12
     gated = variant != "plain"
     case = make_ffn(m, k, n, GROUPS_DENSITIES, dtype, DEVICE, seed=5, biases=True, gated=gated)
@@ -459,7 +461,7 @@ def test_up_down_neuron_group_passes_against_one_pass(variant, dtype, poisoned_e
     )
     assert (light & (in_groups == 0).any(1) & (in_groups > 0).any(1)).any(), "light rows missing from a group"
     assert (light & (counts.sum(1) == 0)).any()
-    passes, heavy, keys = _recorded_passes(monkeypatch)
+    passes, heavy, keys, orders = _recorded_passes(monkeypatch)
     up = (case["up_weight"], case["up_bias"]) if gated else (None, None)
     runs = {}
     for groups in (1, 2, 3, 64):
@@ -476,6 +478,10 @@ def test_up_down_neuron_group_passes_against_one_pass(variant, dtype, poisoned_e
     ]  # fmt: skip
     assert heavy == [torch.nonzero(heavy_rows[g]).flatten().tolist() for g in (1, 2, 3, 64)]
     assert len(keys) == 1, keys
+    for (lo, hi, _, _), rows in zip(passes, orders, strict=True):  # each pass: its rows heaviest in the pass first
+        assert sorted(rows.tolist()) == list(range(m))
+        in_pass = counts[:, lo:hi].sum(1).clamp(max=255)[rows]
+        assert (in_pass[:-1] >= in_pass[1:]).all(), (lo, hi)
     ref = gated_ref(case, threshold) if gated else plain_ref(case, threshold)
     bits = torch.int32 if dtype == torch.float32 else torch.int16
     for groups in (1, 2, 3, 64):

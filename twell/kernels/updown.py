@@ -26,13 +26,14 @@ range of tiles, each pass walking only its range's entries, so the W_u / W_d row
 of them) can stay in L2 where the whole matrices do not (235 MB at K=4096, N=14336 against the H200's
 ~50 MB). y is carried between passes in an fp32 [M, K] buffer and the entries are walked in the one pass's
 order, at the one pass's config (one autotune key for both: a config of other warps reduces u in another
-order, and gave other bits on the H200, equally close to float64). A row is heavy there when it has an
-overflowing tile or more than WIDTH entries in some pass: a row past WIDTH whose passes each fit is walked
-in the passes, where gathers stay in L2, not by _heavy_kernel over all its neurons (on the benchmark's
-uniform input at K=4096, 0.65% dense, ~4.4% of the rows, 16% of the entries, are past the width of 256).
-Those rows get the main kernel's walk, other bits than one pass's heavy-kernel parts (both within fp32
-rounding of float64); every other row gets one pass's bits. Heavy rows are listed by the first pass and
-skipped by all; _heavy_kernel runs once after the last.
+order, and gave other bits on the H200, equally close to float64); each pass takes its rows heaviest
+first by their entries in that pass. A row is heavy there when it has an overflowing tile or more than
+WIDTH entries in some pass: a row past WIDTH whose passes each fit is walked in the passes, where gathers
+stay in L2, not by _heavy_kernel over all its neurons (on the benchmark's uniform input at K=4096, 0.65%
+dense, ~4.4% of the rows, 16% of the entries, are past the width of 256). Those rows get the main
+kernel's walk, other bits than one pass's heavy-kernel parts (both within fp32 rounding of float64);
+every other row gets one pass's bits. Heavy rows are listed by the first pass and skipped by all;
+_heavy_kernel runs once after the last.
 """
 
 from __future__ import annotations
@@ -490,14 +491,14 @@ _up_down_launch = TunedLaunch(_twell_up_down_kernel)
 @triton.jit
 def _row_totals_kernel(
     cnt_ptr, key_ptr, part_ptr, heavy_ptr, sem_ptr, M, n_tiles, capacity, ORDER: tl.constexpr, BLOCK_M: tl.constexpr,
-    TILES_PAD: tl.constexpr,
+    TILES_PAD: tl.constexpr, GROUPS: tl.constexpr,
 ):  # fmt: skip
     """For BLOCK_M rows of counts: their total entries (true counts) to part_ptr[program] (int64; the
     density probe adds the programs' on the host), with ORDER each row's sort key, its total clamped to
-    255 as a byte (one radix pass; rows past 255 entries are heavy-kernel rows anyway); and the heavy-row
-    kernels' counters zeroed: the heavy list's length (by program 0) and this program's rows' share of
-    the per-row arrival counts. One launch where torch took five (sum, clamp, cast, the probe's sum, a
-    zero fill)."""
+    255 as a byte (one radix pass; rows past 255 entries are heavy-kernel rows anyway), GROUPS keys a row
+    ([GROUPS, M]: pass g's key of row m, its entries in the pass's tiles); and the heavy-row kernels'
+    counters zeroed: the heavy list's length (by program 0) and this program's rows' share of the per-row
+    arrival counts. One launch where torch took five (sum, clamp, cast, the probe's sum, a zero fill)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_t = tl.arange(0, TILES_PAD)
     rows = offs_m < M
@@ -506,7 +507,13 @@ def _row_totals_kernel(
     total = tl.sum(cnt, axis=1)
     tl.store(part_ptr + tl.program_id(0), tl.sum(total.to(tl.int64), axis=0))
     if ORDER:
-        tl.store(key_ptr + offs_m, tl.minimum(total, 255).to(tl.uint8), mask=rows)
+        if GROUPS > 1:
+            for g in range(0, GROUPS):  # pass g: tiles [T g // G, T (g + 1) // G)
+                in_pass = (offs_t >= n_tiles * g // GROUPS) & (offs_t < n_tiles * (g + 1) // GROUPS)
+                part = tl.sum(tl.where(in_pass[None, :], cnt, 0), axis=1)
+                tl.store(key_ptr + g * M + offs_m, tl.minimum(part, 255).to(tl.uint8), mask=rows)
+        else:
+            tl.store(key_ptr + offs_m, tl.minimum(total, 255).to(tl.uint8), mask=rows)
     zero = tl.zeros([BLOCK_M], dtype=tl.int32)
     tl.store(sem_ptr + offs_m, zero, mask=offs_m < capacity)
     tl.store(heavy_ptr + offs_m * 0, zero, mask=offs_m == 0)
@@ -601,7 +608,8 @@ def launch_up_down(
     the main kernel as that many passes (at most one a tile), pass g over the tiles [T * g // groups,
     T * (g + 1) // groups), y carried between them in fp32 (not with up_out); rows past the width whose
     passes each fit are walked there (module docstring). Launches: row totals, the
-    argsort of their keys (order), the main kernel (autotuned once per key, TunedLaunch) once a pass,
+    argsort of their keys (order; a pass's rows by their entries in it), the main kernel (autotuned once
+    per key, TunedLaunch) once a pass,
     the heavy-row kernel; no zero fill."""
     policy.check_neuron_groups(groups, "groups")
     if groups > 1 and up_out is not None:
@@ -645,21 +653,23 @@ def launch_up_down(
         "BLOCK_K": triton.next_power_of_2(k),
     }
     down_bias = down_bias if down_bias is not None else dummy
-    keys = torch.empty(m, dtype=torch.uint8, device=x.device) if order else counts
+    # a pass's rows heaviest first by their entries in the pass (the whole row's with one pass)
+    keys = torch.empty(groups, m, dtype=torch.uint8, device=x.device) if order else counts
     block_m = max(16, 8192 // tiles_pad)
     parts = max(1, triton.cdiv(m, block_m))  # program 0 zeroes heavy[0] even with no rows
     kept = torch.empty(parts, dtype=torch.int64, device=x.device)
     _row_totals_kernel[(parts,)](
         counts, keys, kept, heavy, heavy[1 + m :], m, n_tiles, capacity, ORDER=order, BLOCK_M=block_m,
-        TILES_PAD=tiles_pad,
+        TILES_PAD=tiles_pad, GROUPS=groups,
     )  # fmt: skip
-    row_order = torch.argsort(keys, descending=True) if order else counts  # int64: the kernel reads either
+    # pass g's rows (int64), or counts as a placeholder without order: the kernel reads either
+    row_order = torch.argsort(keys, dim=1, descending=True) if order else counts.expand(groups, *counts.shape)
     bucket = m_bucket(m)
     # one key for one pass and the passes (the autotuner's two, by acc's dtype): the passes take its config
     key = (bucket, k, tile_n, slots, flags["HAS_UP"], width, x.dtype, order, up_out is not None)
     for g in range(groups):
         _up_down_launch(
-            key, (m,), x, words, counts, row_order, heavy, *up, down_weight_t, down_bias, y, acc, g_scratch,
+            key, (m,), x, words, counts, row_order[g], heavy, *up, down_weight_t, down_bias, y, acc, g_scratch,
             n_scratch, up_out, k, n_tiles, n_tiles * g // groups, n_tiles * (g + 1) // groups, bucket, x.stride(0),
             x.stride(1), *strides, HAS_ORDER=order, CHUNK=CHUNK, STORE_U=up_out is not None,
             U_WIDTH=up_out.shape[1] if up_out is not None else 0, GROUPS=groups,
