@@ -12,7 +12,7 @@ sparsity on distinct weights, so each layer reads its own from HBM), time per la
 Inputs: "exact": every row has exactly round(density * N) active neurons (the best case of a
 fixed-slot format). Otherwise x ~ N(0, 1) rows scaled by exp(ROW_SCALE z), z ~ N(0, 1) (so the active
 neurons per row are heavy-tailed), and the gate bias shifts each neuron so that it fires on p_n of the
-scaled rows in expectation (scaled_quantile; until session 11 on p_n of unscaled rows, which ran
+scaled rows in expectation (scaled_quantile; until 2026-12-05 on p_n of unscaled rows, which ran
 "uniform 0.5%" at 0.65%, "skewed 0.5%" at 0.58%, "topics 0.5%" at 0.55%). "uniform": p_n = density
 for all n; "skewed": 30% of neurons never fire, the rest have log-normal rates (sigma 1.5) with the
 same mean; "topics": tokens come in runs of 256 sharing one of 16 topics, each neuron belongs to a
