@@ -1,4 +1,5 @@
-"""benchmarks/e2e.py --smoke runs on the CPU and writes what benchmarks/plots.py draws."""
+"""benchmarks/e2e.py --smoke runs on the CPU and writes what benchmarks/plots.py draws; benchmarks/ffn.py's
+inputs fire the density of their label."""
 
 import json
 import os
@@ -80,3 +81,17 @@ def test_reuse_statistics_of_a_known_activity_matrix():
     assert stats["pairs_per_token"] == 5 / 4 and stats["union_per_token"] == 4 / 4
     assert stats["reuse"] == 5 / 4 and stats["pairs_in_2plus"] == 2 / 5 and stats["pairs_in_4plus"] == 0
     assert stats["union_share_of_n"] == 4 / 8
+
+
+@pytest.mark.parametrize("pattern", ["uniform", "skewed", "topics"])
+def test_ffn_inputs_fire_their_labelled_density(pattern):
+    """benchmarks/ffn.py's inputs scale x's rows; their gate biases are set for the scaled rows, so a
+    0.5% input fires 0.5% of its neurons (set for unscaled rows, uniform fired 0.65%)."""
+    import torch
+
+    from benchmarks.ffn import make_inputs
+
+    x, block = make_inputs(8192, 64, 1024, 0.005, pattern, seed=3, dtype=torch.float32, device="cpu")
+    mlp = block.mlp
+    fired = (torch.nn.functional.linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias) > 0).float().mean().item()
+    assert abs(fired - 0.005) <= 0.0004, fired
