@@ -242,6 +242,7 @@ assert spilled <= 512, usage
 """
 
 
+@pytest.mark.slow  # a build for sm_90: `make test-all` (docs/testing.md)
 def test_pack_and_gate_kernels_compile_for_hopper(tmp_path):
     """Triton's compiler and ptxas build the pack pass (every config, with and without hot columns left
     out) for sm_90 without register spills, and the fused gate's first config (bf16, bias) with no more
@@ -837,6 +838,7 @@ for kernel, consts, options in [
 """
 
 
+@pytest.mark.slow  # a build for sm_90: `make test-all` (docs/testing.md)
 def test_decode_kernels_compile_for_hopper_without_spills(tmp_path):
     """Triton's compiler and ptxas build the decode kernels for sm_90 (no GPU needed) with the
     launcher's configs, at one token (K = 2048 by block rows, 4096 by the list), 16 and 64 tokens (16 also

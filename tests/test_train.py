@@ -217,8 +217,8 @@ def test_compiled_sparse_training_step_of_a_model_compiles_once(monkeypatch):
     """A sparsified model's whole training step (LM loss + L1 penalty, backward, AdamW) compiled, on the
     sparse training path (on CPU through Triton's interpreter: the route's CUDA check lifted): every
     FFN's call is the training op, with no graph break, and after the second step (the tracker's
-    record dict goes from empty to filled once) no step compiles again; losses as eager. The layers
-    (~50% dense) train their first call sparse, then dense (train_dense_above): both under compile."""
+    record dict goes from empty to filled once) no step compiles again; losses as eager. The layer
+    (~50% dense) trains its first call sparse, then dense (train_dense_above): both under compile."""
     from torch._dynamo.utils import counters
 
     from twell.kernels import backward, library
@@ -231,7 +231,7 @@ def test_compiled_sparse_training_step_of_a_model_compiles_once(monkeypatch):
     ids = token_ids(3)
     losses = {}
     for compiled in (False, True):
-        model = build("llama-bias", num_hidden_layers=2).train()
+        model = build("llama-bias", num_hidden_layers=1).train()
         twell.sparsify(model, layer_config={"train_min_m": 1, "train_dense_above": 0.3})
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         run = torch.compile(model, backend="aot_eager") if compiled else model
@@ -248,7 +248,7 @@ def test_compiled_sparse_training_step_of_a_model_compiles_once(monkeypatch):
                 losses[compiled].append(loss.item())
                 assert not counters["graph_break"], dict(counters["graph_break"])
                 compiles.append(counters["stats"]["unique_graphs"])
-                assert len(calls) == 2  # each layer's FFN through the training op
+                assert len(calls) == 1  # the layer's FFN through the training op
         if compiled:
             assert compiles[2] == 0, compiles
     torch.testing.assert_close(losses[True], losses[False], rtol=1e-4, atol=1e-5)
