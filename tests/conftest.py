@@ -33,12 +33,16 @@ def _patch_language_once_a_launch() -> None:
     modules patched already (by the launch, or by an earlier helper: those patches last the launch)
     skips the repeat; any other call, and every launch, patches as before. Nothing changes where the
     interpreter has no `_patch_lang`."""
-    from triton.runtime import interpreter
-
-    patch = getattr(interpreter, "_patch_lang", None)
-    if patch is None or os.environ.get("TRITON_INTERPRET") != "1":
+    if os.environ.get("TRITON_INTERPRET") != "1":
         return
-    import triton.language as tl
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:  # no Triton here: nothing to interpret
+        return
+    patch = getattr(interpreter, "_patch_lang", None)
+    if patch is None:
+        return
 
     patched = []  # the running launch's patched language modules (ids)
 
