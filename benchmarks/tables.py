@@ -169,8 +169,8 @@ def shape(e: dict) -> str:
 def fired(p: dict) -> str:
     """A point's density as labelled, and in brackets the share of neurons its input fired (nnz_mean / N):
     until 2026-12-05 ffn.py's uniform / skewed / topics inputs fired more than their label."""
-    fired = f" ({p['nnz_mean'] / p['N']:.2%})" if p.get("nnz_mean") is not None else ""
-    return f"{p['density']:.1%}{fired}"
+    share = f" ({p['nnz_mean'] / p['N']:.2%})" if p.get("nnz_mean") is not None else ""
+    return f"{p['density']:.1%}{share}"
 
 
 def ffn_table(points: list[dict]) -> str:
