@@ -2,11 +2,12 @@
 dense-route call can be slower than the dense module it replaces (the down GEMM on the rows layout
 sparsify stores, the fused activation against relu_ + mul_).
 
-    cd benchmarks && PYTHONPATH=.. python dense_route.py      # CUDA only; JSON to results/
+    cd benchmarks && PYTHONPATH=.. python dense_route.py [--shapes 2048x5632x131072,...]  # CUDA only
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -48,13 +49,17 @@ def shape_times(k: int, n: int, m: int) -> dict:
 
 
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES), help="KxNxM,...")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args()
     torch.manual_seed(0)
     result = environment() | {"rows": []}
-    for k, n, m in SHAPES:
+    for k, n, m in (map(int, s.split("x")) for s in args.shapes.split(",")):
         ms = shape_times(k, n, m)
         print(k, n, m, {key: round(v, 3) for key, v in ms.items()}, flush=True)
         result["rows"].append({"K": k, "N": n, "M": m, "ms": ms})
-    path = result_path(os.path.join(os.path.dirname(__file__), "results"), "dense_route")
+    path = result_path(args.out, "dense_route")
     path.write_text(json.dumps(result, indent=1))
     print(path)
 

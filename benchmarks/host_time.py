@@ -120,6 +120,12 @@ def point(m: int, k: int, n: int, pattern: str) -> dict:
         row["twell_default_eager_ms"] = timed(call, False)
         row["twell_default_gpu_ops"] = gpu_ops(call)
         row["twell_default_profile"] = profile(call)[1]
+        with twell.configure(block, route="decode"):  # a calibrated layer's 9-16-token call (a short prompt)
+            call()
+            row["twell_decode_host_ms"] = host_ms(call)
+            row["twell_decode_eager_ms"] = timed(call, False)
+            row["twell_decode_gpu_ms"] = timed(call, True)
+            row["twell_decode_profile"] = profile(call)[1]
         with twell.configure(block, route="prefill"):
             dispatch.forget_layers()
             call()
