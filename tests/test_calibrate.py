@@ -361,6 +361,9 @@ def test_analytic_model_routes_with_the_layer_config():
     assert model.time_ratio(density=0.005, **shape, config=early) == pytest.approx(0.83)
     assert model.time_ratio(density=0.009, **shape, config=early) == 1.0  # past dense_above (0.8%)
     assert model.time_ratio(density=0.009, **shape, config=early.replace(dense_above=0.01)) < 1.0
+    # by width where dense_above is None: 0.75% is sparse at K=2048, dense from K=4096 (0.7%)
+    assert model.time_ratio(density=0.0075, **shape, config=early) < 1.0
+    assert model.time_ratio(density=0.0075, **(shape | {"k": 4096, "n": 14336}), config=early) == 1.0
 
 
 def test_analytic_model_reproduces_the_decode_measurements():

@@ -1010,7 +1010,7 @@ def test_hot_neurons_run_dense_and_stay_exact(variant, dtype, fused, sparse_path
     # the second call's density probe counts the hot neurons' active entries too
     bias = case["gate_bias"] if gated else case["up_bias"]
     pre = torch.nn.functional.linear(case["x"].double(), args[0].double(), bias.double() if bias is not None else None)
-    state.update(config)
+    state.update(config, args[0].shape[-1])
     assert state.density == pytest.approx(float((pre > threshold).double().mean()), abs=0.01)
 
 
@@ -1033,9 +1033,21 @@ def test_hot_neurons_are_the_most_frequent(counts, rate, hot):
         assert chosen.index.tolist() == list(range(hot)) and chosen.pos.tolist() == list(range(hot)) + [-1] * (80 - hot)
 
 
-@pytest.mark.parametrize("dense_above,falls_back", [(policy.DENSE_ABOVE, True), (0.05, False)])
-def test_dense_layers_fall_back_to_dense(dense_above, falls_back, sparse_paths):
-    """A prefill call denser than the layer's dense_above sends its next calls dense (still exact)."""
+@pytest.mark.parametrize(
+    "dense_above,by_width,falls_back",
+    [
+        (None, None, True),  # the default rows: 0.8% at K=24
+        (0.05, None, False),
+        (None, ((24, 0.05), (0, 0.008)), False),  # the layer's width (24) takes the first row
+        (None, ((25, 0.05), (0, 0.008)), True),  # narrower than the first row: the second
+        (0.05, ((0, 0.008),), False),  # a layer's own number wins over the rows
+    ],
+)
+def test_dense_layers_fall_back_to_dense(dense_above, by_width, falls_back, sparse_paths, monkeypatch):
+    """A prefill call denser than the layer's dense_above (by its width where None) sends its next calls
+    dense (still exact)."""
+    if by_width is not None:
+        monkeypatch.setattr(policy, "DENSE_ABOVE", by_width)
     config = sparse_paths.replace(dense_above=dense_above, hot_rate=None)
     case = make_ffn(80, 24, 64, [0.03], torch.float32, DEVICE, seed=3)
     args = (case["gate_weight"], case["up_weight"], case["down_weight"], None, None, None, 0.0, False, config)

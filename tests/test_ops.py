@@ -219,6 +219,11 @@ def test_layer_config_route():
         assert {policy.route(m, 2048, forced, density=0.5) for m in (1, 9, 16, 100, 1 << 20)} == {path}
         assert policy.route(4, policy.MAX_K + 1, forced) == "dense"  # K the kernels cannot take
     assert default.replace(route="prefill").dense_above == 1.0  # no measured density sends it dense
+    # dense_above None (the default): by the layer's width
+    assert [policy.dense_above_of(default, k) for k in (1024, 2048, 4095, 4096, 8192)] == [0.008] * 3 + [0.007] * 2
+    assert policy.dense_above_of(default.replace(dense_above=0.02), 4096) == 0.02
+    with pytest.raises(ValueError, match="dense_above must be a number or None, got '0.01'"):
+        twell.LayerConfig(dense_above="0.01")
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ Cost models:
 
 - ``AnalyticCostModel`` (CPU, or no GPU): documented fits. Calls the dispatcher runs dense
   (twell.kernels.policy.route with the layer's LayerConfig: too few tokens for prefill, K too wide,
-  density past its dense_above, 0.8% by default) have ratio 1. Prefill calls: the twell/dense time
+  density past its dense_above, by default 0.8%, 0.7% from K=4096) have ratio 1. Prefill calls: the twell/dense time
   ratio is ``a + b * density``, fitted to twell's own kernels on an H200 (benchmarks/NOTES.md, K=2048,
   N=5632, 131072 tokens: ratio 0.83 at 0.5% density, mean of two timings 0.78 and 0.88; 1.00 at 1%).
   The fit is for K=2048: at K=4096, N=14336 the measured ratio at 0.5% is 0.95 (1.05x), so it is

@@ -56,7 +56,7 @@ class AnalyticCostModel:
         if path == "decode":
             return self.decode_ratio(m, density)
         # calls the dispatcher sends to the dense route cost what dense costs (eager parity, measured)
-        if path != "prefill" or density > config.dense_above:
+        if path != "prefill" or density > policy.dense_above_of(config, k):
             return 1.0
         return self.intercept + self.slope * density
 

@@ -66,9 +66,9 @@ class _LayerState:
     hot_calls_left: int = 0  # prefill calls before the hot neurons are measured again
     prefilled: bool = False  # a prefill call ran outside a capture (its kernels are compiled and tuned)
 
-    def update(self, config: policy.LayerConfig) -> None:
-        """Take landed probes into account: a landed neuron count sets the hot neurons; past dense_above,
-        the layer's next prefill calls run dense."""
+    def update(self, config: policy.LayerConfig, k: int) -> None:
+        """Take landed probes into account: a landed neuron count sets the hot neurons; past its
+        dense_above (policy.dense_above_of, width k), the layer's next prefill calls run dense."""
         if self.hot_pending is not None and (self.hot_pending[0] is None or self.hot_pending[0].query()):
             _, host, device, rows = self.hot_pending
             self.hot_pending = None
@@ -85,7 +85,7 @@ class _LayerState:
             # a call measured with other hot neurons than the layer's now does not say what the next will cost
             hot_share = len(hot.index) / len(hot.pos) if hot is not None else 0.0
             current = self.hot if config.hot_rate is not None else None
-            if hot is current and sparse > config.dense_above * (1 - hot_share):
+            if hot is current and sparse > policy.dense_above_of(config, k) * (1 - hot_share):
                 self.dense_calls_left = policy.DENSE_RETRY
 
 
@@ -129,7 +129,7 @@ def layer_density(weight: torch.Tensor, capturing: bool, config: policy.LayerCon
     for key, state in _layers.get(id(base), {}).items():
         if key[:2] == where:
             if not capturing:
-                state.update(config)
+                state.update(config, weight.shape[-1])
             if state.density is not None:
                 densities.append(state.density)
     return max(densities, default=None)
@@ -196,7 +196,7 @@ def _choose(x2, gate_weight, wd_t, config, capturing) -> tuple[str, _LayerState 
     elif capturing and other != "prefill" and not state.prefilled:
         return "dense", None  # no kernel of this size ran eagerly: none may tune or compile inside the capture
     if not capturing:
-        state.update(config)
+        state.update(config, k)
     if state.dense_calls_left > 0:
         state.dense_calls_left -= 1
         return "dense", None

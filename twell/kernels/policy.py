@@ -34,8 +34,14 @@ PREFILL_MIN_M: int | None = 16384
 # Gate of the prefill path: the persistent TMA GEMM with the packing epilogue (True) or cuBLAS + the
 # pack pass (False); the faster measured at K=2048/N=5632 and K=4096/N=14336 on an H200.
 FUSED_GATE = False
-# Mean density above which a layer's prefill runs dense: 1.28x at 0.5%, 0.99-1.00x at 1% (NOTES.md v5/v6).
-DENSE_ABOVE = 0.008
+# Mean density above which a layer's prefill runs dense, by width: (min K, density) rows, the first with
+# K >= min K (LayerConfig.dense_above None: by these rows). The sparse path's crossover depends on K:
+# the wider layer's gathered weight rows (235 MB of W_u + W_d at K=4096, N=14336, against 46 MB at
+# K=2048) do not stay in L2. Measured on the module (H200, bf16, 32768 tokens, against the faster dense;
+# ffn-20261205-094950.json): K=4096 uniform 1.14x / 1.00x / 0.91x at 0.6 / 0.7 / 0.8% (the dense route
+# 1.00x at 1%); K=2048 uniform 1.36x at 0.65%, 1.07x forced sparse at 1% (131072 tokens) but topics (448
+# hot neurons) 0.90x forced sparse there (ffn-20261205-095017.json): 0.8% stays below K=4096.
+DENSE_ABOVE: tuple[tuple[int, float], ...] = ((4096, 0.007), (0, 0.008))
 # Hot neurons on the prefill path: neurons firing in more than this share of a layer's prefill
 # tokens (measured on the device from a call's first HOT_SAMPLE rows) are computed by dense products
 # over just those neurons (the packer leaves their columns out; cuBLAS: their gate and up columns over
@@ -186,7 +192,7 @@ class LayerConfig:
         calibrated_decode_max_m).
     prefill_min_m: calls of at least this many tokens take the prefill kernels (None: none does).
     dense_above: a layer whose prefill call measured it denser than this runs its next DENSE_RETRY
-        prefill calls dense.
+        prefill calls dense (None: by the layer's width, DENSE_ABOVE's rows; dense_above_of).
     fused_gate: the prefill gate through the TMA GEMM with the packing epilogue, where the operands
         allow (else cuBLAS + the pack pass).
     hot_rate: on the prefill path, neurons firing in more than this share of the layer's tokens are
@@ -223,7 +229,7 @@ class LayerConfig:
     decode_max_m: int = DECODE_MAX_M
     decode_sparse_max_m: int = DECODE_SPARSE_MAX_M
     prefill_min_m: int | None = PREFILL_MIN_M
-    dense_above: float = DENSE_ABOVE
+    dense_above: float | None = None
     fused_gate: bool = FUSED_GATE
     hot_rate: float | None = HOT_RATE  # op_args' order: train_min_m is no op argument
     train_min_m: int | None = TRAIN_MIN_M
@@ -244,8 +250,9 @@ class LayerConfig:
                 continue
             expected = "a non-negative int or None" if optional else "a non-negative int"
             raise ValueError(f"{name} must be {expected}, got {value!r}")
-        if isinstance(self.dense_above, bool) or not isinstance(self.dense_above, (int, float)):
-            raise ValueError(f"dense_above must be a number, got {self.dense_above!r}")
+        above = self.dense_above
+        if above is not None and (isinstance(above, bool) or not isinstance(above, (int, float))):
+            raise ValueError(f"dense_above must be a number or None, got {above!r}")
         for name in ("fused_gate", "train_forward_pack"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -321,6 +328,15 @@ def route(m: int, k: int, config: LayerConfig, density: float | None = None, cap
     if prefill_min_m is not None and m >= prefill_min_m:
         return "prefill"
     return "dense"
+
+
+def dense_above_of(config: LayerConfig, k: int) -> float:
+    """The density past which a layer of width k with `config` runs its prefill calls dense: its
+    dense_above, or where that is None the density of DENSE_ABOVE's first (min K, density) row with
+    k >= min K."""
+    if config.dense_above is not None:
+        return config.dense_above
+    return next(density for min_k, density in DENSE_ABOVE if k >= min_k)
 
 
 def calibrated_decode_max_m(
