@@ -10,7 +10,7 @@ from conftest import DEVICE, rel_err
 from ffn_cases import GatedBlock, gated_ref, make_ffn
 
 import twell
-from twell.kernels import checks, common, dispatch, gate, policy, updown
+from twell.kernels import checks, common, decode, dispatch, gate, policy, updown
 from twell.kernels.policy import LayerConfig
 
 # every check the launchers' modules call on their inputs
@@ -50,15 +50,15 @@ def test_one_threshold_rule_at_every_entry_point(threshold):
         checks.check_threshold(good)
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["cublas-gate", "fused-gate"])
-def test_the_prefill_path_checks_its_inputs_once(fused, monkeypatch):
-    """dispatch's prefill launchers run none of the launchers' checks (the op boundary ran its own);
-    the public launchers, called directly, still check."""
-    config = LayerConfig(fused_gate=fused, hot_rate=None).replace(route="prefill")
+@pytest.mark.parametrize("route,fused", [("prefill", False), ("prefill", True), ("decode", False)])
+def test_the_dispatched_paths_check_their_inputs_once(route, fused, monkeypatch):
+    """dispatch's prefill and decode launchers run none of the launchers' checks (the op boundary ran its
+    own); the public launchers, called directly, still check."""
+    config = LayerConfig(fused_gate=fused, hot_rate=None).replace(route=route)
     case = make_ffn(40, 24, 64, [0.05, 0.1], torch.float32, DEVICE, seed=5, biases=True)
     args = [case[c] for c in ("gate_weight", "up_weight", "down_weight", "gate_bias", "up_bias", "down_bias")]
     checked = []
-    for module in (gate, updown):
+    for module in (gate, updown, decode):
         for name in CHECKS:
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, lambda *a, _n=name, **k: checked.append(_n))
@@ -71,6 +71,17 @@ def test_the_prefill_path_checks_its_inputs_once(fused, monkeypatch):
         case["x"], words, counts, args[0], None, args[1], None, args[2].t(), None, tile_n=32, threshold=0.0
     )
     assert {"check_input", "check_threshold", "check_tile"} <= set(checked)
+    checked.clear()
+    decode.decode_ffn(case["x"][:2], args[0], None, args[1], None, args[2].t(), None, 0.0)
+    assert {"check_input", "check_threshold", "check_operand"} <= set(checked)
+
+
+def test_host_cdiv_and_next_power_of_2_are_tritons():
+    """The launchers' host-side cdiv / next_power_of_2 (plain Python) give triton's values."""
+    for a in [*range(70), 4095, 4096, 4097, (1 << 40) + 1]:
+        assert common.next_power_of_2(a) == triton.next_power_of_2(a), a
+        for b in (1, 2, 3, 16, 128):
+            assert common.cdiv(a, b) == triton.cdiv(a, b), (a, b)
 
 
 def test_a_token_bucket_tunes_once(monkeypatch):

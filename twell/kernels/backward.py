@@ -52,11 +52,13 @@ import triton.language as tl
 
 from twell.kernels import policy
 from twell.kernels.common import (
+    cdiv,
     check_bias,
     check_input,
     check_operand,
     check_threshold,
     dot_precision,
+    next_power_of_2,
     persistent_programs,
     threshold_in,
 )
@@ -204,7 +206,7 @@ def _share_rows(share: float | None, m: int) -> int:
     at least BACKUP_MIN_ROWS, at most m; ceil(m / BACKUP_SHARE) before any measurement (share None)."""
     if share is None:
         return -(-m // BACKUP_SHARE)
-    return min(m, max(BACKUP_MIN_ROWS, triton.next_power_of_2(math.ceil(1.25 * share * m))))
+    return min(m, max(BACKUP_MIN_ROWS, next_power_of_2(math.ceil(1.25 * share * m))))
 
 
 # id(gate weight behind any view) -> {(shape, offset): state}; an entry goes when its tensor is freed
@@ -1032,7 +1034,7 @@ def _sparse_forward(
     row_nonzero = _alloc((m,), torch.int32, x.device)
     redo, unserved = None, None
     if m > 0:
-        block_k = triton.next_power_of_2(k)
+        block_k = next_power_of_2(k)
         row_entries = _row_entries(entries, block_k)
         if pack and not square:
             dense_rows = 0
@@ -1072,7 +1074,7 @@ def _sparse_forward(
 def _pack_limit(width: int, n: int) -> int:
     """Entries of the rows the packed forward serves: at most the record's width and the up+down kernel's
     row width (at the pack layout's tiles)."""
-    return min(width, row_width(triton.cdiv(n, PACK_TILE_N), PACK_SLOTS))
+    return min(width, row_width(cdiv(n, PACK_TILE_N), PACK_SLOTS))
 
 
 def _pack_forward(
@@ -1106,11 +1108,11 @@ def _pack_forward(
     )  # fmt: skip
     n_tiles = tile_counts.shape[1]
     redo = torch.zeros(1 + m, dtype=torch.int32, device=x.device)
-    _pack_record_kernel[(triton.cdiv(m, PACK_BLOCK_M),)](
+    _pack_record_kernel[(cdiv(m, PACK_BLOCK_M),)](
         words, tile_counts, ids, gate, up, counts, row_l1, row_nonzero, redo, m, n_tiles, HAS_UP=has_up,
         DRELU=drelu, TILE_N=PACK_TILE_N, SLOTS=PACK_SLOTS, WIDTH=width, LIMIT=_pack_limit(width, pre.shape[1]),
-        TILES_PAD=max(2, triton.next_power_of_2(n_tiles)), BLOCK_M=PACK_BLOCK_M,
-        CHUNK=min(64, triton.next_power_of_2(width)),
+        TILES_PAD=max(2, next_power_of_2(n_tiles)), BLOCK_M=PACK_BLOCK_M,
+        CHUNK=min(64, next_power_of_2(width)),
     )  # fmt: skip
     if dense_rows:
         _dense_rows(
@@ -1182,7 +1184,7 @@ def _hidden_rows(
     kept = _alloc((t,), torch.int32, g.device) if store_kept else None
     rows, write, ids, gate, rec_up = record if record is not None else (l1, l1, l1, l1, l1)
     if t > 0:
-        _dense_hidden_kernel[(triton.cdiv(t, BACKUP_BLOCK_T),)](
+        _dense_hidden_kernel[(cdiv(t, BACKUP_BLOCK_T),)](
             g, u if u is not None else g, h, kept if store_kept else l1, l1, nonzero, rows, write, ids, gate,
             rec_up, t, n, threshold_in(threshold, g.dtype), HAS_UP=u is not None, DRELU=drelu, SQUARE=square,
             BLOCK_T=BACKUP_BLOCK_T, BLOCK_N=BACKUP_BLOCK_N, STORE_KEPT=store_kept, RECORD=record is not None,
@@ -1262,7 +1264,7 @@ def _hidden_pass(
     dhp = F.linear(dy, down_weight_t)
     dg = _alloc((t, n), x.dtype, x.device)
     du = _alloc((t, n), x.dtype, x.device) if has_up else dg
-    _backup_grads_kernel[(triton.cdiv(t, BACKUP_BLOCK_T), triton.cdiv(n, BACKUP_BLOCK_N))](
+    _backup_grads_kernel[(cdiv(t, BACKUP_BLOCK_T), cdiv(n, BACKUP_BLOCK_N))](
         pre, up, dhp, counts, l1_grad, dg, du, h, bias_acc[0], bias_acc[1], counts, counts, t, n,
         threshold_in(threshold, x.dtype), HAS_UP=has_up, HAS_GATE_BIAS=gate_bias is not None,
         HAS_UP_BIAS=up_bias is not None, DRELU=drelu, SQUARE=square, WIDTH=width, BLOCK_T=BACKUP_BLOCK_T,
@@ -1351,7 +1353,7 @@ def _hot_grads(
     h = _alloc((m, n_hot), g.dtype, g.device)
     kept = torch.zeros(n_hot, dtype=torch.int32, device=g.device)
     if m > 0 and n_hot > 0:
-        _backup_grads_kernel[(triton.cdiv(m, BACKUP_BLOCK_T), triton.cdiv(n_hot, BACKUP_BLOCK_N))](
+        _backup_grads_kernel[(cdiv(m, BACKUP_BLOCK_T), cdiv(n_hot, BACKUP_BLOCK_N))](
             g, u if has_up else g, dhp, counts, l1_grad, dg, du, h, acc_bg if acc_bg is not None else dg,
             acc_bu if acc_bu is not None else dg, hot_ids, kept, m, n_hot, threshold_in(threshold, g.dtype),
             HAS_UP=has_up, HAS_GATE_BIAS=acc_bg is not None, HAS_UP_BIAS=acc_bu is not None, DRELU=drelu,
@@ -1446,7 +1448,7 @@ def train_backward(
     coef_u = _alloc((m * width,), x.dtype, x.device) if has_up else coef_g
     coef_h = _alloc((m * width,), x.dtype, x.device)
     if m > 0:
-        block_k = triton.next_power_of_2(k)
+        block_k = next_power_of_2(k)
         row_entries = _row_entries(entries, block_k)
         wu = up_weight if has_up else x
         order, starts = _neuron_segments(ids, counts, n)
@@ -1485,12 +1487,12 @@ def train_backward(
         pair_rows = torch.empty(m * width, dtype=torch.int32, device=x.device)
         sorted_g, sorted_h = torch.empty_like(coef_g), torch.empty_like(coef_h)
         sorted_u = torch.empty_like(coef_u) if has_up else sorted_g
-        _neuron_order_kernel[(triton.cdiv(m * width, ORDER_BLOCK),)](
+        _neuron_order_kernel[(cdiv(m * width, ORDER_BLOCK),)](
             order, starts, coef_g, coef_u, coef_h, pair_rows, sorted_g, sorted_u, sorted_h, n, HAS_UP=has_up,
             WIDTH=width, BLOCK=ORDER_BLOCK,
         )  # fmt: skip
         coef_g, coef_u, coef_h = sorted_g, sorted_u, sorted_h
-        _train_dw_kernel[(triton.cdiv(n, DW_GROUP), triton.cdiv(k, dw_block_k))](
+        _train_dw_kernel[(cdiv(n, DW_GROUP), cdiv(k, dw_block_k))](
             pair_rows, starts, x, dy, coef_g, coef_u, coef_h, acc_g, acc_u, acc_d, acc_bg, acc_bu, dwg, dwu, dwd, dbg,
             dbu, n, k, x.stride(0), dy.stride(0), HAS_UP=has_up, HAS_GATE_BIAS=gate_bias is not None,
             HAS_UP_BIAS=up_bias is not None, GROUP=DW_GROUP, PAIRS=DW_PAIRS, BLOCK_K=dw_block_k,

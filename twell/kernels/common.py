@@ -15,6 +15,18 @@ from twell.kernels.checks import FLOAT_DTYPES, check_threshold  # noqa: F401
 from twell.kernels.policy import check_tile  # noqa: F401
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of ints, for host code: triton.cdiv is a constexpr function there (a few us a call,
+    and a decode call's launcher makes a dozen such calls)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of two >= n (0 for 0), for host code: triton.next_power_of_2's values, without its
+    constexpr-function call."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def interpreting() -> bool:
     """True under Triton's CPU interpreter (CI), where autotuning would only cost time."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -101,7 +113,7 @@ def compute_capability(device: torch.device) -> tuple[int, int]:
 
 def m_bucket(m: int) -> int:
     """Autotune key for the token count: next power of two, so new batch sizes do not re-tune."""
-    return triton.next_power_of_2(max(m, 1))
+    return next_power_of_2(max(m, 1))
 
 
 def dot_precision(dtype: torch.dtype) -> str:

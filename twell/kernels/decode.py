@@ -31,12 +31,14 @@ import triton
 import triton.language as tl
 
 from twell.kernels.common import (
+    cdiv,
     check_bias,
     check_input,
     check_operand,
     check_threshold,
     dot_precision,
     interpreting,
+    next_power_of_2,
     threshold_in,
 )
 
@@ -543,15 +545,15 @@ def _decode_plan(m: int, k: int, n: int, gate_up_config, down_config, down_rows)
     override them)."""
     default = GATE_UP_CONFIG_WIDE if m == 1 and k > 2048 else GATE_UP_CONFIG[min(m, 2)]
     gate_up = tuple(gate_up_config or default)
-    n_blocks = triton.cdiv(n, gate_up[0])
-    block_m = 1 if m == 1 else min(max(triton.next_power_of_2(m), 16), 64)
+    n_blocks = cdiv(n, gate_up[0])
+    block_m = 1 if m == 1 else min(max(next_power_of_2(m), 16), 64)
     down_k, splits, chunk, split_min, down_warps = down_config or DOWN_CONFIG[block_m]
     if splits < 1 or split_min < 0:
         raise ValueError(f"down_config needs SPLITS >= 1 and SPLIT_MIN >= 0, got {down_config}")
     group = 0
     if split_min == 0:  # static groups of `splits` neuron blocks
-        group, splits = splits, triton.cdiv(n_blocks, splits)
-    up_k = min(triton.next_power_of_2(k), 4096)
+        group, splits = splits, cdiv(n_blocks, splits)
+    up_k = min(next_power_of_2(k), 4096)
     if down_rows is None:  # measured faster at K = 2048, slower at 4096 (the rows helper's registers)
         down_rows = k <= 2048
     return _DecodePlan(
@@ -559,8 +561,8 @@ def _decode_plan(m: int, k: int, n: int, gate_up_config, down_config, down_rows)
         down=(down_k, splits, chunk, split_min, down_warps),
         block_m=block_m,
         n_blocks=n_blocks,
-        m_blocks=triton.cdiv(m, block_m),
-        k_blocks=triton.cdiv(k, down_k),
+        m_blocks=cdiv(m, block_m),
+        k_blocks=cdiv(k, down_k),
         up_k=up_k,
         group=group,
         down_rows=bool(down_rows) and m == 1 and k <= up_k,
@@ -597,9 +599,21 @@ def decode_ffn(
     (False), None leaving it to K. pipeline: neuron blocks a kernel-1 program takes, each block's up rows
     read in the K loop that streams the next block's gate (two or more tokens; 1: one block a program).
     """
-    m, k, n = _check_ffn(
-        "decode_ffn", x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold
-    )
+    _check_ffn("decode_ffn", x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold)
+    return launch_decode(
+        x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold, drelu=drelu,
+        square=square, gate_up_config=gate_up_config, down_config=down_config, prefetch=prefetch,
+        down_rows=down_rows, rows_config=rows_config, pipeline=pipeline,
+    )  # fmt: skip
+
+
+def launch_decode(
+    x, gate_weight, gate_bias, up_weight, up_bias, down_weight_t, down_bias, threshold, *, drelu=False,
+    square=False, gate_up_config=None, down_config=None, prefetch=True, down_rows=None, rows_config=None, pipeline=1,
+):  # fmt: skip
+    """decode_ffn without its input checks: for callers that checked them (the dispatcher, after the op
+    boundary's)."""
+    (m, k), n = x.shape, gate_weight.shape[0]
     if m == 0 or n == 0 or k == 0:  # no tokens, neurons or width: y is the down bias (no launch)
         y = torch.zeros_like(x)
         return y + down_bias if down_bias is not None else y
@@ -630,7 +644,7 @@ def decode_ffn(
     nvidia = x.is_cuda and torch.version.hip is None and not interpreting()
     prefetch = prefetch and nvidia and m == 1 and not down_rows and down_weight_t.stride(1) == 1
     line = 128 // x.element_size()
-    _decode_gate_up_kernel[(triton.cdiv(n_blocks, pipeline), m_blocks)](
+    _decode_gate_up_kernel[(cdiv(n_blocks, pipeline), m_blocks)](
         x,
         gate_weight,
         gate_bias if gate_bias is not None else x,
@@ -667,18 +681,18 @@ def decode_ffn(
         UP_K=up_k,
         SEM_BLOCK=256,
         PREFETCH_LINE=line,
-        PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(k, line)) if prefetch else 0,
+        PREFETCH_LINES=next_power_of_2(cdiv(k, line)) if prefetch else 0,
         DOWN_ROWS=down_rows,
         PIPE=pipeline,
         num_warps=warps,
         num_stages=stages,
     )
     if down_rows:
-        chunk_rows = min(triton.next_power_of_2(n_blocks), 1024)
+        chunk_rows = min(next_power_of_2(n_blocks), 1024)
         # 32 values a thread: 14.2 against 14.7 us a layer with 64 (exact 0.5%, K=2048), 17.9 against
         # 18.6 at 5%; wider K blocks slower (gpu_check-decode-20261201-131455.json)
         rows_k, rows_warps = rows_config or (16, max(4, min(16, chunk_rows // 64)))
-        _decode_down_rows_kernel[(triton.cdiv(k, rows_k),)](
+        _decode_down_rows_kernel[(cdiv(k, rows_k),)](
             rows, counts, down_bias if down_bias is not None else x, y, n_blocks, k, y.stride(1),
             HAS_DOWN_BIAS=down_bias is not None, ROWS=chunk_rows, BLOCK_K=rows_k, num_warps=rows_warps,
         )  # fmt: skip
@@ -704,7 +718,7 @@ def decode_ffn(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=down_k,
-        NB=max(triton.next_power_of_2(n_blocks), 32) if split_min > 0 else 32,  # unused by groups
+        NB=max(next_power_of_2(n_blocks), 32) if split_min > 0 else 32,  # unused by groups
         SUPER=32 if split_min > 0 else group,
         CHUNK=chunk,
         SPLIT_MIN=split_min,

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from twell.kernels.common import threshold_in
+from twell.kernels.common import cdiv, threshold_in
 
 BLOCK = 2048  # elements a program: 16 a thread at 4 warps, 16-byte loads of bf16
 
@@ -50,7 +50,7 @@ def act_mul_(g: torch.Tensor, u: torch.Tensor | None, threshold: float, *, drelu
         )
     n = g.numel()
     if n:
-        _act_mul_kernel[(triton.cdiv(n, BLOCK),)](
+        _act_mul_kernel[(cdiv(n, BLOCK),)](
             g, u if u is not None else g, n, threshold_in(threshold, g.dtype),
             HAS_UP=u is not None, DRELU=drelu, SQUARE=square, BLOCK=BLOCK, num_warps=4,
         )  # fmt: skip

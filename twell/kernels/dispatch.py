@@ -37,11 +37,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from twell.kernels import dense as dense_route
 from twell.kernels import policy
-from twell.kernels.decode import decode_ffn
+from twell.kernels.common import next_power_of_2
+from twell.kernels.decode import launch_decode
 from twell.kernels.gate import fused_gate_supported, launch_gate_twell, launch_pack_dense
 from twell.kernels.updown import launch_up_down
 
@@ -112,7 +112,7 @@ def layer_state(weight: torch.Tensor, m: int) -> _LayerState:
     if id(base) not in _layers:
         _layers[id(base)] = {}
         weakref.finalize(base, _layers.pop, id(base), None)
-    key = (tuple(weight.shape), weight.storage_offset(), triton.next_power_of_2(m))
+    key = (tuple(weight.shape), weight.storage_offset(), next_power_of_2(m))
     states = _layers[id(base)]
     state = states.get(key)
     if state is None:
@@ -168,7 +168,7 @@ def _run(
         return dense_fn(x2).reshape(shape)
     args = (x2, gate_weight, gate_bias, up_weight, up_bias, wd_t, down_bias, threshold)
     if path == "decode":
-        return decode_ffn(*args, drelu=drelu, square=square).reshape(shape)
+        return launch_decode(*args, drelu=drelu, square=square).reshape(shape)
     return _prefill(*args, drelu, square, config, state, capturing).reshape(shape)
 
 

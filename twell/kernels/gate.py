@@ -28,6 +28,7 @@ import triton.language as tl
 from twell.format import word_dtype
 from twell.kernels.common import (
     TunedLaunch,
+    cdiv,
     check_bias,
     check_input,
     check_operand,
@@ -275,7 +276,7 @@ _pack_dense_launch = TunedLaunch(_pack_dense_kernel)
 
 def _alloc(m: int, n: int, tile_n: int, slots: int, dtype, device):
     """(words, counts) of a TwELL of [m, n] values of `dtype` (twell.format's layout)."""
-    n_tiles = triton.cdiv(n, tile_n)
+    n_tiles = cdiv(n, tile_n)
     words = torch.empty(m, n_tiles, slots, dtype=word_dtype(dtype), device=device)
     counts = torch.empty(m, n_tiles, dtype=torch.int32, device=device)
     return words, counts
@@ -374,7 +375,7 @@ def launch_gate_twell(x, weight, bias, threshold, tile_n, slots, square=False, c
 
     def grid(meta):
         # the kernel steps by PROGRAMS: with fewer tiles than programs, each program takes one or none
-        return (min(programs, triton.cdiv(m, meta["BLOCK_M"]) * n_tiles),)
+        return (min(programs, cdiv(m, meta["BLOCK_M"]) * n_tiles),)
 
     bucket = m_bucket(m)
     args = (
@@ -438,7 +439,7 @@ def launch_pack_dense(h, threshold, tile_n, slots, square=False, hot_pos=None, c
     flags = {"HAS_HOT": hot_pos is not None, "SQUARE": square, "TILE_N": tile_n, "SLOTS": slots}
 
     def grid(meta):
-        return (triton.cdiv(m, meta["BLOCK_M"]), n_tiles)
+        return (cdiv(m, meta["BLOCK_M"]), n_tiles)
 
     if config is None:
         _pack_dense_launch((bucket, n, tile_n, slots, h.dtype, hot_pos is None), grid, *args, **flags)

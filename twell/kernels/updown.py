@@ -47,6 +47,7 @@ from twell.kernels import policy
 from twell.kernels.common import (
     TunedLaunch,
     autotune_configs,
+    cdiv,
     check_bias,
     check_input,
     check_operand,
@@ -54,6 +55,7 @@ from twell.kernels.common import (
     check_threshold,
     check_tile,
     m_bucket,
+    next_power_of_2,
     persistent_programs,
     threshold_in,
 )
@@ -567,7 +569,7 @@ def twell_up_down(
             f"twell_up_down expects words [{m}, T, S] and counts [{m}, T], got {list(words.shape)} and "
             f"{list(counts.shape)}"
         )
-    if n_tiles != triton.cdiv(n, tile_n):
+    if n_tiles != cdiv(n, tile_n):
         raise ValueError(f"{n_tiles} tiles do not cover N={n} at tile_n={tile_n}")
     for name, t in (("gate_weight", gate_weight), ("up_weight", up_weight), ("down_weight_t", down_weight_t)):
         if t is not None and (tuple(t.shape) != (n, k) or t.dtype != x.dtype or t.device != x.device):
@@ -640,7 +642,7 @@ def launch_up_down(
         y.stride(0),
         y.stride(1),
     )
-    tiles_pad = max(triton.next_power_of_2(n_tiles), 2)
+    tiles_pad = max(next_power_of_2(n_tiles), 2)
     flags = {
         "HAS_UP": up_weight is not None,
         "HAS_UP_BIAS": up_bias is not None,
@@ -650,13 +652,13 @@ def launch_up_down(
         "SLOTS": slots,
         "TILES_PAD": tiles_pad,
         "WIDTH": width,
-        "BLOCK_K": triton.next_power_of_2(k),
+        "BLOCK_K": next_power_of_2(k),
     }
     down_bias = down_bias if down_bias is not None else dummy
     # a pass's rows heaviest first by their entries in the pass (the whole row's with one pass)
     keys = torch.empty(groups, m, dtype=torch.uint8, device=x.device) if order else counts
     block_m = max(16, 8192 // tiles_pad)
-    parts = max(1, triton.cdiv(m, block_m))  # program 0 zeroes heavy[0] even with no rows
+    parts = max(1, cdiv(m, block_m))  # program 0 zeroes heavy[0] even with no rows
     kept = torch.empty(parts, dtype=torch.int64, device=x.device)
     _row_totals_kernel[(parts,)](
         counts, keys, kept, heavy, heavy[1 + m :], m, n_tiles, capacity, ORDER=order, BLOCK_M=block_m,
@@ -673,7 +675,7 @@ def launch_up_down(
             n_scratch, up_out, k, n_tiles, n_tiles * g // groups, n_tiles * (g + 1) // groups, bucket, x.stride(0),
             x.stride(1), *strides, HAS_ORDER=order, CHUNK=CHUNK, STORE_U=up_out is not None,
             U_WIDTH=up_out.shape[1] if up_out is not None else 0, GROUPS=groups,
-            GROUPS_PAD=triton.next_power_of_2(groups), FIRST=g == 0, LAST=g == groups - 1, **flags,
+            GROUPS_PAD=next_power_of_2(groups), FIRST=g == 0, LAST=g == groups - 1, **flags,
         )  # fmt: skip
     # neurons recomputed at a time: a [RECOMPUTE, BLOCK_K] tile of W_g in registers, kept ones fit the scratch
     recompute = 1 << (min(16, max(1, 16384 // flags["BLOCK_K"]), tile_n, width).bit_length() - 1)
