@@ -36,12 +36,15 @@ def shape_times(k: int, n: int, m: int) -> dict:
     rows = wd.t().contiguous()  # [N, K]: the layout sparsify stores
     h = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     g, u = F.linear(x, wg), F.linear(x, wu)
+    zero_k = torch.zeros(k, device="cuda", dtype=torch.bfloat16)
     return {
         "eager_ffn": bench(lambda: F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)),
         "route_plain_down": bench(lambda: dense.gated_ffn_dense(x, wg, wu, wd, None, None, None, 0.0, False)),
         "route_rows_down": bench(lambda: dense.gated_ffn_dense(x, wg, wu, rows.t(), None, None, None, 0.0, False)),
         "down_gemm_plain": bench(lambda: F.linear(h, wd)),
         "down_gemm_rows": bench(lambda: F.linear(h, rows.t())),
+        # the same product through addmm with a zero bias (cuBLASLt's bias epilogue: another kernel choice)
+        "down_gemm_rows_addmm": bench(lambda: torch.addmm(zero_k, h, rows)),
         "gate_gemm": bench(lambda: F.linear(x, wg)),
         "act_mul": bench(lambda: dense.act_mul_(g, u, 0.0, drelu=False, square=False)),
         "relu_then_mul_eager": bench(lambda: g.relu_().mul_(u)),
