@@ -14,7 +14,7 @@ from models import replanned_llama
 import twell
 from twell.calibrate import Decision
 from twell.kernels import dispatch, policy
-from twell.kernels.decode import decode_ffn
+from twell.kernels.decode import launch_decode
 from twell.kernels.policy import LayerConfig
 
 MIXED = [0.0, 0.03, 0.1, 0.02, 0.05, 0.01, 0.04, 0.0, 0.03, 1.0]
@@ -113,7 +113,8 @@ def test_dispatch_sends_calls_within_the_reach_to_the_decode_kernels(m, path, mo
     prefill call having measured its density; larger calls run dense."""
     dispatch.forget_layers()
     calls = []
-    monkeypatch.setattr(dispatch, "decode_ffn", lambda *a, **k: calls.append(a[0].shape[0]) or decode_ffn(*a, **k))
+    record = lambda *a, **k: calls.append(a[0].shape[0]) or launch_decode(*a, **k)  # noqa: E731
+    monkeypatch.setattr(dispatch, "launch_decode", record)
     case = make_ffn(m, 24, 96, MIXED, torch.float32, DEVICE, seed=m, biases=True)
     args = [case[k] for k in ("gate_weight", "up_weight", "down_weight", "gate_bias", "up_bias", "down_bias")]
     config = Decision(path="mlp", rewrite=True, reason="", model_size=4096, density=0.005).layer_config()

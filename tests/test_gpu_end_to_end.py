@@ -17,7 +17,7 @@ def test_sparsified_llama_matches_on_gpu(monkeypatch, tokens):
     transformers = pytest.importorskip("transformers")
     dispatch.forget_layers()
     calls = []
-    monkeypatch.setattr(dispatch, "decode_ffn", lambda *a, **k: calls.append("decode") or decode(*a, **k))
+    monkeypatch.setattr(dispatch, "launch_decode", lambda *a, **k: calls.append("decode") or decode(*a, **k))
     monkeypatch.setattr(dispatch, "launch_up_down", lambda *a, **k: calls.append("prefill") or updown(*a, **k))
     model = _tiny_llama(transformers)
     untouched = copy.deepcopy(model)
@@ -30,7 +30,7 @@ def test_sparsified_llama_matches_on_gpu(monkeypatch, tokens):
     assert rel_err(out, ref) <= 2e-2
 
 
-decode = dispatch.decode_ffn
+decode = dispatch.launch_decode
 updown = dispatch.launch_up_down
 
 
@@ -61,7 +61,7 @@ def test_sparsified_llama_generates_the_same_tokens(monkeypatch, cache):
     transformers = pytest.importorskip("transformers")
     dispatch.forget_layers()
     calls = []
-    monkeypatch.setattr(dispatch, "decode_ffn", lambda *a, **k: calls.append("decode") or decode(*a, **k))
+    monkeypatch.setattr(dispatch, "launch_decode", lambda *a, **k: calls.append("decode") or decode(*a, **k))
     monkeypatch.setattr(dispatch, "launch_up_down", lambda *a, **k: calls.append("prefill") or updown(*a, **k))
     model = _tiny_llama(transformers)
     untouched = copy.deepcopy(model)
@@ -103,7 +103,7 @@ def test_sparse_paths_capture_in_cuda_graphs_and_compile_whole(monkeypatch, toke
     eager result, and torch.compile(fullgraph=True) traces it without a graph break."""
     dispatch.forget_layers()
     calls = []
-    monkeypatch.setattr(dispatch, "decode_ffn", lambda *a, **k: calls.append("decode") or decode(*a, **k))
+    monkeypatch.setattr(dispatch, "launch_decode", lambda *a, **k: calls.append("decode") or decode(*a, **k))
     monkeypatch.setattr(dispatch, "launch_up_down", lambda *a, **k: calls.append("prefill") or updown(*a, **k))
     torch.manual_seed(0)
     block = GatedBlock(256, 1024).to("cuda", torch.bfloat16).eval()

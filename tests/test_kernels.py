@@ -1096,7 +1096,7 @@ def test_nn_linear_layout_runs_dense(m, sparse_paths, monkeypatch):
     """A down weight in the plain nn.Linear layout is never copied per call: the call runs dense."""
     case = make_ffn(m, 24, 64, [0.05], torch.float32, DEVICE, seed=m)
     down = case["down_weight"].contiguous()
-    monkeypatch.setattr(dispatch, "decode_ffn", None)  # any kernel call would fail
+    monkeypatch.setattr(dispatch, "launch_decode", None)  # any kernel call would fail
     monkeypatch.setattr(dispatch, "launch_up_down", None)
     args = (case["gate_weight"], case["up_weight"], down, None, None, None, 0.0, False)
     assert torch.equal(
@@ -1110,7 +1110,7 @@ def test_decode_serves_more_tokens_where_prefill_measured_the_layer_sparse(densi
     config = policy.LayerConfig(prefill_min_m=65)
     dispatch.forget_layers()
     calls = []
-    monkeypatch.setattr(dispatch, "decode_ffn", lambda *a, **k: calls.append("decode") or decode_ffn(*a, **k))
+    monkeypatch.setattr(dispatch, "launch_decode", lambda *a, **k: calls.append("decode") or decode_ffn(*a, **k))
     case = make_ffn(80, 24, 256, [density], torch.float32, DEVICE, seed=4)
     args = (case["gate_weight"], case["up_weight"], case["down_weight"], None, None, None, 0.0, False, config)
     m = config.decode_sparse_max_m
