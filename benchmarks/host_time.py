@@ -25,7 +25,8 @@ Triton launches themselves, with and without the density probe, with and without
 torch ops of one call (each a launch on CUDA, bar views and allocations), the Triton launches and
 their argument counts, and the op boundary's time (torch.ops.twell.gated_ffn on meta tensors: its
 dispatch, checks and fake). Runs on any tree (also an older commit's, for a comparison).
-The last point: the eager module path on CPU tensors (x [16, 64], a ReLU LlamaMLP K=64 N=176), us a
+Then the dispatcher's decode path the same way (16 tokens, the route forced: a short prompt's call on a
+calibrated layer). The last point: the eager module path on CPU tensors (x [16, 64], a ReLU LlamaMLP K=64 N=176), us a
 call of the dense module, of its SparseFFN after twell.sparsify, of twell.ops.gated_ffn, of
 torch.ops.twell.gated_ffn, of the op's own function (checks + plain-torch reference, the custom op's
 layers left out), of SparseFFN and of twell.ops with the op replaced by a stub returning x (their
@@ -266,6 +267,28 @@ def cpu_point(hot: int, m: int = 64, k: int = 64, n: int = 256) -> dict:
     return row
 
 
+def cpu_decode_point(m: int = 16, k: int = 64, n: int = 256) -> dict:
+    """The dispatcher's decode path on CPU tensors, launches stubbed (module docstring): a short prompt's
+    call on a calibrated layer."""
+    torch.set_num_threads(1)
+    x = torch.randn(m, k)
+    gate_weight, up_weight = torch.randn(n, k), torch.randn(n, k)
+    down_weight = torch.randn(n, k).t()
+    config = LayerConfig().replace(route="decode")
+    args = (x, gate_weight, up_weight, down_weight, None, None, None, 0.0, False, config)
+    launches = []
+    row = {"K": k, "N": n, "M": m, "route": "decode"}
+    with _stubbed_launches(launches), torch.no_grad():
+        call = lambda: dispatch.gated_ffn_cuda(*args)  # noqa: E731
+        call()
+        row["us_no_probe"] = _us_per_call(call)
+        launches.clear()
+        call()
+        row["triton_launches"] = launches[:]
+        row["python_calls_per_call"], row["profile"] = profile(call, top=15, calls=50)
+    return row
+
+
 def module_point(m: int = 16, k: int = 64, n: int = 176) -> dict:
     """The eager module path's host cost on CPU tensors (module docstring): where SparseFFN's time goes."""
     import transformers
@@ -307,7 +330,7 @@ def main():
     k, n = map(int, args.shape.split("x"))
     result = {**environment(), "calls": CALLS, "cpu": args.cpu, "points": []}
     if args.cpu:
-        points = [*(lambda h=int(h): cpu_point(h) for h in args.hot.split(",")), module_point]
+        points = [*(lambda h=int(h): cpu_point(h) for h in args.hot.split(",")), cpu_decode_point, module_point]
     else:
         points = (lambda m=int(m): point(m, k, n, args.pattern) for m in args.ms.split(","))
     for measure in points:
