@@ -26,8 +26,8 @@ torch ops of one call (each a launch on CUDA, bar views and allocations), the Tr
 their argument counts, and the op boundary's time (torch.ops.twell.gated_ffn on meta tensors: its
 dispatch, checks and fake). Runs on any tree (also an older commit's, for a comparison).
 Then the dispatcher's decode path the same way (16 tokens, the route forced: a short prompt's call on a
-calibrated layer). The last point: the eager module path on CPU tensors (x [16, 64], a ReLU LlamaMLP K=64 N=176), us a
-call of the dense module, of its SparseFFN after twell.sparsify, of twell.ops.gated_ffn, of
+calibrated layer). The last point: the eager module path on CPU tensors (x [16, 64], a ReLU LlamaMLP
+K=64 N=176), us a call of the dense module, of its SparseFFN after twell.sparsify, of twell.ops.gated_ffn, of
 torch.ops.twell.gated_ffn, of the op's own function (checks + plain-torch reference, the custom op's
 layers left out), of SparseFFN and of twell.ops with the op replaced by a stub returning x (their
 Python alone), and a cProfile of the SparseFFN call.
