@@ -227,24 +227,29 @@ def test_layer_config_route():
 
 
 @pytest.fixture
-def direct_dense(monkeypatch):
-    """twell.ops' direct dense call enabled on the CPU (it is for CUDA), recording each call it makes."""
-    from twell.kernels import dense
+def direct(monkeypatch):
+    """twell.ops' direct call enabled on the CPU (it is for CUDA): records each call of the dispatcher it
+    makes (its route arguments) and each dense-route call, "dense" (the CPU op itself runs the reference
+    and calls neither)."""
+    from twell.kernels import dense, dispatch
 
     calls = []
+    for name in ("gated_ffn_cuda", "ffn_cuda"):
+        real = getattr(dispatch, name)
+        monkeypatch.setattr(dispatch, name, lambda *a, _real=real: calls.append(a[-1]) or _real(*a))
     for name in ("gated_ffn_dense", "ffn_dense"):
         real = getattr(dense, name)
-        monkeypatch.setattr(dense, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
-    monkeypatch.setattr(twell.ops, "DIRECT_DENSE_DEVICE", "cpu")
+        monkeypatch.setattr(dense, name, lambda *a, _real=real: calls.append("dense") or _real(*a))
+    monkeypatch.setattr(twell.ops, "DIRECT_DEVICE", "cpu")
     return calls
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("variant", ["relu-bias", "fatrelu", "drelu", "plain", "plain-relu2"])
-def test_direct_dense_call_is_the_op_bit_for_bit(variant, dtype, direct_dense):
+def test_direct_dense_route_is_the_op_bit_for_bit(variant, dtype, direct):
     """Eager, no autograd, a size every state routes dense (64 tokens: above the decode limits, below
-    prefill): twell.ops runs the dense route itself (the Triton act_mul in the interpreter), the same bits
-    as the op's (3-D x, biases, thresholds, relu², dReLU)."""
+    prefill): twell.ops runs the dispatcher itself, whose dense route (the Triton act_mul in the
+    interpreter) gives the same bits as the op's (3-D x, biases, thresholds, relu², dReLU)."""
     gated = not variant.startswith("plain")
     case = make_ffn(64, 24, 70, [0.0, 0.1, 0.5], torch.float32, biases=variant == "relu-bias", gated=gated)
     case = {name: t.to(dtype) if t is not None else None for name, t in case.items()}
@@ -259,42 +264,60 @@ def test_direct_dense_call_is_the_op_bit_for_bit(variant, dtype, direct_dense):
         squared = variant == "plain-relu2"
         y = twell.ops.ffn(x, case["up_weight"], case["down_weight"], squared=squared)
         op = torch.ops.twell.ffn(x, case["up_weight"], case["down_weight"], None, None, 0.0, squared)
-    assert direct_dense == ["gated_ffn_dense" if gated else "ffn_dense"]
+    assert direct == [twell.LayerConfig(), "dense"]
     assert y.shape == x.shape and torch.equal(y, op)
 
 
-@pytest.mark.parametrize(
-    "m,config",
-    [
-        (8, None),  # decode kernels
-        (12, None),  # decode or dense by the layer's measured density
-        (64, twell.LayerConfig(prefill_min_m=32)),  # prefill kernels
-        (64, twell.LayerConfig(prefill_min_m_captured=32)),  # prefill when captured
-        (64, twell.LayerConfig(decode_max_m=64, decode_sparse_max_m=64)),
-    ],
-    ids=["decode", "decode-by-density", "prefill", "prefill-captured", "calibrated-decode"],
-)
-def test_direct_dense_call_only_where_every_state_routes_dense(m, config, direct_dense):
-    case = make_ffn(m, 16, 40, [0.2], torch.float32)
-    twell.ops.gated_ffn(*_gated_args(case), config=config)
-    assert direct_dense == []
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+@pytest.mark.parametrize("route", ["decode", "prefill"])
+def test_direct_call_takes_every_route_with_the_layers_config(route, gated, direct):
+    """The sparse routes too: the layer's config reaches the dispatcher unchanged (no op arguments
+    round trip), and the result is the FFN's (float64 reference)."""
+    case = make_ffn(24, 16, 300, [0.02, 0.0, 0.05], torch.float32, biases=True, gated=gated)
+    config = twell.LayerConfig().replace(route=route, hot_rate=None)
+    x = case["x"].reshape(2, 12, 16)
+    if gated:
+        biases = {"gate_bias": case["gate_bias"], "up_bias": case["up_bias"], "down_bias": case["down_bias"]}
+        y = twell.ops.gated_ffn(x, *_gated_args(case)[1:], **biases, config=config)
+        want = gated_ref(case)
+    else:
+        biases = {"up_bias": case["up_bias"], "down_bias": case["down_bias"]}
+        y = twell.ops.ffn(x, case["up_weight"], case["down_weight"], **biases, config=config)
+        want = plain_ref(case)
+    assert direct == [config]
+    assert y.shape == x.shape and rel_err(y.reshape(want.shape), want) < 1e-5
 
 
-def test_direct_dense_call_not_under_autograd_or_tensor_subclasses(direct_dense):
+def test_direct_call_not_under_autograd_tensor_subclasses_or_dispatch_modes(direct):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
     case = make_ffn(64, 16, 40, [0.2], torch.float32)
     x = case["x"].clone().requires_grad_()
     twell.ops.gated_ffn(x, *_gated_args(case)[1:]).sum().backward()  # the op's autograd
-    assert direct_dense == [] and x.grad is not None
+    assert direct == [] and x.grad is not None
     with torch.no_grad():  # a leaf needing grad, but no graph recorded: direct
         twell.ops.gated_ffn(x, *_gated_args(case)[1:])
-    assert direct_dense == ["gated_ffn_dense"]
+    assert direct == [twell.LayerConfig(), "dense"]
 
     class Marked(torch.Tensor):
         pass
 
-    direct_dense.clear()
+    direct.clear()
     twell.ops.gated_ffn(case["x"].as_subclass(Marked), *_gated_args(case)[1:])
-    assert direct_dense == []
+    assert direct == []
+
+    class Seen(TorchDispatchMode):  # a recording mode sees the op, not the dispatcher's kernels one by one
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Seen() as seen:
+        twell.ops.gated_ffn(*_gated_args(case))
+    assert direct == [] and seen.ops == ["twell.gated_ffn.default"]
 
 
 def _traced_calls(fn, sizes, k):
@@ -313,7 +336,7 @@ def _traced_calls(fn, sizes, k):
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
-def test_compiled_dense_size_traces_plain_ops(gated, direct_dense):
+def test_compiled_dense_size_traces_plain_ops(gated, direct):
     """Under torch.compile a size every state routes dense is traced as the dense FFN's torch ops (no
     twell op: Inductor compiles it as it compiles the dense model), with dynamo guarding the decision: a
     later decode-size call of the same dynamic graph traces the op. Results equal eager's."""
@@ -332,11 +355,11 @@ def test_compiled_dense_size_traces_plain_ops(gated, direct_dense):
     assert all("linear" in " ".join(calls) for calls in graphs[:2])
     for compiled, eager in outputs:
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
-    # eager calls of the three dense sizes run the dense route's own kernels, never the traced ops
-    assert direct_dense == ["gated_ffn_dense" if gated else "ffn_dense"] * 3
+    # eager calls run the dispatcher (the three dense sizes its dense route), never the traced ops
+    assert direct.count("dense") == 3 and len(direct) == 4 + 3
 
 
-def test_compiled_call_keeps_the_op_where_a_state_routes_sparse(direct_dense):
+def test_compiled_call_keeps_the_op_where_a_state_routes_sparse(direct):
     """Prefill sizes, and every size with the down weight in the nn.Linear layout, as the eager call."""
     case = make_ffn(1, 16, 40, [0.2], torch.float32)
     config = twell.LayerConfig(prefill_min_m=32)
@@ -347,29 +370,31 @@ def test_compiled_call_keeps_the_op_where_a_state_routes_sparse(direct_dense):
     assert not any("twell.gated_ffn" in call for call in graphs[0])
 
 
-def test_direct_dense_call_checks_as_the_op(direct_dense):
+def test_direct_call_checks_as_the_op(direct):
     case = make_ffn(64, 16, 40, [0.2], torch.float32)
     with pytest.raises(ValueError, match="up_weight"):
         twell.ops.gated_ffn(case["x"], case["gate_weight"], case["up_weight"][:30], case["down_weight"])
     with pytest.raises(ValueError, match="threshold"):
         twell.ops.gated_ffn(*_gated_args(case), threshold=float("inf"))
-    assert direct_dense == []  # the checks ran first
+    assert direct == []  # the checks ran first
 
 
 @pytest.mark.gpu
-def test_direct_dense_call_on_cuda_is_the_dispatchers_dense_route():
-    """bf16, K=2048 N=5632, 256 tokens (an eager prompt's call): twell.ops on a sparsify-style down weight
-    (rows stored [N, K]) gives the op's bits, eagerly and replayed from a CUDA graph."""
+@pytest.mark.parametrize("route,m", [("dense", 256), ("decode", 8), ("prefill", 256)])
+def test_direct_call_on_cuda_is_the_op(route, m):
+    """bf16, K=2048 N=5632 (an eager prompt's or decode step's call): twell.ops on a sparsify-style down
+    weight (rows stored [N, K]) gives the op's bits on each route, eagerly and replayed from a CUDA graph."""
     torch.manual_seed(0)
-    x = torch.randn(256, 2048, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
     gate, up = (torch.randn(5632, 2048, device="cuda", dtype=torch.bfloat16) / 45 for _ in range(2))
     down = (torch.randn(5632, 2048, device="cuda", dtype=torch.bfloat16) / 75).t()  # the kernels' layout
+    config = twell.LayerConfig().replace(route=route, hot_rate=None)
     args = (x, gate, up, down)
-    op = torch.ops.twell.gated_ffn(*args, None, None, None, 0.0, False)
-    assert torch.equal(twell.ops.gated_ffn(*args), op)
+    op = torch.ops.twell.gated_ffn(*args, None, None, None, 0.0, False, *config.op_args())
+    assert torch.equal(twell.ops.gated_ffn(*args, config=config), op)
     graph, out = torch.cuda.CUDAGraph(), None
     with torch.cuda.graph(graph):
-        out = twell.ops.gated_ffn(*args)
+        out = twell.ops.gated_ffn(*args, config=config)
     out.fill_(float("nan"))
     graph.replay()
     assert torch.equal(out, op)

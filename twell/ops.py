@@ -83,12 +83,16 @@ def _run(args: tuple, drelu: bool, squared: bool, return_l1: bool, config: Layer
         if not return_l1:
             return y
     else:
-        if _direct_dense(args, config):
-            y = _dense(args, drelu, squared, traced=torch.compiler.is_compiling())
-        elif up_weight is None:
+        y, plain = None, _plain_call(args)
+        if plain and torch.compiler.is_compiling():
+            if _always_dense(args, config):  # traced as the dense FFN's torch ops, else as the op
+                y = _traced_dense(args, drelu, squared)
+        elif plain and torch._C._len_torch_dispatch_stack() == 0:  # no mode that records ops one by one
+            y = _direct(args, drelu, squared, config)
+        if y is None and up_weight is None:
             route = config.op_args()
             y = torch.ops.twell.ffn(x, gate_weight, down_weight, gate_bias, down_bias, threshold, squared, *route)
-        else:
+        elif y is None:
             y = torch.ops.twell.gated_ffn(*args, drelu, *config.op_args())
         if not return_l1:
             return y
@@ -98,56 +102,64 @@ def _run(args: tuple, drelu: bool, squared: bool, return_l1: bool, config: Layer
     return y, l1_sum / numel, nonzero / numel
 
 
-# The device whose eager calls skip the op where the dispatcher would route them dense in any state.
-DIRECT_DENSE_DEVICE = "cuda"
+# The device whose calls without autograd skip the op (twell.ops runs the dispatcher itself)
+DIRECT_DEVICE = "cuda"
 
 
-def _direct_dense(args: tuple, config: LayerConfig) -> bool:
-    """A call without autograd on plain tensors that the CUDA dispatcher would route dense in any state:
-    twell.ops runs the dense route itself, without the custom op's layers and the dispatcher. Eager (the
-    module at 256 tokens: 0.277 ms of host time through the op, 0.242 direct, the dense module's
-    0.07-0.16 on the same hosts: host_time-20261202-114041 / -115620.json), the dense route's own kernels.
-    Under torch.compile the decision is taken while tracing (dynamo guards on the token count) and the
-    FFN is traced as plain torch ops, which Inductor compiles as it compiles the dense model: a compiled
-    prompt of 16-1024 tokens paid the op's host path, 0.2-0.27 ms a layer, where dense compiled pays none
-    (whole generation 0.94x of dense compiled at batch 16, e2e-20261202-222107.json); traced, the prompt
-    costs what dense's does (batch 64: 10.01 against 9.79 ms, e2e-20261205-033502.json)."""
+def _plain_call(args: tuple) -> bool:
+    """A call on DIRECT_DEVICE without autograd, on plain tensors: eagerly (and under no dispatch mode),
+    twell.ops runs the op's CUDA implementation itself (_direct), without the custom op's layers
+    (dispatcher, autograd and backend wrappers: ~0.15 ms a call on the H200's host,
+    host_time-20261202-120304.json: 1.236 ms through the op against 1.088 for the dispatcher alone at
+    256 tokens); under torch.compile a size every state routes dense is traced as the dense FFN's torch
+    ops (_dense), which Inductor compiles as it compiles the dense model: a compiled prompt of 16-1024
+    tokens paid the op's host path, 0.2-0.27 ms a layer, where dense compiled pays none (whole
+    generation 0.94x of dense compiled at batch 16, e2e-20261202-222107.json); traced, the prompt costs
+    what dense's does (batch 64: 10.01 against 9.79 ms, e2e-20261205-033502.json)."""
     x, down_weight = args[0], args[3]
     tensors = [t for t in args[:7] if t is not None]
-    if x.device.type != DIRECT_DENSE_DEVICE:
+    if x.device.type != DIRECT_DEVICE:
         return False
     if x.dim() == 0 or not isinstance(down_weight, torch.Tensor) or down_weight.dim() != 2:
         return False  # the op's checks name what is wrong
     if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors):  # fake, functional, DTensor
         return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
+def _always_dense(args: tuple, config: LayerConfig) -> bool:
+    """Whether the CUDA dispatcher routes this call dense in every state (dynamo guards the token count)."""
     from twell.kernels import dispatch
 
+    x, down_weight = args[0], args[3]
     return dispatch.always_dense(x.numel() // max(x.shape[-1], 1), x.shape[-1], config, down_weight.t())
 
 
-def _dense(args: tuple, drelu: bool, squared: bool, traced: bool = False) -> torch.Tensor:
-    """The dispatcher's dense route of the FFN (its checks first: the op's errors); traced (under
-    torch.compile): the same function in plain torch ops (reference.hidden), for Inductor to fuse."""
-    from twell.kernels import dense
+def _direct(args: tuple, drelu: bool, squared: bool, config: LayerConfig) -> torch.Tensor:
+    """The op's CUDA implementation called directly (its checks first: the op's errors): the same
+    dispatcher, the same route and bits."""
+    from twell.kernels import dispatch
 
+    x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold = args
+    if up_weight is None:
+        checks.check_plain(x, gate_weight, down_weight, gate_bias, down_bias, threshold)
+        return dispatch.ffn_cuda(x, gate_weight, down_weight, gate_bias, down_bias, threshold, squared, config)
+    checks.check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold)
+    return dispatch.gated_ffn_cuda(
+        x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu, config
+    )
+
+
+def _traced_dense(args: tuple, drelu: bool, squared: bool) -> torch.Tensor:
+    """The FFN in plain torch ops (reference.hidden), its checks first (the op's errors): what a compiled
+    call every state routes dense is traced as, for Inductor to fuse."""
     x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold = args
     if up_weight is None:
         checks.check_plain(x, gate_weight, down_weight, gate_bias, down_bias, threshold)
     else:
         checks.check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold)
-    if traced:
-        h = reference.hidden(x, gate_weight, up_weight, gate_bias, up_bias, threshold, drelu, squared)
-        return torch.nn.functional.linear(h, down_weight, down_bias)
-    x2 = x.reshape(-1, x.shape[-1])
-    if up_weight is None:
-        y = dense.ffn_dense(x2, gate_weight, down_weight, gate_bias, down_bias, threshold, squared)
-    else:
-        y = dense.gated_ffn_dense(
-            x2, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu
-        )
-    return y.reshape(x.shape)
+    h = reference.hidden(x, gate_weight, up_weight, gate_bias, up_bias, threshold, drelu, squared)
+    return torch.nn.functional.linear(h, down_weight, down_bias)
 
 
 __all__ = ["LayerConfig", "gated_ffn", "ffn"]

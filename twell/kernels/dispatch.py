@@ -245,7 +245,7 @@ def _prefill(
         h_hot, hot_kept = _hot_products(
             x2, hot.index, gate_weight, gate_bias, up_weight, up_bias, threshold, drelu, square, probe
         )
-    # the op boundary checked the inputs (twell.kernels.library): the launchers do not again
+    # the op boundary (twell.kernels.library) or twell.ops' direct call checked the inputs: the launchers do not again
     y, kept = launch_up_down(
         x2, words, counts, gate_weight, gate_bias, up_weight, up_bias, wd_t, down_bias, tile_n=tile_n,
         threshold=threshold, drelu=drelu, square=square, hot_pos=hot_pos, groups=config.neuron_groups,

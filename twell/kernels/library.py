@@ -4,7 +4,9 @@ the public Python API over them).
 Each op has a fake implementation (torch.compile traces it with no graph break), a default
 implementation in plain PyTorch (CPU and any device without Triton kernels) and a CUDA implementation
 that dispatches to Triton (twell.kernels.dispatch, imported on first CUDA call, so importing twell
-compiles nothing).
+compiles nothing). twell.ops calls that CUDA implementation itself (same checks, same dispatcher) for
+an eager call without autograd on plain tensors, saving the custom op's layers; everything else
+(autograd, torch.compile, tensor subclasses, dispatch modes) goes through the op.
 
 Route arguments: gated_ffn and ffn take the fields of the layer's twell.kernels.policy.LayerConfig
 (tile_n ... neuron_groups, in LayerConfig.op_args' order, defaulting to its defaults): the CUDA dispatcher
