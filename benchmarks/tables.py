@@ -5,7 +5,9 @@
 Each table sits between markers (`<!-- tables:NAME -->` ... `<!-- /tables:NAME -->`) and is rewritten
 whole; tests/test_tables.py fails when a committed page differs from what this script writes, so no
 figure is copied by hand. Every row names the result file it comes from (each file records the commit
-it measured). Which results count, newest first (file names carry the run's UTC time):
+it measured). Which results count, newest first (file names carry the run's UTC time), of runs on the
+card the figures are for (REFERENCE_GPU; a run on another card, e.g. an H100 when no H200 was lent,
+stays in benchmarks/results/ and NOTES but not in these tables):
 
 - ffn (benchmarks/ffn.py): per point (K, N, tokens, pattern, density), the newest run's module as a user
   calls it (twell.sparsify's, routed by its LayerConfig) against the faster of dense eager and dense
@@ -31,12 +33,16 @@ PAGES = ("README.md", "docs/performance.md")
 RESULT_FILE = re.compile(r"^(?P<kind>[a-z0-9_-]+?)-(?P<stamp>\d{8}-\d{6})\.json$")
 # The whole-model run the README quotes: the paper's 2B shape, neurons at 0.5% with skewed rates.
 README_MODEL, README_PROFILE = "2b", "skewed"
+# The card every table's figures are measured on (a result's "gpu" as torch names it).
+REFERENCE_GPU = "NVIDIA H200"
 
 
 def runs(results: Path, kind: str) -> list[tuple[str, dict]]:
-    """(file name, contents) of every result file of `kind`, newest first."""
+    """(file name, contents) of every result file of `kind` measured on REFERENCE_GPU (or naming no card),
+    newest first."""
     found = [(m["stamp"], p) for p in results.iterdir() if (m := RESULT_FILE.match(p.name)) and m["kind"] == kind]
-    return [(p.name, json.loads(p.read_text())) for _, p in sorted(found, reverse=True)]
+    loaded = [(p.name, json.loads(p.read_text())) for _, p in sorted(found, reverse=True)]
+    return [(name, run) for name, run in loaded if run.get("gpu", REFERENCE_GPU) == REFERENCE_GPU]
 
 
 def source(name: str, run: dict) -> str:

@@ -81,6 +81,9 @@ def test_the_newest_run_of_each_point_counts(tmp_path):
     old_way = ffn_point(32768, 9.0)
     del old_way["layers_per_graph"]
     write(tmp_path, "ffn-20260104-000000.json", {"commit": "c4", "points": [old_way]})
+    # newer, but on another card than the tables' (an H100 when no H200 was lent)
+    other_card = {"commit": "c5", "gpu": "NVIDIA H100 80GB HBM3", "points": [ffn_point(1, 9.0), ffn_point(32768, 9.0)]}
+    write(tmp_path, "ffn-20260105-000000.json", other_card)
     write(tmp_path, "e2e-20260101-000000.json", e2e_run("e1", 1100.0))
     write(tmp_path, "e2e-20260102-000000.json", e2e_run("e2", 1200.0))
     write(tmp_path, "e2e-20260103-000000.json", e2e_run("e3", 5000.0, smoke=True))
