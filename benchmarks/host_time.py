@@ -7,9 +7,10 @@ queued first, so no call waits for the device), the GPU time per call (CUDA-grap
 eager time per call (what a user's eager call takes: the larger of the two, roughly), and
 the host time, eager time, GPU operations and cProfile of the module's default route (twell_default_*:
 what an eager call of that size, e.g. a prompt's, takes as sparsify installs it), the host time of the
-dispatcher called directly (*_dispatch_host_ms: the module, twell.ops and the
-custom op's layers left out, the rest of twell_host_ms; twell_op_host_ms: torch.ops.twell.gated_ffn
-called directly, the module and twell.ops left out); the
+dispatcher called directly (*_dispatch_host_ms: the module and twell.ops left out, the rest of
+twell_host_ms, which has no op layers: twell.ops calls the dispatcher itself for eager calls without
+autograd; twell_op_host_ms: torch.ops.twell.gated_ffn called directly, its layers and the dispatcher,
+the module and twell.ops left out); the
 same three for the dense module; the GPU time of the module's default route with
 prefill_min_m_captured at the call's size (twell_captured_gpu_ms: its capture after the usual
 warm-up calls takes the prefill path, which captured_prefill checks); the GPU operations of one call
