@@ -1,6 +1,6 @@
 """FFN block benchmark: dense PyTorch (eager and torch.compile, the faster counts) against twell.
 
-Run on a GPU:  PYTHONPATH=. python benchmarks/ffn.py [--shapes 2048x5632,4096x14336] [--ms 1,16]
+Run on a GPU:  PYTHONPATH=. python benchmarks/ffn.py [--shapes 2048x5632,4096x14336] [--ms 1,16] [--repeats 3]
 Checks correctness at every measured point (relative error of twell against a float64 reference on a
 row sample) and writes JSON to benchmarks/results/ (or --out).
 
@@ -30,6 +30,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -248,10 +249,13 @@ def hot_neurons() -> int:
     return 0 if hot is None else len(hot.index)
 
 
-def bench_point(k, n, m, density, pattern, compiled, variants=(), module_variants=()) -> dict:
+def bench_point(k, n, m, density, pattern, compiled, variants=(), module_variants=(), repeats=1) -> dict:
     """One point: the dense module (eager, and torch.compile) against the same module after
     twell.sparsify, called exactly as a user calls it (W_down in the layout sparsify gives it).
     Decode-sized calls: times per layer of a graph over LAYERS_PER_GRAPH such modules.
+    repeats: the three timings taken that many times, interleaved (restore, dense, compiled, sparsify,
+    twell), each ms the median of its runs (*_runs_ms): single timings of one point drift by up to ~10%
+    between runs at 131072 tokens (ffn-20261205-142347.json / -142801.json).
     variants: LayerConfig changes timed on the forced prefill (prefill[name]_*); module_variants: timed
     on the module as installed with those changes (twell[name]_*), after the module at its defaults
     again (twell[default]_*), each from a clean layer state, in one loop."""
@@ -273,7 +277,17 @@ def bench_point(k, n, m, density, pattern, compiled, variants=(), module_variant
         err = rel_err_sample(out, x, block)
         hot = hot_neurons()
         dispatch.forget_layers()
-        twell_ms = per_layer(lambda b: b(x))
+        runs = {"dense": [dense_ms], "compiled": [compiled_ms], "twell": [per_layer(lambda b: b(x))]}
+        for _ in range(repeats - 1):
+            for b in blocks:
+                twell.restore(b)
+            runs["dense"].append(per_layer(lambda b: b(x)))
+            runs["compiled"].append(per_layer(lambda b: compiled(x, **ws[id(b)])))
+            for b in blocks:
+                twell.sparsify(b)
+            dispatch.forget_layers()
+            runs["twell"].append(per_layer(lambda b: b(x)))
+        dense_ms, compiled_ms, twell_ms = (statistics.median(runs[side]) for side in ("dense", "compiled", "twell"))
         w = weights(block)
         gate = F.relu(F.linear(x, w["gate_weight"], w["gate_bias"]))
         nnz = (gate != 0).sum(1).float()
@@ -296,6 +310,7 @@ def bench_point(k, n, m, density, pattern, compiled, variants=(), module_variant
             "twell_peak_mb": peak_mb(lambda: block(x)),
             "path": policy.route(m, k, block.mlp.layer_config),
             "dense_after": any(st.dense_calls_left for d in dispatch._layers.values() for st in d.values()),
+            **({f"{side}_runs_ms": v for side, v in runs.items()} if repeats > 1 else {}),
         }
         twell.restore(block)
         row["dense_peak_mb"] = peak_mb(lambda: block(x))
@@ -445,6 +460,9 @@ def main():
         help="LayerConfig changes to time the module as installed at (twell.configure), as --variants; "
         "e.g. 'hot_rate=0.03;hot_rate=0.04;hot_rate=None'",
     )
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="time dense and twell this many times, interleaved (medians)"
+    )
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -464,7 +482,7 @@ def main():
                 for density in map(float, dens.split(",")):
                     row = bench_point(
                         k, n, m, density, pattern, compiled, parse_variants(args.variants),
-                        parse_variants(args.module_variants),
+                        parse_variants(args.module_variants), args.repeats,
                     )  # fmt: skip
                     torch.cuda.empty_cache()
                     result["points"].append(row)
