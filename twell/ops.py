@@ -107,15 +107,15 @@ DIRECT_DEVICE = "cuda"
 
 
 def _plain_call(args: tuple) -> bool:
-    """A call on DIRECT_DEVICE without autograd, on plain tensors: eagerly (and under no dispatch mode),
-    twell.ops runs the op's CUDA implementation itself (_direct), without the custom op's layers
-    (dispatcher, autograd and backend wrappers: ~0.15 ms a call on the H200's host,
-    host_time-20261202-120304.json: 1.236 ms through the op against 1.088 for the dispatcher alone at
-    256 tokens); under torch.compile a size every state routes dense is traced as the dense FFN's torch
-    ops (_dense), which Inductor compiles as it compiles the dense model: a compiled prompt of 16-1024
-    tokens paid the op's host path, 0.2-0.27 ms a layer, where dense compiled pays none (whole
-    generation 0.94x of dense compiled at batch 16, e2e-20261202-222107.json); traced, the prompt costs
-    what dense's does (batch 64: 10.01 against 9.79 ms, e2e-20261205-033502.json)."""
+    """A call on DIRECT_DEVICE without autograd, on plain tensors. Eagerly (and under no dispatch mode)
+    twell.ops runs the op's CUDA implementation itself (_direct), without the custom op's layers: an
+    eager prefill call through the module then costs 0.539 ms of host time, what the op called alone
+    costs (0.553), where the module used to pay its own ~0.09 ms on top of the op (an H100 host,
+    host_time-20261205-142322.json). Under torch.compile a size every state routes dense is traced as
+    the dense FFN's torch ops (_traced_dense), which Inductor compiles as it compiles the dense model: a
+    compiled prompt of 16-1024 tokens paid the op's host path, 0.2-0.27 ms a layer, where dense compiled
+    pays none (whole generation 0.94x of dense compiled at batch 16, e2e-20261202-222107.json); traced,
+    the prompt costs what dense's does (batch 64: 10.01 against 9.79 ms, e2e-20261205-033502.json)."""
     x, down_weight = args[0], args[3]
     tensors = [t for t in args[:7] if t is not None]
     if x.device.type != DIRECT_DEVICE:
@@ -135,29 +135,34 @@ def _always_dense(args: tuple, config: LayerConfig) -> bool:
     return dispatch.always_dense(x.numel() // max(x.shape[-1], 1), x.shape[-1], config, down_weight.t())
 
 
-def _direct(args: tuple, drelu: bool, squared: bool, config: LayerConfig) -> torch.Tensor:
-    """The op's CUDA implementation called directly (its checks first: the op's errors): the same
-    dispatcher, the same route and bits."""
-    from twell.kernels import dispatch
-
+def _check(args: tuple) -> None:
+    """The op's input checks (its errors), for the calls twell.ops runs without the op."""
     x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold = args
     if up_weight is None:
         checks.check_plain(x, gate_weight, down_weight, gate_bias, down_bias, threshold)
+    else:
+        checks.check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold)
+
+
+def _direct(args: tuple, drelu: bool, squared: bool, config: LayerConfig) -> torch.Tensor:
+    """The op's CUDA implementation called directly, after its checks: the same dispatcher, the same
+    route and bits."""
+    from twell.kernels import dispatch
+
+    _check(args)
+    x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold = args
+    if up_weight is None:
         return dispatch.ffn_cuda(x, gate_weight, down_weight, gate_bias, down_bias, threshold, squared, config)
-    checks.check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold)
     return dispatch.gated_ffn_cuda(
         x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold, drelu, config
     )
 
 
 def _traced_dense(args: tuple, drelu: bool, squared: bool) -> torch.Tensor:
-    """The FFN in plain torch ops (reference.hidden), its checks first (the op's errors): what a compiled
-    call every state routes dense is traced as, for Inductor to fuse."""
+    """The FFN in plain torch ops (reference.hidden), after the op's checks: what a compiled call every
+    state routes dense is traced as, for Inductor to fuse."""
+    _check(args)
     x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold = args
-    if up_weight is None:
-        checks.check_plain(x, gate_weight, down_weight, gate_bias, down_bias, threshold)
-    else:
-        checks.check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold)
     h = reference.hidden(x, gate_weight, up_weight, gate_bias, up_bias, threshold, drelu, squared)
     return torch.nn.functional.linear(h, down_weight, down_bias)
 
