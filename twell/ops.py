@@ -83,16 +83,13 @@ def _run(args: tuple, drelu: bool, squared: bool, return_l1: bool, config: Layer
         if not return_l1:
             return y
     else:
-        y, plain = None, _plain_call(args)
-        if plain and torch.compiler.is_compiling():
-            if _always_dense(args, config):  # traced as the dense FFN's torch ops, else as the op
-                y = _traced_dense(args, drelu, squared)
-        elif plain and torch._C._len_torch_dispatch_stack() == 0:  # no mode that records ops one by one
-            y = _direct(args, drelu, squared, config)
-        if y is None and up_weight is None:
+        y = _without_op(args, drelu, squared, config)
+        if y is not None:
+            pass
+        elif up_weight is None:
             route = config.op_args()
             y = torch.ops.twell.ffn(x, gate_weight, down_weight, gate_bias, down_bias, threshold, squared, *route)
-        elif y is None:
+        else:
             y = torch.ops.twell.gated_ffn(*args, drelu, *config.op_args())
         if not return_l1:
             return y
@@ -106,16 +103,29 @@ def _run(args: tuple, drelu: bool, squared: bool, return_l1: bool, config: Layer
 DIRECT_DEVICE = "cuda"
 
 
+def _without_op(args: tuple, drelu: bool, squared: bool, config: LayerConfig) -> torch.Tensor | None:
+    """y of a call twell.ops runs without the op (_plain_call's), None where the op must run."""
+    if not _plain_call(args):
+        return None
+    if torch.compiler.is_compiling():  # traced as the dense FFN's torch ops, else as the op
+        return _traced_dense(args, drelu, squared) if _always_dense(args, config) else None
+    if torch._C._len_torch_dispatch_stack():  # a mode that records ops one by one sees the op
+        return None
+    return _direct(args, drelu, squared, config)
+
+
 def _plain_call(args: tuple) -> bool:
     """A call on DIRECT_DEVICE without autograd, on plain tensors. Eagerly (and under no dispatch mode)
     twell.ops runs the op's CUDA implementation itself (_direct), without the custom op's layers: an
     eager prefill call through the module then costs 0.539 ms of host time, what the op called alone
-    costs (0.553), where the module used to pay its own ~0.09 ms on top of the op (an H100 host,
-    host_time-20261205-142322.json). Under torch.compile a size every state routes dense is traced as
-    the dense FFN's torch ops (_traced_dense), which Inductor compiles as it compiles the dense model: a
-    compiled prompt of 16-1024 tokens paid the op's host path, 0.2-0.27 ms a layer, where dense compiled
-    pays none (whole generation 0.94x of dense compiled at batch 16, e2e-20261202-222107.json); traced,
-    the prompt costs what dense's does (batch 64: 10.01 against 9.79 ms, e2e-20261205-033502.json)."""
+    costs (0.553); the module's own ~0.09 ms (0.539 against the dispatcher's 0.451) used to come on top
+    of the op, so ~0.1 ms a call is saved (estimated from one run on an H100 host,
+    host_time-20261205-142322.json; the old path was not timed there). Under torch.compile a size every
+    state routes dense is traced as the dense FFN's torch ops (_traced_dense), which Inductor compiles
+    as it compiles the dense model: a compiled prompt of 16-1024 tokens paid the op's host path,
+    0.2-0.27 ms a layer, where dense compiled pays none (whole generation 0.94x of dense compiled at
+    batch 16, e2e-20261202-222107.json); traced, the prompt costs what dense's does (batch 64: 10.01
+    against 9.79 ms, e2e-20261205-033502.json)."""
     x, down_weight = args[0], args[3]
     tensors = [t for t in args[:7] if t is not None]
     if x.device.type != DIRECT_DEVICE:
