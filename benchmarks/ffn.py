@@ -16,7 +16,9 @@ scaled rows in expectation (scaled_quantile; until 2026-12-05 on p_n of unscaled
 "uniform 0.5%" at 0.65%, "skewed 0.5%" at 0.58%, "topics 0.5%" at 0.55%). "uniform": p_n = density
 for all n; "skewed": 30% of neurons never fire, the rest have log-normal rates (sigma 1.5) with the
 same mean; "topics": tokens come in runs of 256 sharing one of 16 topics, each neuron belongs to a
-topic and 90% of a token's active neurons come from its topic's (topic_tokens).
+topic and 90% of a token's active neurons come from its topic's (topic_tokens); "topics-mixed": the same
+with each token's topic drawn alone (runs of 1), so tokens that share neurons are not neighbours: the
+two measure what token order is worth to the kernels.
 Floors: gate GEMM alone (cuBLAS), and bytes over the measured copy bandwidth.
 """
 
@@ -91,6 +93,7 @@ ROW_SCALE = 0.12  # x rows scaled by exp(ROW_SCALE z), z ~ N(0, 1)
 TOPICS = 16  # topics of the "topics" pattern, each owning N / TOPICS neurons
 TOPIC_RUN = 256  # consecutive tokens of one topic
 TOPIC_SHARE = 0.9  # of a token's active neurons, the share from its topic's own
+PATTERNS = ("exact", "uniform", "skewed", "topics", "topics-mixed")
 
 
 def scaled_quantile(rates: torch.Tensor) -> torch.Tensor:
@@ -113,9 +116,9 @@ def scaled_quantile(rates: torch.Tensor) -> torch.Tensor:
     return (lo + hi) / 2
 
 
-def topic_tokens(x, w_gate, density, generator):
+def topic_tokens(x, w_gate, density, generator, run=TOPIC_RUN):
     """In place on x [M, K] and w_gate [N, K], the "topics" pattern; returns the gate bias [N]. Tokens
-    come in runs of TOPIC_RUN sharing a topic (drawn per run); each neuron belongs to one of TOPICS
+    come in runs of `run` sharing a topic (drawn per run); each neuron belongs to one of TOPICS
     topics and fires with probability p_in on its topic's tokens, p_out on others, so that TOPIC_SHARE of
     a token's `density` comes from its topic. The last TOPICS input features are the token's topic as
     one-hot; a neuron's gate weight on its topic's feature lifts its pre-activation from the p_out to
@@ -125,8 +128,8 @@ def topic_tokens(x, w_gate, density, generator):
     device = x.device
     random_cols = k - TOPICS
     topic_of_neuron = torch.randint(0, TOPICS, (n,), device=device, generator=generator)
-    runs = torch.randint(0, TOPICS, (-(-m // TOPIC_RUN),), device=device, generator=generator)
-    topic_of_token = runs.repeat_interleave(TOPIC_RUN)[:m]
+    runs = torch.randint(0, TOPICS, (-(-m // run),), device=device, generator=generator)
+    topic_of_token = runs.repeat_interleave(run)[:m]
     x[:, random_cols:] = torch.nn.functional.one_hot(topic_of_token, TOPICS).to(x.dtype)
     sigma = w_gate[:, :random_cols].norm(dim=1)
     p_in = min(TOPIC_SHARE * density * TOPICS, 0.5)
@@ -139,6 +142,8 @@ def topic_tokens(x, w_gate, density, generator):
 
 def make_inputs(m, k, n, density, pattern, seed=0, dtype=torch.bfloat16, device="cuda"):
     """x [M, K] and a Block whose FFN fires at `density` with the given pattern (module docstring)."""
+    if pattern not in PATTERNS:
+        raise ValueError(f"pattern must be one of {PATTERNS}, got {pattern!r}")
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(m, k, device=device, generator=g)
     w_gate = torch.randn(n, k, device=device, generator=g) / math.sqrt(k)
@@ -150,9 +155,9 @@ def make_inputs(m, k, n, density, pattern, seed=0, dtype=torch.bfloat16, device=
         w_gate[:, -1] = 1.0
         top = torch.topk(x @ w_gate.T, r + 1, dim=1).values
         x[:, -1] = -(top[:, r - 1] + top[:, r]) / 2
-    elif pattern == "topics":
+    elif pattern in ("topics", "topics-mixed"):
         x *= torch.exp(ROW_SCALE * torch.randn(m, 1, device=device, generator=g))
-        shift = topic_tokens(x, w_gate, density, g)
+        shift = topic_tokens(x, w_gate, density, g, TOPIC_RUN if pattern == "topics" else 1)
     else:
         x *= torch.exp(ROW_SCALE * torch.randn(m, 1, device=device, generator=g))
         rates = torch.full((n,), density, device=device) if pattern == "uniform" else skewed_rates(n, density, g)

@@ -83,7 +83,7 @@ def test_reuse_statistics_of_a_known_activity_matrix():
     assert stats["union_share_of_n"] == 4 / 8
 
 
-@pytest.mark.parametrize("pattern", ["uniform", "skewed", "topics"])
+@pytest.mark.parametrize("pattern", ["uniform", "skewed", "topics", "topics-mixed"])
 def test_ffn_inputs_fire_their_labelled_density(pattern):
     """benchmarks/ffn.py's inputs scale x's rows; their gate biases are set for the scaled rows, so a
     0.5% input fires 0.5% of its neurons (set for unscaled rows, uniform fired 0.65%)."""
@@ -95,3 +95,20 @@ def test_ffn_inputs_fire_their_labelled_density(pattern):
     mlp = block.mlp
     fired = (torch.nn.functional.linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias) > 0).float().mean().item()
     assert abs(fired - 0.005) <= 0.0004, fired
+
+
+def test_ffn_topics_come_in_runs_and_mixed_topics_do_not():
+    """Tokens of "topics" share a topic in runs of TOPIC_RUN; "topics-mixed" draws each token's alone."""
+    import torch
+
+    from benchmarks.ffn import TOPIC_RUN, TOPICS, make_inputs
+
+    changes = {}
+    for pattern in ("topics", "topics-mixed"):
+        x, _ = make_inputs(2048, 64, 256, 0.005, pattern, seed=1, dtype=torch.float32, device="cpu")
+        topic = x[:, -TOPICS:].argmax(1)
+        changes[pattern] = (topic[1:] != topic[:-1]).float().mean().item()
+    assert changes["topics"] <= 1 / TOPIC_RUN
+    assert changes["topics-mixed"] > 0.8  # 15 of 16 draws change topic
+    with pytest.raises(ValueError, match="pattern must be one of"):
+        make_inputs(64, 64, 256, 0.005, "topic", device="cpu")
