@@ -1,6 +1,7 @@
-"""The dense route (twell.kernels.dense) against eager dense, in pieces, at prefill shapes: whether a
-dense-route call can be slower than the dense module it replaces (the down GEMM on the rows layout
-sparsify stores, the fused activation against relu_ + mul_).
+"""The dense route (twell.kernels.dense) against eager and compiled dense, in pieces, at prefill shapes:
+whether a dense-route call can be slower than the dense module it replaces (the down GEMM on the rows
+layout sparsify stores, the fused activation against relu_ + mul_, the gate's bias: cuBLASLt's bias
+epilogue in the route, a bias add Inductor may fuse into its pointwise kernel when compiled).
 
     cd benchmarks && PYTHONPATH=.. python dense_route.py [--shapes 2048x5632x131072,...]  # CUDA only
 """
@@ -37,6 +38,12 @@ def shape_times(k: int, n: int, m: int) -> dict:
     h = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     g, u = F.linear(x, wg), F.linear(x, wu)
     zero_k = torch.zeros(k, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+
+    def ffn_bias(x):  # ffn.py's module: a gate bias, none on up and down
+        return F.linear(F.relu(F.linear(x, wg, bias)) * F.linear(x, wu), wd)
+
+    compiled = torch.compile(ffn_bias)
     return {
         "eager_ffn": bench(lambda: F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)),
         "route_plain_down": bench(lambda: dense.gated_ffn_dense(x, wg, wu, wd, None, None, None, 0.0, False)),
@@ -48,6 +55,12 @@ def shape_times(k: int, n: int, m: int) -> dict:
         "gate_gemm": bench(lambda: F.linear(x, wg)),
         "act_mul": bench(lambda: dense.act_mul_(g, u, 0.0, drelu=False, square=False)),
         "relu_then_mul_eager": bench(lambda: g.relu_().mul_(u)),
+        "eager_ffn_gate_bias": bench(lambda: ffn_bias(x)),
+        "compiled_ffn_gate_bias": bench(lambda: compiled(x)),
+        "route_rows_down_gate_bias": bench(
+            lambda: dense.gated_ffn_dense(x, wg, wu, rows.t(), bias, None, None, 0.0, False)
+        ),
+        "gate_gemm_bias": bench(lambda: F.linear(x, wg, bias)),
     }
 
 
