@@ -96,7 +96,7 @@ import transformers
 
 sys.path.insert(0, os.path.dirname(__file__))
 from decode import first_divergence, llama, set_gate_biases, set_generation_biases  # noqa: E402
-from ffn import environment, result_path, skewed_rates  # noqa: E402
+from ffn import environment, parse_variants, result_path, skewed_rates  # noqa: E402
 from generation import GreedyDecoder  # noqa: E402
 
 import twell  # noqa: E402
@@ -135,8 +135,7 @@ ROWS = (
     "dense-eager", "dense-compiled", "twell-compiled", "twell-calibrated-compiled", "twell-eager",
     "twell-calibrated-eager",
 )  # fmt: skip
-# sparsify's layer_config of each compiled twell row
-TWELL_COMPILED = {"twell-compiled": None, "twell-calibrated-compiled": None}
+TWELL_COMPILED = ("twell-compiled", "twell-calibrated-compiled")
 # rows whose sparsify calibrates on the benchmark's own generation prompts first (twell.sparsify(model,
 # prompts): the layers' decisions and LayerConfigs from what they measured, as a user's calibration gives)
 CALIBRATED = ("twell-calibrated-compiled", "twell-calibrated-eager")
@@ -540,7 +539,7 @@ def run_model(name, shape, args, meter, demo, cuda, save) -> dict:
             calibration = {"seconds": time.perf_counter() - started, **chosen_configs(model, work)}
         if row_name in ("twell-eager", "twell-calibrated-eager"):
             if row_name == "twell-eager":
-                twell.sparsify(model)
+                twell.sparsify(model, layer_config=args.layer_config)
             decoders = make_decoders(model, work, cuda)
             row = run_row(
                 meter, model, model, work, args, eager=True, decoders=decoders, reference=reference, biases=row_biases
@@ -551,7 +550,7 @@ def run_model(name, shape, args, meter, demo, cuda, save) -> dict:
             return row
         if row_name in TWELL_COMPILED:  # sparsified per profile (restored after each row), so compiled anew
             if row_name not in CALIBRATED:
-                twell.sparsify(model, layer_config=TWELL_COMPILED[row_name])
+                twell.sparsify(model, layer_config=args.layer_config)
             torch._dynamo.reset()
             forward = torch.compile(model)
         else:
@@ -669,9 +668,19 @@ def main():
         help="CUDA: per generation point, the kernels of one decode step (step_profile.step_kernels: the row's "
         "forward run uncaptured under torch.profiler, the same kernels its graph replays)",
     )
+    parser.add_argument(
+        "--layer-config",
+        default="",
+        help="LayerConfig changes for the twell rows that do not calibrate (twell-eager, twell-compiled), "
+        "e.g. 'prefill_min_m=8192'",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU, eager rows, JSON to /tmp")
     parser.add_argument("--out", default=None, help="result folder (default benchmarks/results; /tmp with --smoke)")
     args = parser.parse_args()
+    variants = parse_variants(args.layer_config)
+    if len(variants) > 1:
+        parser.error("--layer-config takes one set of changes (no ';')")
+    args.layer_config = variants[0][1] if variants else None
     cuda = torch.cuda.is_available() and not args.smoke
     shapes = SHAPES
     if args.smoke:
