@@ -491,7 +491,8 @@ def worker(args) -> None:
             "density": args.density,
             "warmup": args.warmup,
             "reps": args.reps,
-            "layer_config": dataclasses.asdict(policy.DEFAULT),  # what sparsify gives every rewritten FFN
+            # what sparsify gives every rewritten FFN of the model's width
+            "layer_config": dataclasses.asdict(policy.default_config((TINY if args.smoke else FULL)["hidden_size"])),
         }
         parts = {"fsdp": fsdp_part, "tp": tp_part, "decode": decode_part}
         for name in args.parts.split(","):

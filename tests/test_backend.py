@@ -310,3 +310,38 @@ def test_twell_backend_keeps_in_place_writes(op_calls):
         torch.testing.assert_close(compiled(x, position), eager(x, position), atol=1e-5, rtol=1e-5)
     assert op_calls["gated_ffn"] == 1
     assert torch.equal(model.cache, eager.cache) and model.cache[3].equal(x[0]) and int(model.length) == 1
+
+
+class _WideMLP(nn.Module):
+    def __init__(self, k, n=16):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(k, n, bias=False), nn.Linear(k, n, bias=False)
+        self.down_proj = nn.Linear(n, k, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.relu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@pytest.mark.parametrize("k", [64, 4096])
+def test_twell_backend_gives_each_ffn_its_widths_defaults(k):
+    """Without a plan the backend's op calls carry policy.default_config(K): from 8192 tokens prefill at
+    K >= 4096, from 16384 below."""
+    from twell.kernels import policy
+    from twell.passes.backend import rewrite_dynamo_graph
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        rewrite_dynamo_graph(gm, example_inputs)
+        fields = len(policy.OP_FIELDS)
+        ops = [n for n in gm.graph.nodes if getattr(n.target, "_overloadpacket", n.target) is torch.ops.twell.gated_ffn]
+        seen.extend(policy.op_config(*n.args[-fields:]) for n in ops)
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            torch.compile(_WideMLP(k), backend=backend)(torch.randn(2, k))
+    finally:
+        torch._dynamo.reset()
+    assert seen == [policy.default_config(k)]

@@ -6,6 +6,7 @@ statistics independently of the matcher; tests/test_cli.py runs the real matcher
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -422,6 +423,8 @@ def test_a_phase_slower_than_dense_runs_dense(ratios, rewrite, dense_phases):
     layer = decision.layer_config()
     assert (layer.decode_max_m, layer.decode_sparse_max_m) == ((0, 0) if "decode" in dense_phases else (8, 16))
     assert layer.prefill_min_m == (None if "prefill" in dense_phases else policy.PREFILL_MIN_M)
+    wide = dataclasses.replace(decision, model_size=4096).layer_config()  # its width's threshold
+    assert wide.prefill_min_m == (None if "prefill" in dense_phases else 8192)
     assert decision.layer_config({"prefill_min_m": 4096}).prefill_min_m == 4096  # sparsify's changes come last
     assert Decision.from_dict(json.loads(json.dumps(decision.to_dict()))) == decision
 

@@ -7,7 +7,7 @@ from ffn_cases import gated_ref, make_ffn, plain_ref
 
 import twell
 import twell.kernels.library  # noqa: F401  (registers torch.ops.twell.*: the tests call them by name)
-from twell.kernels import reference
+from twell.kernels import policy, reference
 
 
 def _gated_args(case):
@@ -206,8 +206,6 @@ def test_ops_take_the_layer_config_as_arguments():
 
 def test_layer_config_route():
     """policy.route decides from the layer's config; replace(route=...) forces a path."""
-    from twell.kernels import policy
-
     default = twell.LayerConfig()
     assert [policy.route(m, 2048, default) for m in (0, 8, 9, 16384)] == ["dense", "decode", "dense", "prefill"]
     assert policy.route(16, 2048, default, density=0.005) == "decode"  # known sparse: up to 16 tokens
@@ -224,6 +222,33 @@ def test_layer_config_route():
     assert policy.dense_above_of(default.replace(dense_above=0.02), 4096) == 0.02
     with pytest.raises(ValueError, match="dense_above must be a number or None, got '0.01'"):
         twell.LayerConfig(dense_above="0.01")
+
+
+def test_prefill_threshold_by_width():
+    """Layers of width >= 4096 prefill from 8192 tokens (a call's GPU work hides its host time there),
+    narrower ones from 16384; default_config is DEFAULT with its width's threshold."""
+    assert [policy.prefill_min_m_of(k) for k in (64, 2048, 4095, 4096, 8192)] == [16384] * 3 + [8192] * 2
+    assert policy.default_config(2048) == policy.DEFAULT
+    assert policy.default_config(4096) == policy.DEFAULT.replace(prefill_min_m=8192)
+    assert policy.route(8192, 4096, policy.default_config(4096)) == "prefill"
+    assert policy.route(8191, 4096, policy.default_config(4096)) == "dense"
+    assert policy.route(8192, 2048, policy.default_config(2048)) == "dense"
+
+
+@pytest.mark.parametrize("k", [64, 4096])
+def test_functions_without_a_config_run_their_widths_defaults(k, monkeypatch):
+    """twell.ops' functions called without a config route by policy.default_config(K)."""
+    from twell.kernels import dispatch
+
+    seen = []
+    for name in ("gated_ffn_cuda", "ffn_cuda"):
+        monkeypatch.setattr(dispatch, name, lambda x, *a: seen.append(a[-1]) or torch.zeros_like(x))
+    monkeypatch.setattr(twell.ops, "DIRECT_DEVICE", "cpu")  # the direct call reaches the dispatcher
+    x, w, wd = torch.randn(1, k), torch.randn(8, k), torch.randn(k, 8)
+    twell.ops.gated_ffn(x, w, w, wd)
+    twell.ops.ffn(x, w, wd)
+    twell.ops.ffn(x, w, wd, config=policy.DEFAULT)
+    assert seen == [policy.default_config(k)] * 2 + [policy.DEFAULT]
 
 
 @pytest.fixture

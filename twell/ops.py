@@ -32,8 +32,9 @@ def gated_ffn(
     fastest when down_weight.t() is contiguous). relu_t keeps values > threshold (0: ReLU).
     drelu: ReLU on up(x) too (dReLU). Returns [..., K] in the dtype of x.
 
-    config: the layer's twell.kernels.policy.LayerConfig (None: the defaults): which path a call takes
-    on CUDA (route limits) and the TwELL layout of the prefill path.
+    config: the layer's twell.kernels.policy.LayerConfig (None: the defaults of its width,
+    policy.default_config(K)): which path a call takes on CUDA (route limits) and the TwELL layout of the
+    prefill path.
 
     Under autograd on CUDA with that layout (and K <= 8192, at least config.train_min_m tokens: opt-in,
     None by default), the forward keeps a compact record of the hidden activation h and the backward is
@@ -72,7 +73,7 @@ def _run(args: tuple, drelu: bool, squared: bool, return_l1: bool, config: Layer
     arguments); with its L1 terms."""
     x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, threshold = args
     if config is None:
-        config = policy.DEFAULT
+        config = policy.default_config(x.shape[-1] if x.dim() else 0)  # a bad x: the op's checks name it
     elif not isinstance(config, LayerConfig):
         raise TypeError(f"config must be a twell.kernels.policy.LayerConfig or None, got {type(config).__name__}")
     biases = (gate_bias, up_bias, down_bias)

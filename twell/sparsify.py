@@ -103,12 +103,12 @@ def sparsify(
 
         decided.remember(candidates, decisions)  # the compile backend follows them too
     state = _State(candidates, unmatched, decisions, swaps=[])
-    from twell.kernels.policy import DEFAULT
+    from twell.kernels.policy import default_config
 
     for candidate in candidates:
         if not candidate.rewritable:
             continue
-        layer = DEFAULT.replace(**changes)
+        layer = default_config(candidate.model_size).replace(**changes)
         if decisions is not None:
             decision = decisions.get(candidate.path)
             if decision is None or not decision.rewrite:

@@ -69,7 +69,7 @@ class Decision:
         the result trains sparse (train_min_m set) and `changes` do not set train_hot, its train_hot."""
         density = self.stats.get("decode", {}).get("density", self.density)
         changes = dict(changes or {})
-        config = policy.DEFAULT.replace(
+        config = policy.default_config(self.model_size).replace(
             decode_max_m=policy.calibrated_decode_max_m(density, self.model_size),
             train_min_m=policy.calibrated_train_min_m(self.density, self.hidden_size),
         )

@@ -15,7 +15,8 @@ Prefill wins from 16384 tokens at 0.5% (1.20-1.40x at K=2048 by pattern, ffn-202
 1.01-1.32x at K=4096, ffn-20261130-184835.json). Below that, calls stay dense: an eager prefill call
 spends 1.25-1.27 ms on the host (Triton's launch path with ~40 arguments a kernel, the autotuner, the
 dispatcher's small torch ops) against dense's 0.14-0.18, and its kernels as graph replays take 0.457 /
-0.792 ms at 4096 / 8192 tokens against dense 0.436 / 0.851 (host_time-20261201-091757.json).
+0.792 ms at 4096 / 8192 tokens against dense 0.436 / 0.851 (host_time-20261201-091757.json). At
+K >= 4096 a call's GPU work hides the host time from 8192 tokens (PREFILL_MIN_M_BY_WIDTH).
 """
 
 from __future__ import annotations
@@ -31,6 +32,15 @@ DECODE_MAX_M = 8
 # 9-16 tokens: decode where the layer is known sparse (1.19-1.37x at <= 1%; 1.06-1.17x at 2%, 0.85x at 5%)
 DECODE_SPARSE_MAX_M = 16
 PREFILL_MIN_M: int | None = 16384
+# The prefill threshold of a layer sparsify installs, by width: (min K, tokens) rows, the first with
+# K >= min K (default_config; LayerConfig's own default is PREFILL_MIN_M, the narrow layers' value). An
+# eager prefill call costs ~0.54 ms on the host whatever its size; a call of width 4096 (N=14336) and 8192
+# tokens is ~4 ms of GPU work, so that hides behind it where at K=2048 it does not: the module from 4096
+# tokens at K=4096, 8192 tokens, 0.5%: exact 1.16x, uniform 1.07x, skewed 1.50x (0.7% uniform 0.97x),
+# and at 4096 tokens 1.23x / 1.03x / 1.43x but 0.95x at 0.7% (ffn-20261205-153342.json); 8 layers of
+# the 8B shape, eager, skewed, at 8192 tokens 1.09x against 1.02x dense-routed (e2e-20261205-153500.json;
+# both H100). K=2048 stays at 16384 (ffn-20261205-142133.json, e2e-20261205-152911.json).
+PREFILL_MIN_M_BY_WIDTH: tuple[tuple[int, int], ...] = ((4096, 8192), (0, 16384))
 # Gate of the prefill path: the persistent TMA GEMM with the packing epilogue (True) or cuBLAS + the
 # pack pass (False); the faster measured at K=2048/N=5632 and K=4096/N=14336 on an H200.
 FUSED_GATE = False
@@ -190,7 +200,8 @@ class LayerConfig:
         decode_sparse_max_m tokens do on a layer whose prefill calls measured it at most
         DECODE_SPARSE_DENSITY dense (calibration sets decode_max_m from the layer's density and K,
         calibrated_decode_max_m).
-    prefill_min_m: calls of at least this many tokens take the prefill kernels (None: none does).
+    prefill_min_m: calls of at least this many tokens take the prefill kernels (None: none does);
+        sparsify gives each layer its width's (default_config).
     dense_above: a layer whose prefill call measured it denser than this runs its next DENSE_RETRY
         prefill calls dense (None: by the layer's width, DENSE_ABOVE's rows; dense_above_of).
     fused_gate: the prefill gate through the TMA GEMM with the packing epilogue, where the operands
@@ -328,6 +339,18 @@ def route(m: int, k: int, config: LayerConfig, density: float | None = None, cap
     if prefill_min_m is not None and m >= prefill_min_m:
         return "prefill"
     return "dense"
+
+
+def prefill_min_m_of(k: int) -> int:
+    """The prefill threshold of a layer of width k: PREFILL_MIN_M_BY_WIDTH's first row with k >= min K."""
+    return next(tokens for min_k, tokens in PREFILL_MIN_M_BY_WIDTH if k >= min_k)
+
+
+def default_config(k: int) -> LayerConfig:
+    """The LayerConfig of a layer of width k before any change: DEFAULT with its width's prefill
+    threshold (prefill_min_m_of). What sparsify installs without calibration, what a calibrated
+    decision starts from, and what twell.ops' functions run without a config."""
+    return DEFAULT.replace(prefill_min_m=prefill_min_m_of(k))
 
 
 def dense_above_of(config: LayerConfig, k: int) -> float:

@@ -30,7 +30,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 import twell.ops  # noqa: F401  (registers torch.ops.twell.*)
-from twell.kernels.policy import DEFAULT, LayerConfig
+from twell.kernels.policy import LayerConfig, default_config
 from twell.passes.decided import decision_for, decisions_digest, record_compiled
 from twell.passes.match import Dialect, FFNMatch, Projection, find_matches, op_name
 from twell.report import Record, Report
@@ -109,7 +109,7 @@ def _propagate_meta(new: fx.Node, old: fx.Node) -> None:
 def rewrite_graph(graph: fx.Graph, dialect: Dialect, keep=None, config=None) -> list[tuple[FFNMatch, str]]:
     """Replace every rewritable FFN of `graph` by a torch.ops.twell call, except those for which
     keep(match) gives a reason to leave them as they are (a plan's decision); config(match): the
-    LayerConfig the call gets (None: the defaults). Returns (match, reason)
+    LayerConfig the call gets (None: the defaults of its width, policy.default_config). Returns (match, reason)
     for every FFN found: reason "" for those rewritten. Dead nodes are removed. Counts go to
     torch._dynamo.utils.counters["twell"] (ffn_found, ffn_rewritten, ffn_not_rewritable, ffn_kept)."""
     aten = any(isinstance(n.target, torch._ops.OpOverload) for n in graph.nodes if n.op == "call_function")
@@ -127,7 +127,8 @@ def rewrite_graph(graph: fx.Graph, dialect: Dialect, keep=None, config=None) -> 
             if reason:
                 counters["twell"]["ffn_kept"] += 1
             else:
-                _rewrite(graph, match, aten, config(match) if config is not None else DEFAULT)
+                layer = config(match) if config is not None else default_config(match.model_size)
+                _rewrite(graph, match, aten, layer)
                 counters["twell"]["ffn_rewritten"] += 1
         found.append((match, reason))
     if any(not reason for _, reason in found):
@@ -216,9 +217,9 @@ class _Plan:
         return (paths[-1] if paths else None), None
 
     def config(self, match: FFNMatch, dialect: Dialect) -> LayerConfig:
-        """The LayerConfig of a rewritten FFN: its decision's layout, the defaults without one."""
+        """The LayerConfig of a rewritten FFN: its decision's layout, its width's defaults without one."""
         _, decision = self.lookup(match, dialect)
-        return decision.layer_config() if decision is not None else DEFAULT
+        return decision.layer_config() if decision is not None else default_config(match.model_size)
 
     def keep(self, match: FFNMatch, dialect: Dialect) -> str:
         """Why to leave a rewritable FFN as it is ("" to rewrite it)."""
