@@ -9,7 +9,7 @@ Each case (its own seed: --seed * 100003 + index, so any case replays alone) dra
 GPU), K (odd, not a multiple of 16, 2048, 4096, 8192, and past policy.MAX_K), N (awkward and real),
 the dtype, the FFN (gated ReLU, drelu, plain ReLU, relu²), a bias on each projection or not, the
 threshold (0, positive, negative, not always representable in the dtype), the TwELL layout, the route
-(LayerConfig.replace(route=...) for decode / prefill / dense, or the default LayerConfig), fused_gate,
+(LayerConfig.replace(route=...) for decode / prefill / dense, or the defaults of its width), fused_gate,
 hot_rate, the down weight's layout and x's shape and strides. Rows: a density each (empty to fully
 dense, exact counts through a per-row offset feature), and bursts that fill one tile with exactly
 `slots` active neurons, one more (overflow) or all of it; "hot" neurons that fire in ~30% of rows.
@@ -158,7 +158,7 @@ def config_of(case: dict) -> policy.LayerConfig:
         "hot_rate": case["hot_rate"],
     }
     route = None if case["route"] == "default" else case["route"]
-    return policy.DEFAULT.replace(route=route, **changes)
+    return policy.default_config(case["k"]).replace(route=route, **changes)
 
 
 def make_inputs(case: dict, device: str) -> dict:

@@ -41,6 +41,18 @@ def test_smoke_passes_every_path(tmp_path, monkeypatch):
     assert all(r["active"] > 0 for r in records)  # no case passes on an all-zero hidden layer
 
 
+def test_default_route_cases_run_their_widths_defaults():
+    """A "default" case runs what sparsify installs at its width (policy.default_config)."""
+    from twell.kernels import policy
+
+    cases = [c for c in (fuzz.draw_case(seed, "cpu") for seed in range(40)) if c["route"] == "default"]
+    assert cases
+    for case in cases:
+        changes = {key: case[key] for key in ("tile_n", "slots", "fused_gate", "hot_rate")}
+        assert fuzz.config_of(case) == policy.default_config(case["k"]).replace(**changes)
+        assert fuzz.config_of({**case, "k": 4096}).prefill_min_m == 8192
+
+
 def _dense_wrong(threshold_shift=0.0, nan=False):
     """call_op in the case's dtype through the dense reference, with a shifted threshold or one NaN."""
 
