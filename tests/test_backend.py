@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from ffn_cases import GatedMLP
 from models import DEFAULT_NOT_RELU, FAMILIES, LAYERS, build, logits, modules_of, token_ids
 from torch import nn
 from torch._dynamo.utils import counters
@@ -312,16 +313,6 @@ def test_twell_backend_keeps_in_place_writes(op_calls):
     assert torch.equal(model.cache, eager.cache) and model.cache[3].equal(x[0]) and int(model.length) == 1
 
 
-class _WideMLP(nn.Module):
-    def __init__(self, k, n=16):
-        super().__init__()
-        self.gate_proj, self.up_proj = nn.Linear(k, n, bias=False), nn.Linear(k, n, bias=False)
-        self.down_proj = nn.Linear(n, k, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.relu(self.gate_proj(x)) * self.up_proj(x))
-
-
 @pytest.mark.parametrize("k", [64, 4096])
 def test_twell_backend_gives_each_ffn_its_widths_defaults(k):
     """Without a plan the backend's op calls carry policy.default_config(K): from 8192 tokens prefill at
@@ -341,7 +332,7 @@ def test_twell_backend_gives_each_ffn_its_widths_defaults(k):
     torch._dynamo.reset()
     try:
         with torch.no_grad():
-            torch.compile(_WideMLP(k), backend=backend)(torch.randn(2, k))
+            torch.compile(GatedMLP(k, 16), backend=backend)(torch.randn(2, k))
     finally:
         torch._dynamo.reset()
     assert seen == [policy.default_config(k)]

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from ffn_cases import GatedBlock
 from models import (
     DEFAULT_NOT_RELU,
     FAMILIES,
@@ -410,36 +411,16 @@ def test_calibrated_layout_reaches_the_op(tmp_path):
         twell.sparsify(build("llama-bias"), plan=plan, layer_config={"slots": 4})
 
 
-class _GatedMLP(torch.nn.Module):
-    def __init__(self, k, n):
-        super().__init__()
-        self.gate_proj = torch.nn.Linear(k, n, bias=False)
-        self.up_proj = torch.nn.Linear(k, n, bias=False)
-        self.down_proj = torch.nn.Linear(n, k, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(torch.relu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class _Block(torch.nn.Module):
-    def __init__(self, k, n):
-        super().__init__()
-        self.mlp = _GatedMLP(k, n)
-
-    def forward(self, x):
-        return self.mlp(x)
-
-
 def test_sparsify_gives_each_layer_its_widths_prefill_threshold():
     """Without calibration a layer of width >= 4096 prefills from 8192 tokens, a narrower one from 16384
     (policy.default_config); a layer_config change still wins."""
     from twell.kernels import policy
 
-    narrow, wide = (twell.sparsify(_Block(k, 16)) for k in (64, 4096))
+    narrow, wide = (twell.sparsify(GatedBlock(k, 16)) for k in (64, 4096))
     assert list(twell.layer_configs(narrow).values()) == [policy.DEFAULT]
     assert [c.prefill_min_m for c in twell.layer_configs(wide).values()] == [8192]
     assert list(twell.layer_configs(wide).values()) == [policy.default_config(4096)]
-    explicit = twell.sparsify(_Block(4096, 16), layer_config={"prefill_min_m": 16384})
+    explicit = twell.sparsify(GatedBlock(4096, 16), layer_config={"prefill_min_m": 16384})
     assert list(twell.layer_configs(explicit).values()) == [policy.DEFAULT]
 
 
