@@ -31,7 +31,7 @@ SLOTS = 16  # tile_n / slots = 8: the reference code's compression factor
 DECODE_MAX_M = 8
 # 9-16 tokens: decode where the layer is known sparse (1.19-1.37x at <= 1%; 1.06-1.17x at 2%, 0.85x at 5%)
 DECODE_SPARSE_MAX_M = 16
-PREFILL_MIN_M: int | None = 16384
+PREFILL_MIN_M = 16384
 # The prefill threshold of a layer sparsify installs, by width: (min K, tokens) rows, the first with
 # K >= min K (default_config; LayerConfig's own default is PREFILL_MIN_M, the narrow layers' value). An
 # eager prefill call costs ~0.54 ms on the host whatever its size; a call of width 4096 (N=14336) and 8192
@@ -40,7 +40,7 @@ PREFILL_MIN_M: int | None = 16384
 # and at 4096 tokens 1.23x / 1.03x / 1.43x but 0.95x at 0.7% (ffn-20261205-153342.json); 8 layers of
 # the 8B shape, eager, skewed, at 8192 tokens 1.09x against 1.02x dense-routed (e2e-20261205-153500.json;
 # both H100). K=2048 stays at 16384 (ffn-20261205-142133.json, e2e-20261205-152911.json).
-PREFILL_MIN_M_BY_WIDTH: tuple[tuple[int, int], ...] = ((4096, 8192), (0, 16384))
+PREFILL_MIN_M_BY_WIDTH: tuple[tuple[int, int], ...] = ((4096, 8192), (0, PREFILL_MIN_M))
 # Gate of the prefill path: the persistent TMA GEMM with the packing epilogue (True) or cuBLAS + the
 # pack pass (False); the faster measured at K=2048/N=5632 and K=4096/N=14336 on an H200.
 FUSED_GATE = False
@@ -346,6 +346,7 @@ def prefill_min_m_of(k: int) -> int:
     return next(tokens for min_k, tokens in PREFILL_MIN_M_BY_WIDTH if k >= min_k)
 
 
+@functools.lru_cache(maxsize=64)  # twell.ops' functions ask on every call without a config
 def default_config(k: int) -> LayerConfig:
     """The LayerConfig of a layer of width k before any change: DEFAULT with its width's prefill
     threshold (prefill_min_m_of). What sparsify installs without calibration, what a calibrated
