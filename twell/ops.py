@@ -85,12 +85,10 @@ def _run(args: tuple, drelu: bool, squared: bool, return_l1: bool, config: Layer
             return y
     else:
         y = _without_op(args, drelu, squared, config)
-        if y is not None:
-            pass
-        elif up_weight is None:
+        if y is None and up_weight is None:
             route = config.op_args()
             y = torch.ops.twell.ffn(x, gate_weight, down_weight, gate_bias, down_bias, threshold, squared, *route)
-        else:
+        elif y is None:
             y = torch.ops.twell.gated_ffn(*args, drelu, *config.op_args())
         if not return_l1:
             return y
